@@ -1,0 +1,14 @@
+"""Benchmarks behind ``labkit bench NAME``: each module has ``main(argv) -> int``.
+
+Every benchmark compares alternatives side by side in one run and reports ratios; absolute
+times are printed only as context (and only trusted on a GPU).
+"""
+
+BENCHMARKS = {
+    "memory": "labkit.bench.memory",
+    "batching": "labkit.bench.batching",
+    "prefix": "labkit.bench.prefix",
+    "kernels": "labkit.bench.kernels",
+    "quant": "labkit.bench.quant",
+    "spec": "labkit.bench.spec",
+}
