@@ -1,0 +1,34 @@
+"""TritonBackend: the engine's ``AttentionBackend`` protocol served by labkit's Triton kernels.
+
+``labkit.kv.attention.get_attention_backend("triton")`` imports this lazily. On a GPU the kernels
+run natively; on CPU they run only under ``TRITON_INTERPRET=1`` (slow, but the same code path,
+which is how the tests check the engine end to end).
+"""
+
+from __future__ import annotations
+
+import torch
+from labkit.kernels.paged_attention import paged_attention_decode
+from labkit.kernels.paged_prefill import paged_prefill_attention
+from labkit.kernels.reshape_and_cache import reshape_and_cache
+
+
+class TritonBackend:
+    """Paged attention through Triton kernels; same methods and shapes as the torch backend."""
+
+    name = "triton"
+
+    def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               block_tables: torch.Tensor, context_lens: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        return paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        return paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc,
+                                       context_lens, scale)

@@ -1,0 +1,265 @@
+"""Paged attention for decode: one new query token per sequence reads its whole KV history.
+
+The KV history is not contiguous: it lives in fixed-size physical blocks scattered in the cache
+``[num_blocks, block_size, num_kv_heads, head_dim]``; ``block_tables[b, i]`` names the physical
+block holding tokens ``i*block_size .. (i+1)*block_size-1`` of sequence ``b``.
+
+Tiling (one program per (sequence, kv head, split)); the G = Hq/Hkv query heads that share a kv
+head ride along as the M rows of a small matrix product, padded to 16 for the tensor cores::
+
+      q rows (G, padded to 16) x D          K tile: BLOCK_N tokens x D, gathered
+      ┌──────────────┐                        through block_tables (token t lives in
+      │ h0 h1 .. hG-1│  @  K^T  ──► S [16 x BLOCK_N] ──► online softmax ──► @ V ──► acc [16 x D]
+      └──────────────┘        blocks: │phys 7│phys 2│phys 9│ ...   (logical order)
+
+Online softmax keeps a running max ``m`` and sum ``l`` per row, so K and V are read exactly once.
+With ``num_splits > 1`` ("flash-decoding") each sequence's context is cut into splits processed
+by separate programs, each writing a partial (acc/l, log-sum-exp); a second small kernel merges
+them. That keeps all SMs busy when batch x kv_heads is smaller than the GPU.
+
+What bounds it: memory. Per token and kv head we read 2*D*bytes of K/V and do 4*G*D FLOPs, so
+arithmetic intensity is 2*G/bytes = 4 FLOP/byte for G=4 in bf16, far below an H200's ~200
+FLOP/byte ridge. The target is the copy bandwidth of the device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from labkit.kernels._common import check, dot_precision, interpreting, next_pow2
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_decode_kernel(
+    out_ptr, lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    sm_scale_log2, tokens_per_split,
+    stride_qb, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    QUERY_GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    ctx_len = tl.load(context_lens_ptr + seq)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, ctx_len)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    g_mask = offs_g < QUERY_GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * QUERY_GROUP + offs_g
+
+    q = tl.load(
+        q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for t0 in range(start, end, BLOCK_N):
+        offs_t = t0 + tl.arange(0, BLOCK_N)
+        t_mask = offs_t < end
+        phys = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        in_blk = offs_t % BLOCK_SIZE
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_cache_ptr + (phys * stride_kb + in_blk * stride_ks + kv_head * stride_kh)[:, None]
+            + offs_d[None, :], mask=kv_mask, other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr + (phys * stride_vb + in_blk * stride_vs + kv_head * stride_vh)[:, None]
+            + offs_d[None, :], mask=kv_mask, other=0.0,
+        )
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if SPLIT:
+        # Partial result of this split, normalised, plus its log2-sum-exp for the merge.
+        # An empty split (start >= ctx_len) writes 0 and -inf, which the merge weighs as 0.
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(
+            out_ptr + seq * stride_ob + heads[:, None] * stride_oh + split * stride_os
+            + offs_d[None, :], o, mask=out_mask,
+        )
+        tl.store(lse_ptr + seq * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
+    else:
+        o = acc / l_i[:, None]
+        tl.store(
+            out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty), mask=out_mask,
+        )
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr, part_ptr, lse_ptr, num_splits,
+    stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """out = sum_s w_s * part_s / sum_s w_s with w_s = 2^(lse_s - max lse)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    s_mask = offs_s < num_splits
+    lse = tl.load(lse_ptr + seq * stride_lb + head * stride_lh + offs_s, mask=s_mask,
+                  other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    w = tl.where(s_mask & (lse > float("-inf")), w, 0.0)
+    part = tl.load(
+        part_ptr + seq * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps
+        + offs_d[None, :], mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0,
+    )
+    o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d,
+             o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def _check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
+    check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape,
+          f"k_cache/v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+          f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    check(q.shape[-1] == k_cache.shape[3],
+          f"q head_dim {q.shape[-1]} != cache head_dim {k_cache.shape[3]}")
+    check(q.shape[-2] % k_cache.shape[2] == 0,
+          f"num query heads {q.shape[-2]} must be a multiple of num kv heads {k_cache.shape[2]}")
+    check(q.dtype == k_cache.dtype == v_cache.dtype,
+          f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    check(q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1,
+          "q, k_cache and v_cache need a contiguous last (head_dim) dimension")
+    check(block_tables.dim() == 2 and block_tables.dtype in (torch.int32, torch.int64),
+          "block_tables must be a 2-D int32 tensor [num_seqs, max_blocks]")
+    check(context_lens.dim() == 1 and context_lens.numel() == block_tables.shape[0],
+          "context_lens must be 1-D with one entry per block_tables row")
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int,
+                       block_n: int = 64, num_sms: int | None = None) -> int:
+    """Enough splits that (seqs x kv heads x splits) covers the GPU about twice, and each split
+    still has at least 4 tiles of work; 1 when the batch alone fills the device."""
+    if num_sms is None:
+        num_sms = (torch.cuda.get_device_properties(0).multi_processor_count
+                   if torch.cuda.is_available() else 8)
+    programs = num_seqs * num_kv_heads
+    want = math.ceil(2 * num_sms / max(programs, 1))
+    most = max(1, max_context // (4 * block_n))
+    return max(1, min(want, most, 64))
+
+
+def paged_attention_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
+    block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
+) -> torch.Tensor:
+    """Decode attention over a paged KV cache. q [B, Hq, D] -> out [B, Hq, D] (q's dtype).
+
+    ``num_splits=None`` picks split-KV automatically (see ``default_num_splits``); 1 forces the
+    single-pass kernel. Every context_lens entry must be >= 1.
+    """
+    _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    check(q.dim() == 3, f"q must be [num_seqs, num_q_heads, head_dim], got {tuple(q.shape)}")
+    check(q.shape[0] == block_tables.shape[0], "q and block_tables disagree on num_seqs")
+    num_seqs, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    if block_n is None:
+        block_n = max(block_size, 64 if head_dim <= 128 else 32)
+    max_context = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs, num_kv_heads, max_context, block_n)
+    check(num_splits >= 1, f"num_splits must be >= 1, got {num_splits}")
+    tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max_context, tokens_per_split) if max_context else 1
+
+    out = torch.empty_like(q)
+    split = num_splits > 1
+    if split:
+        part = torch.empty(num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32,
+                           device=q.device)
+        lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32,
+                          device=q.device)
+        o, strides_o, strides_l = part, (part.stride(0), part.stride(1), part.stride(2)), (
+            lse.stride(0), lse.stride(1))
+    else:
+        lse = out  # unused
+        o, strides_o, strides_l = out, (out.stride(0), out.stride(1), 0), (0, 0)
+    grid = (num_seqs, num_kv_heads, num_splits)
+    _paged_decode_kernel[grid](
+        o, lse, q, k_cache, v_cache, block_tables, context_lens,
+        scale * LOG2E, tokens_per_split,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), *strides_o, *strides_l,
+        QUERY_GROUP=group, GROUP_PAD=max(16, next_pow2(group)),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, next_pow2(head_dim)),
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split,
+        DOT_FP32=interpreting(), PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if split:
+        _merge_splits_kernel[(num_seqs, num_q_heads)](
+            out, part, lse, num_splits,
+            out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),
+            lse.stride(0), lse.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim),
+            SPLITS_PAD=max(2, next_pow2(num_splits)),
+        )
+    return out
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence from a paged cache, as [length, Hkv, D]."""
+    block_size = cache.shape[1]
+    n_blocks = (length + block_size - 1) // block_size
+    blocks = cache[block_table[:n_blocks].long()]  # [n_blocks, block_size, Hkv, D]
+    return blocks.reshape(-1, *cache.shape[2:])[:length]
+
+
+def paged_attention_decode_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """Plain PyTorch: gather each sequence's K/V, softmax(q K^T * scale) V in fp32."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // k_cache.shape[2]
+    for b in range(q.shape[0]):
+        n = int(context_lens[b])
+        k = gather_kv(k_cache, block_tables[b], n).float().repeat_interleave(group, dim=1)
+        v = gather_kv(v_cache, block_tables[b], n).float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,thd->ht", q[b].float(), k) * scale
+        out[b] = torch.einsum("ht,thd->hd", scores.softmax(-1), v).to(q.dtype)
+    return out

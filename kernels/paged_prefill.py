@@ -1,0 +1,173 @@
+"""Paged prefill attention: a chunk of new query tokens per sequence over its cached blocks.
+
+Serves a first prefill, a chunked prefill (the chunk attends to the earlier chunks already in the
+cache) and a prefix-cache hit (the shared prefix's blocks are already there). Sequences of
+different lengths go in one launch: their new tokens are packed back to back in ``q [N, Hq, D]``
+and ``query_start_loc[b] .. query_start_loc[b+1]`` are sequence b's rows. Sequence b's new tokens
+sit at positions ``context_lens[b] - q_len .. context_lens[b] - 1`` and each attends to keys at
+positions <= its own. Their K/V were written to the cache (reshape_and_cache) before this runs.
+
+Tiling (one program per (query tile, sequence, query head))::
+
+                     keys, by position, gathered through block_tables
+                 0 ................ prefix ......... ctx_len
+    query tile ┌──────────────────────────┬──────────┐
+    BLOCK_M    │  all visible             │ causal ◣ │   S = Q K^T tile by tile (BLOCK_N keys),
+    rows       └──────────────────────────┴──────────┘   online softmax, acc += P V
+
+The key loop stops at the tile's last query position, so the upper triangle is never read.
+
+What bounds it: compute for long chunks. Each K/V tile loaded once is used by BLOCK_M query rows:
+intensity ~ BLOCK_M * 4 * D / (2 * D * bytes) = BLOCK_M FLOP/byte in bf16 (64 for BLOCK_M=64),
+so with BLOCK_M >= 64 it leans towards the tensor cores' limit; short chunks are memory-bound.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from labkit.kernels._common import check, dot_precision, interpreting, next_pow2
+from labkit.kernels.paged_attention import LOG2E, _check_paged_inputs, gather_kv
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr,
+    context_lens_ptr, sm_scale_log2,
+    stride_qn, stride_qh, stride_on, stride_oh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    QUERY_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // QUERY_GROUP
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    ctx_len = tl.load(context_lens_ptr + seq)
+    prefix = ctx_len - q_len
+
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < HEAD_DIM
+    q_pos = prefix + offs_m
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qn + head * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    kv_end = tl.minimum(ctx_len, prefix + (tile + 1) * BLOCK_M)
+    for t0 in range(0, kv_end, BLOCK_N):
+        offs_t = t0 + tl.arange(0, BLOCK_N)
+        t_mask = offs_t < kv_end
+        phys = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        in_blk = offs_t % BLOCK_SIZE
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_cache_ptr + (phys * stride_kb + in_blk * stride_ks + kv_head * stride_kh)[:, None]
+            + offs_d[None, :], mask=kv_mask, other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr + (phys * stride_vb + in_blk * stride_vs + kv_head * stride_vh)[:, None]
+            + offs_d[None, :], mask=kv_mask, other=0.0,
+        )
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
+        visible = (offs_t[None, :] <= q_pos[:, None]) & t_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        # Every row sees key 0 in the first tile, so m_new is finite from then on.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    o = acc / l_i[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_on + head * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def paged_prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float,
+    max_query_len: int | None = None, block_m: int | None = None, block_n: int | None = None,
+    num_warps: int | None = None, num_stages: int = 2,
+) -> torch.Tensor:
+    """Causal varlen attention of packed new tokens q [N, Hq, D] over the paged cache.
+
+    ``max_query_len`` sizes the grid; when omitted it is read from query_start_loc (one host
+    sync). Returns [N, Hq, D] in q's dtype.
+    """
+    _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    check(q.dim() == 3, f"q must be [num_tokens, num_q_heads, head_dim], got {tuple(q.shape)}")
+    num_seqs = block_tables.shape[0]
+    check(query_start_loc.dim() == 1 and query_start_loc.numel() == num_seqs + 1,
+          f"query_start_loc must have num_seqs + 1 = {num_seqs + 1} entries, "
+          f"got {query_start_loc.numel()}")
+    _, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_seqs else 0
+    out = torch.empty_like(q)
+    if max_query_len == 0 or q.shape[0] == 0:
+        return out
+    if block_m is None:
+        block_m = 16 if max_query_len <= 16 else 64
+    if block_n is None:
+        block_n = 64
+    if num_warps is None:
+        num_warps = 4 if block_m <= 64 else 8
+    grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_q_heads)
+    _paged_prefill_kernel[grid](
+        out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        QUERY_GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(16, next_pow2(head_dim)), BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_FP32=interpreting(), PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """Plain PyTorch, one sequence at a time, fp32, explicit causal mask by position."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // k_cache.shape[2]
+    for b in range(block_tables.shape[0]):
+        s, e = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        n = int(context_lens[b])
+        if e == s:
+            continue
+        k = gather_kv(k_cache, block_tables[b], n).float().repeat_interleave(group, dim=1)
+        v = gather_kv(v_cache, block_tables[b], n).float().repeat_interleave(group, dim=1)
+        q_pos = torch.arange(n - (e - s), n)
+        scores = torch.einsum("qhd,thd->hqt", q[s:e].float(), k) * scale
+        mask = torch.arange(n)[None, :] <= q_pos[:, None]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out[s:e] = torch.einsum("hqt,thd->qhd", scores.softmax(-1), v).to(q.dtype)
+    return out

@@ -1,0 +1,84 @@
+"""reshape_and_cache: write the new tokens' K and V into their slots of the paged cache.
+
+``slot_mapping[n] = physical_block * block_size + offset`` says where token n goes; -1 means a
+padding token that must not be written. One program per token copies its [Hkv, D] key and value
+rows (``Hkv*D`` contiguous elements each in the cache)::
+
+    key [N, Hkv, D]                 k_cache [num_blocks, block_size, Hkv, D]
+    token n ──── slot 37 ─────────► block 37 // 16 = 2, row 37 % 16 = 5
+
+What bounds it: memory, pure copy (0 FLOPs): 2 * N * Hkv * D * bytes read and as many written.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from labkit.kernels._common import check, next_pow2
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_cb, stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    n = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + n).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, DIM_PAD)
+    mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    n64 = n.to(tl.int64)
+    k = tl.load(key_ptr + n64 * stride_kn + offs_h[:, None] * stride_kh + offs_d[None, :],
+                mask=mask)
+    v = tl.load(value_ptr + n64 * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :],
+                mask=mask)
+    tl.store(k_cache_ptr + blk * stride_cb + off * stride_cs + offs_h[:, None] * stride_ch
+             + offs_d[None, :], k, mask=mask)
+    tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vcs + offs_h[:, None] * stride_vch
+             + offs_d[None, :], v, mask=mask)
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter key/value [N, Hkv, D] into k_cache/v_cache [num_blocks, block_size, Hkv, D]."""
+    check(key.dim() == 3 and key.shape == value.shape,
+          f"key and value must both be [N, num_kv_heads, head_dim], got {tuple(key.shape)} "
+          f"and {tuple(value.shape)}")
+    check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape
+          and k_cache.shape[2:] == key.shape[1:],
+          f"caches {tuple(k_cache.shape)} do not match key rows {tuple(key.shape[1:])}")
+    check(slot_mapping.dim() == 1 and slot_mapping.numel() == key.shape[0],
+          f"slot_mapping must have one entry per token ({key.shape[0]}), "
+          f"got {tuple(slot_mapping.shape)}")
+    check(key.dtype == k_cache.dtype and value.dtype == v_cache.dtype,
+          f"key dtype {key.dtype} != cache dtype {k_cache.dtype}")
+    check(key.stride(-1) == 1 and value.stride(-1) == 1 and k_cache.stride(-1) == 1
+          and v_cache.stride(-1) == 1, "head_dim must be the contiguous dimension")
+    n, heads, dim = key.shape
+    if n == 0:
+        return
+    _reshape_and_cache_kernel[(n,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_HEADS=heads, HEAD_DIM=dim, HEADS_PAD=next_pow2(heads), DIM_PAD=next_pow2(dim),
+        BLOCK_SIZE=k_cache.shape[1],
+    )
+
+
+def reshape_and_cache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Plain PyTorch: index_copy into the flattened [num_blocks*block_size, Hkv, D] view."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep]
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep]
