@@ -1,0 +1,83 @@
+"""Reference generation with a contiguous KV cache: the ground truth for every engine path.
+
+This is the simplest correct way to run a decoder: keep one [max_len] K and V tensor per layer,
+prefill the whole prompt in one forward, then feed one token at a time. It wastes memory (the
+cache is sized for the longest possible sequence up front: exactly what paged attention fixes)
+but it is easy to trust, so the paged engine, speculative decoding and the Triton kernels are all
+tested against it token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from labkit.model.llama import LlamaForCausalLM, causal_attention
+from labkit.model.sampling import sample_token, validate_sampling
+
+
+class ContiguousKVCache:
+    """K/V as [B, max_len, Hkv, D] per layer; slot = position. Queries attend to keys <= them."""
+
+    def __init__(self, model: LlamaForCausalLM, batch_size: int, max_len: int) -> None:
+        c = model.config
+        shape = (batch_size, max_len, c.num_key_value_heads, c.head_dim)
+        kw = {"dtype": model.dtype, "device": model.device}
+        self.k = [torch.zeros(shape, **kw) for _ in range(c.num_hidden_layers)]
+        self.v = [torch.zeros(shape, **kw) for _ in range(c.num_hidden_layers)]
+        self.max_len = max_len
+        self.sliding_window = c.sliding_window
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        start = int(positions[0, 0])
+        end = start + q.shape[1]
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions, asked for {end}")
+        self.k[layer_idx][:, start:end] = k
+        self.v[layer_idx][:, start:end] = v
+        return causal_attention(q, self.k[layer_idx][:, :end], self.v[layer_idx][:, :end],
+                                self.sliding_window)
+
+
+@torch.inference_mode()
+def generate(model: LlamaForCausalLM, prompt_token_ids: Sequence[int], max_new_tokens: int,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             seed: int | None = None, stop_token_ids: Sequence[int] = (),
+             ignore_eos: bool = False) -> list[int]:
+    """Generate up to ``max_new_tokens`` after the prompt; returns only the new token ids.
+
+    Stops after emitting an EOS token (unless ``ignore_eos``) or any of ``stop_token_ids``; the
+    stopping token is included in the output, as vLLM's ``token_ids`` include EOS.
+    """
+    prompt = list(prompt_token_ids)
+    if not prompt:
+        raise ValueError("prompt_token_ids is empty: give at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    validate_sampling(temperature, top_k, top_p)
+    cfg = model.config
+    if max(prompt) >= cfg.vocab_size or min(prompt) < 0:
+        raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size})")
+    total = min(len(prompt) + max_new_tokens, cfg.max_position_embeddings)
+    if len(prompt) >= total:
+        raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in the model's "
+                         f"context of {cfg.max_position_embeddings} tokens")
+    stops = set(stop_token_ids) | (set() if ignore_eos else set(cfg.eos_token_ids))
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    cache = ContiguousKVCache(model, 1, total)
+    dev = model.device
+
+    ids = torch.tensor([prompt], device=dev)
+    pos = torch.arange(len(prompt), device=dev)[None]
+    out: list[int] = []
+    while True:
+        logits = model(ids, pos, cache)[0, -1]
+        tok = sample_token(logits, temperature, top_k, top_p, gen)
+        out.append(tok)
+        n = len(prompt) + len(out)
+        if tok in stops or len(out) >= max_new_tokens or n >= total:
+            return out
+        ids = torch.tensor([[tok]], device=dev)
+        pos = torch.tensor([[n - 1]], device=dev)

@@ -1,0 +1,199 @@
+"""A Llama-family decoder in one file: RMSNorm, rotary embeddings, GQA attention, SwiGLU.
+
+Read it top to bottom. Parameter names equal Hugging Face's, so a checkpoint's safetensors load
+with no renaming, and every linear layer is a plain ``nn.Linear`` so quantization can swap it.
+
+The one idea an inference engine needs from the model is *where the KV cache plugs in*. Each
+attention layer computes q, k, v for the new tokens, rotates q and k, then hands them to
+``kv_cache.attend(layer_idx, q, k, v, positions)``. The cache decides where k and v live (one
+contiguous tensor per sequence for the reference `generate`, scattered fixed-size blocks for the
+paged engine) and returns the attention output. Without a cache the layer runs plain causal
+attention over the tokens it was given.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from labkit.model.config import ModelConfig
+
+
+class KVCache(Protocol):
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        """Store k, v [B,T,Hkv,D] for these positions; return attention output [B,T,Hq,D]."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 as Llama does (low precision loses the mean)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin for each position: angle = pos * theta^(-2i/d), halves repeated (rotate-half)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
+                                             dtype=torch.float32) / head_dim))
+    angles = positions.float()[..., None] * inv_freq  # [..., D/2]
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x_i, x_{i+D/2}) by the position's angle. x [B,T,H,D], cos/sin [B,T,D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     sliding_window: int | None = None) -> torch.Tensor:
+    """Plain causal attention with GQA, q [B,T,Hq,D], k/v [B,S,Hkv,D], queries at the end."""
+    group = q.shape[2] // k.shape[2]
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B,H,T,D]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    T, S = q.shape[2], k.shape[2]
+    qpos = torch.arange(S - T, S, device=q.device)[:, None]
+    kpos = torch.arange(S, device=q.device)[None, :]
+    mask = kpos <= qpos
+    if sliding_window is not None:
+        mask &= kpos > qpos - sliding_window
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.transpose(1, 2)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.rope_theta = config.rope_theta
+        self.sliding_window = config.sliding_window
+        h, d, b = config.hidden_size, config.head_dim, config.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=b)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=b)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=b)
+        # Llama/Mistral's attention_bias also covers o_proj; Qwen2 biases only q, k, v.
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_proj_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                positions: torch.Tensor, kv_cache: KVCache | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is None:
+            out = causal_attention(q, k, v, self.sliding_window)
+        else:
+            out = kv_cache.attend(self.layer_idx, q, k, v, positions)
+        return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, positions, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole model. ``forward`` returns logits; see the module docstring for the cache."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None,
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B,T] -> logits [B,T,V], or [len(logits_indices), V] if indices are given.
+
+        positions defaults to 0..T-1. logits_indices index the flattened B*T tokens: an engine
+        that packs many sequences into one row only needs each sequence's last token's logits,
+        and the vocabulary projection is the largest matmul in a small model.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        if int(positions.max()) >= self.config.max_position_embeddings:
+            raise ValueError(f"position {int(positions.max())} is beyond the model's context of "
+                             f"{self.config.max_position_embeddings} tokens")
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, positions, kv_cache)
+        x = self.model.norm(x)
+        if logits_indices is not None:
+            x = x.reshape(B * T, -1)[logits_indices]
+        return self.lm_head(x)

@@ -1,0 +1,151 @@
+"""Loading Hugging Face checkpoints (config.json + safetensors + tokenizer.json) into labkit.
+
+Works offline from a local folder, with single-file or sharded safetensors
+(``model.safetensors.index.json``). The lab's own models ship under ``datasets/models/<name>``
+and resolve by name. Every mismatch between the config and the tensors is reported by name:
+a silently half-loaded model is the worst bug a learner can meet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from labkit.model.config import ModelConfig
+from labkit.model.llama import LlamaForCausalLM
+from labkit.model.tokenizer import Tokenizer
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SHIPPED_MODELS = ("labkit-tiny", "labkit-tiny-draft")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be loaded; the message says what is missing or wrong."""
+
+
+def models_dir() -> Path:
+    """Where shipped models live: $LABKIT_MODELS_DIR or <repo>/datasets/models."""
+    return Path(os.environ.get("LABKIT_MODELS_DIR", REPO_ROOT / "datasets" / "models"))
+
+
+def available_models() -> list[str]:
+    d = models_dir()
+    return sorted(p.name for p in d.iterdir() if (p / "config.json").is_file()) if d.is_dir() \
+        else []
+
+
+def resolve_model_path(path_or_name: str | os.PathLike) -> Path:
+    """A local folder, or the name of a shipped model. Hub ids cannot be fetched here."""
+    p = Path(path_or_name).expanduser()
+    if p.is_dir():
+        return p
+    shipped = models_dir() / str(path_or_name)
+    if (shipped / "config.json").is_file():
+        return shipped
+    if str(path_or_name) in SHIPPED_MODELS:
+        raise CheckpointError(f"shipped model {path_or_name!r} is not in {models_dir()}; "
+                              "run `labkit train` to build it")
+    if re.fullmatch(r"[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+", str(path_or_name)) and not p.exists():
+        raise CheckpointError(
+            f"{path_or_name!r} looks like a Hugging Face Hub id, and labkit never downloads at "
+            "run time. Download the checkpoint yourself (e.g. `huggingface-cli download "
+            f"{path_or_name} --local-dir ./ckpt`) and pass its folder path.")
+    raise CheckpointError(f"no model folder at {str(path_or_name)!r}; shipped models: "
+                          f"{', '.join(available_models()) or '(none)'}")
+
+
+def load_config(path: Path) -> ModelConfig:
+    f = path / "config.json"
+    if not f.is_file():
+        raise CheckpointError(f"{path} has no config.json")
+    try:
+        d = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{f} is not valid JSON: {e}") from e
+    if d.get("quantization_config"):
+        raise CheckpointError(f"{f} describes a quantized checkpoint "
+                              f"({d['quantization_config'].get('quant_method', '?')}); load it "
+                              "with labkit.quant instead")
+    return ModelConfig.from_hf_dict(d)
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({path / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"shards named in {index.name} are missing: {missing}")
+        return files
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise CheckpointError(f"{path} has neither model.safetensors nor "
+                          "model.safetensors.index.json (only safetensors is supported)")
+
+
+def load_weights(model: LlamaForCausalLM, path: Path) -> None:
+    """Copy every tensor into the model, checking names and shapes against the config."""
+    params = dict(model.named_parameters())
+    seen: set[str] = set()
+    for f in _weight_files(path):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue  # some exporters save this buffer; labkit recomputes it
+                if name not in params:
+                    if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                        continue
+                    raise CheckpointError(f"{f.name}: unexpected tensor {name!r} (does "
+                                          "config.json match this checkpoint?)")
+                t = st.get_tensor(name)
+                if t.shape != params[name].shape:
+                    raise CheckpointError(f"{f.name}: tensor {name!r} has shape "
+                                          f"{tuple(t.shape)} but config.json implies "
+                                          f"{tuple(params[name].shape)}")
+                with torch.no_grad():
+                    params[name].copy_(t)
+                seen.add(name)
+    missing = [n for n in params if n not in seen
+               and not (n == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing:
+        raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s), e.g. "
+                              f"{missing[:3]}")
+
+
+def load_model(path_or_name: str | os.PathLike, dtype: torch.dtype | str | None = None,
+               device: torch.device | str | None = None) -> LlamaForCausalLM:
+    path = resolve_model_path(path_or_name)
+    config = load_config(path)
+    if isinstance(dtype, str):
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+        dtype = getattr(torch, dtype)
+    dtype = dtype or torch.float32
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device=device or "cpu").to(dtype)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    load_weights(model, path)
+    return model.eval()
+
+
+def load_pretrained(path_or_name: str | os.PathLike, dtype: torch.dtype | str | None = None,
+                    device: torch.device | str | None = None
+                    ) -> tuple[LlamaForCausalLM, Tokenizer]:
+    """(model, tokenizer) from a local Hugging Face folder or a shipped model's name.
+
+    dtype defaults to float32 (exact comparisons on CPU); device defaults to CPU.
+    """
+    model = load_model(path_or_name, dtype, device)
+    path = resolve_model_path(path_or_name)
+    eos = model.config.eos_token_ids
+    tok = Tokenizer.from_dir(path, model.config.bos_token_id, eos[0] if eos else None)
+    return model, tok
