@@ -9,7 +9,7 @@ tested against it token for token.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -41,7 +41,6 @@ class ContiguousKVCache:
                                 self.sliding_window)
 
 
-@torch.inference_mode()
 def generate(model: LlamaForCausalLM, prompt_token_ids: Sequence[int], max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              seed: int | None = None, stop_token_ids: Sequence[int] = (),
@@ -49,8 +48,20 @@ def generate(model: LlamaForCausalLM, prompt_token_ids: Sequence[int], max_new_t
     """Generate up to ``max_new_tokens`` after the prompt; returns only the new token ids.
 
     Stops after emitting an EOS token (unless ``ignore_eos``) or any of ``stop_token_ids``; the
-    stopping token is included in the output, as vLLM's ``token_ids`` include EOS.
+    stopping token is included in the output, as vLLM's ``token_ids`` include EOS. Also stops
+    when the model's context is full.
     """
+    return list(stream_generate(model, prompt_token_ids, max_new_tokens, temperature, top_k,
+                                top_p, seed, stop_token_ids, ignore_eos))
+
+
+@torch.inference_mode()
+def stream_generate(model: LlamaForCausalLM, prompt_token_ids: Sequence[int],
+                    max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                    top_p: float = 1.0, seed: int | None = None,
+                    stop_token_ids: Sequence[int] = (), ignore_eos: bool = False
+                    ) -> Iterator[int]:
+    """``generate``, one token at a time (the CLI streams from this)."""
     prompt = list(prompt_token_ids)
     if not prompt:
         raise ValueError("prompt_token_ids is empty: give at least one token")
@@ -76,8 +87,9 @@ def generate(model: LlamaForCausalLM, prompt_token_ids: Sequence[int], max_new_t
         logits = model(ids, pos, cache)[0, -1]
         tok = sample_token(logits, temperature, top_k, top_p, gen)
         out.append(tok)
+        yield tok
         n = len(prompt) + len(out)
         if tok in stops or len(out) >= max_new_tokens or n >= total:
-            return out
+            return
         ids = torch.tensor([[tok]], device=dev)
         pos = torch.tensor([[n - 1]], device=dev)

@@ -1,0 +1,150 @@
+"""The ``labkit`` command: info, generate, train, bench, drill.
+
+Subcommands that need heavy modules import them only when run, so ``labkit --help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    import platform
+
+    import torch
+
+    from labkit import __version__
+    from labkit.model.loader import available_models, models_dir
+
+    print(f"labkit      {__version__}")
+    print(f"python      {platform.python_version()} ({platform.machine()})")
+    print(f"torch       {torch.__version__}")
+    try:
+        import triton
+
+        tv = triton.__version__
+    except ImportError:
+        tv = "not installed"
+    print(f"triton      {tv}")
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    state = "1: kernels run on CPU through the interpreter" if interp else "unset"
+    print(f"interpreter TRITON_INTERPRET={state}")
+    if torch.cuda.is_available():
+        print(f"device      cuda: {torch.cuda.get_device_name(0)}")
+    else:
+        print(f"device      cpu ({torch.get_num_threads()} threads); no CUDA device")
+    for pkg in ("transformers", "bitsandbytes", "plotly", "ipywidgets"):
+        try:
+            mod = importlib.import_module(pkg)
+            print(f"{pkg:<11} {getattr(mod, '__version__', '?')}")
+        except Exception:  # noqa: BLE001 - optional extras may fail to import for many reasons
+            print(f"{pkg:<11} not installed")
+    models = available_models()
+    print(f"models      {', '.join(models) if models else '(none shipped)'}  [{models_dir()}]")
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from labkit.model.loader import CheckpointError, load_pretrained
+    from labkit.model.sampling import validate_sampling
+
+    try:
+        validate_sampling(args.temperature, args.top_k, args.top_p)
+    except ValueError as e:
+        args.parser.error(str(e))
+    if args.max_tokens < 1:
+        args.parser.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if not args.prompt:
+        args.parser.error("PROMPT is empty: give some text to continue")
+    try:
+        model, tok = load_pretrained(args.model, dtype=args.dtype, device=args.device)
+    except CheckpointError as e:
+        args.parser.error(str(e))
+    from labkit.model.generate import stream_generate
+
+    ids = tok.encode(args.prompt)
+    if len(ids) >= model.config.max_position_embeddings:
+        args.parser.error(f"prompt is {len(ids)} tokens; the model's context is "
+                          f"{model.config.max_position_embeddings}")
+    # Decode the whole output each step and print only the new characters, so characters
+    # spanning several tokens and merged whitespace come out right.
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+    out: list[int] = []
+    printed = ""
+    for t in stream_generate(model, ids, args.max_tokens, args.temperature, args.top_k,
+                             args.top_p, seed=args.seed):
+        if t in model.config.eos_token_ids:
+            break
+        out.append(t)
+        text = tok.decode(out)
+        sys.stdout.write(text[len(printed):])
+        sys.stdout.flush()
+        printed = text
+    sys.stdout.write("\n")
+    return 0
+
+
+def _delegate(module: str, argv: Sequence[str]) -> int:
+    return int(importlib.import_module(module).main(list(argv)) or 0)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from labkit.bench import BENCHMARKS
+
+    if args.name not in BENCHMARKS:
+        args.parser.error(f"unknown benchmark {args.name!r}; choose from "
+                          f"{', '.join(BENCHMARKS)}")
+    return _delegate(BENCHMARKS[args.name], args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from labkit.bench import BENCHMARKS
+
+    p = argparse.ArgumentParser(prog="labkit", description="labkit: learn how LLM inference "
+                                "gets fast by running real code.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    info = sub.add_parser("info", help="versions, device, interpreter, shipped models")
+    info.set_defaults(func=_cmd_info)
+
+    g = sub.add_parser("generate", help="stream a completion from a model")
+    g.add_argument("prompt", metavar="PROMPT")
+    g.add_argument("--model", default="labkit-tiny",
+                   help="shipped model name or a local Hugging Face folder")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default=None, help="cpu or cuda (default cpu)")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    g.set_defaults(func=_cmd_generate, parser=g)
+
+    t = sub.add_parser("train", help="train the shipped tiny models", add_help=False)
+    t.add_argument("rest", nargs=argparse.REMAINDER)
+    t.set_defaults(func=lambda a: _delegate("labkit.train.cli", a.rest))
+
+    b = sub.add_parser("bench", help=f"run a benchmark: {', '.join(BENCHMARKS)}")
+    b.add_argument("name", metavar="NAME", help=f"one of: {', '.join(BENCHMARKS)}")
+    b.add_argument("rest", nargs=argparse.REMAINDER,
+                   help="benchmark flags, e.g. --quick --json PATH")
+    b.set_defaults(func=_cmd_bench, parser=b)
+
+    d = sub.add_parser("drill", help="interview drills by topic", add_help=False)
+    d.add_argument("rest", nargs=argparse.REMAINDER)
+    d.set_defaults(func=lambda a: _delegate("labkit.exercises.drills", a.rest))
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
