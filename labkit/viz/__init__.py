@@ -1,1 +1,13 @@
-"""labkit.viz"""
+"""labkit.viz — Jupyter widgets that replay an engine Trace.
+
+Every widget takes a trace (dict, `Trace`, `SimResult` or `LLMEngine`), so it works on any run,
+including one the learner makes. Needs the `lab` extra (ipywidgets 8, plotly, anywidget).
+"""
+
+from labkit.viz.latency import LatencyWidget
+from labkit.viz.memory import MemoryWidget
+from labkit.viz.page_table import PageTableWidget
+from labkit.viz.schedule import ScheduleWidget
+from labkit.viz.spec import SpecWidget
+
+__all__ = ["LatencyWidget", "MemoryWidget", "PageTableWidget", "ScheduleWidget", "SpecWidget"]

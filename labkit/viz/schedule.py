@@ -1,0 +1,128 @@
+"""ScheduleWidget: what the scheduler ran at every step, as a Gantt chart.
+
+Continuous batching is easiest to understand by looking at it: requests join the running batch
+the step after they arrive, long prompts are split into chunks so decodes are not starved, and
+under memory pressure a request is preempted and later recomputed. Rows are requests, columns are
+engine steps; the bar above shows how much of the per-step token budget each step used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ipywidgets as widgets
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from labkit.viz import tracedata as td
+
+
+class ScheduleWidget(widgets.VBox):
+    """Gantt chart (steps × requests) of a trace plus the token budget used per step.
+
+    `max_requests` / `max_steps` bound what is drawn (the first ones) for big simulations.
+    Set `.step` (or link a PageTableWidget's slider to it) to mark a step.
+    """
+
+    def __init__(self, trace: Any, max_requests: int = 64, max_steps: int = 600) -> None:
+        self.max_requests, self.max_steps = max_requests, max_steps
+        self.figure = go.FigureWidget()
+        self.figure.add_class("labkit-schedule-figure")
+        self.summary = widgets.HTML()
+        self.summary.add_class("labkit-schedule-summary")
+        super().__init__([self.summary, self.figure])
+        self.add_class("labkit-schedule")
+        self.set_trace(trace)
+
+    def set_trace(self, trace: Any) -> None:
+        """Swap in a new trace and redraw in place."""
+        self.trace = td.as_trace_dict(trace)
+        rids, states = td.request_states(self.trace)
+        steps = self.trace["steps"][: self.max_steps]
+        rids, states = rids[: self.max_requests], [s[: len(steps)] for s in states]
+        self.states = dict(zip(rids, states))
+        code = {name: i for i, name in enumerate(td.STATES)}
+        z = [[None if st is None else code[st] for st in row] for row in states]
+        hover = [[self._hover(rid, i, st) for i, st in enumerate(row)]
+                 for rid, row in zip(rids, states)]
+        n = len(td.STATES)
+        scale = []
+        for i, name in enumerate(td.STATES):
+            scale += [[i / n, td.STATE_COLORS[name]], [(i + 1) / n, td.STATE_COLORS[name]]]
+        xs = [rec["step"] for rec in steps]
+        fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.04,
+                            row_heights=[0.25, 0.75])
+        fig.add_trace(go.Bar(x=xs, y=[rec["num_batched_tokens"] for rec in steps],
+                             name="batched tokens", marker_color="#4c78a8", showlegend=True),
+                      row=1, col=1)
+        fig.add_trace(go.Scatter(x=xs, y=[rec["token_budget"] for rec in steps],
+                                 mode="lines", line=dict(color="#e45756", dash="dash",
+                                                         shape="hvh"),
+                                 name="token budget"), row=1, col=1)
+        fig.add_trace(go.Heatmap(z=z, x=xs, y=rids, zmin=-0.5, zmax=n - 0.5,
+                                 colorscale=scale,
+                                 showscale=False, text=hover, hoverinfo="text",
+                                 xgap=1, ygap=1), row=2, col=1)
+        fin_x, fin_y = [], []
+        for i, rec in enumerate(steps):
+            for f in rec.get("finished", ()):
+                if f["request_id"] in self.states:
+                    fin_x.append(i)
+                    fin_y.append(f["request_id"])
+        fig.add_trace(go.Scatter(x=fin_x, y=fin_y, mode="markers", name="finished",
+                                 marker=dict(symbol="x-thin", size=9,
+                                             line=dict(width=2, color="black"))), row=2, col=1)
+        for name in td.STATES[:-1]:  # legend chips for the heatmap's categories
+            fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name,
+                                     marker=dict(symbol="square", size=12,
+                                                 color=td.STATE_COLORS[name])), row=2, col=1)
+        fig.update_yaxes(title_text="tokens", row=1, col=1)
+        fig.update_yaxes(autorange="reversed", type="category", title_text="request",
+                         row=2, col=1)
+        fig.update_xaxes(title_text="engine step", row=2, col=1)
+        fig.update_layout(height=220 + 18 * len(rids), width=820, plot_bgcolor="white",
+                          margin=dict(l=70, r=20, t=30, b=40), bargap=0.1,
+                          legend=dict(orientation="h", y=1.08))
+        with self.figure.batch_update():
+            self.figure.data = ()
+            self.figure.layout = {}
+            self.figure.add_traces(list(fig.data))
+            self.figure.update_layout(fig.layout)
+        self.summary.value = self._summary_html(len(steps))
+
+    @property
+    def step(self) -> int | None:
+        shapes = self.figure.layout.shapes
+        return int(shapes[0].x0 + 0.5) if shapes else None
+
+    @step.setter
+    def step(self, step: int) -> None:
+        """Mark `step` with a vertical band (linkable to a slider via `observe`)."""
+        self.figure.layout.shapes = [dict(type="rect", xref="x2", yref="paper",
+                                          x0=step - 0.5, x1=step + 0.5, y0=0, y1=1,
+                                          line=dict(color="black", width=1.5),
+                                          fillcolor="rgba(0,0,0,0.06)")]
+
+    def _hover(self, rid: str, i: int, st: str | None) -> str:
+        if st is None:
+            return ""
+        rec = self.trace["steps"][i]
+        toks = sum(s["num_tokens"] for s in rec.get("scheduled", ()) if s["request_id"] == rid)
+        detail = f", {toks} tokens" if toks else ""
+        return f"request {rid} · step {rec['step']}: {st}{detail}"
+
+    def _summary_html(self, shown_steps: int) -> str:
+        steps = self.trace["steps"]
+        used = sum(r["num_batched_tokens"] for r in steps)
+        budget = sum(r["token_budget"] for r in steps) or 1
+        pre = sum(len(r.get("preempted", ())) for r in steps)
+        chunks = sum(1 for r in steps for s in r.get("scheduled", ()) if s.get("chunked"))
+        meta = self.trace["meta"]
+        clipped = "" if shown_steps == len(steps) and len(self.states) == len(
+            self.trace["requests"]) else (f" (showing {len(self.states)} requests × "
+                                          f"{shown_steps} steps)")
+        return (f"<div><b>{meta.get('batching', '?')} batching, policy {meta.get('policy', '?')}"
+                f"</b>: {len(self.trace['requests'])} requests in {len(steps)} steps{clipped}; "
+                f"token budget used {100 * used / budget:.1f}%; {chunks} chunked-prefill "
+                f"chunks; {pre} preemptions</div>")
+
