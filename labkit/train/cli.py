@@ -1,0 +1,143 @@
+"""`labkit train`: corpus -> tokenizer -> token ids -> model -> Hugging Face folder + card.
+
+    labkit train --smoke                          # minutes on a CPU: the whole path, small
+    labkit train --preset labkit-tiny             # the shipped target (use a GPU)
+    labkit train --preset labkit-tiny-draft       # the shipped draft, same tokenizer
+    labkit train --prepare-only                   # build corpus + tokenizer + ids, print the dir
+    labkit train --preset labkit-tiny --data DIR  # train on a prepared dir (e.g. copied to a GPU)
+
+Interrupted? Run the same command with ``--resume``: it continues from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from labkit.train.data import DEFAULT_CACHE, load_token_data, prepare_data
+from labkit.train.presets import PRESETS, get_preset
+from labkit.train.tokenizer import load_tokenizer
+
+SHIPPED_DIR = Path("datasets") / "models"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="labkit train", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="labkit-tiny",
+                   help="model shape and training settings (default: labkit-tiny)")
+    p.add_argument("--smoke", action="store_true", help="same as --preset smoke")
+    p.add_argument("--out", type=Path, help="output model folder (default: datasets/models/"
+                   "<preset>, or .cache/labkit-train/runs/smoke/model for the smoke run)")
+    p.add_argument("--data", type=Path, help="prepared-data dir (default: build and cache one)")
+    p.add_argument("--tokenizer", type=Path, help="reuse this tokenizer instead of training one")
+    p.add_argument("--vocab-size", type=int, help="BPE vocabulary when training a tokenizer")
+    p.add_argument("--prepare-only", action="store_true",
+                   help="only build the corpus, tokenizer and token ids; print the dir")
+    p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
+    p.add_argument("--max-steps", type=int, help="optimizer steps (default: max-epochs worth)")
+    p.add_argument("--time-budget", type=float, help="seconds to train; fixes --max-steps "
+                   "after timing a few steps (capped by --max-epochs)")
+    p.add_argument("--max-epochs", type=float, help="passes over the train tokens")
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--warmup-steps", type=int)
+    p.add_argument("--eval-every", type=int)
+    p.add_argument("--eval-max-tokens", type=int, help="cap held-out tokens per evaluation")
+    p.add_argument("--checkpoint-every", type=int, default=500)
+    p.add_argument("--checkpoint", type=Path, help="training checkpoint file (default: "
+                   ".cache/labkit-train/runs/<preset>/checkpoint.pt)")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    p.add_argument("--stop-after", type=int, help="stop after this step (resume later)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    p.add_argument("--sample-tokens", type=int, default=48,
+                   help="new tokens per sample completion on the card")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.preset = "smoke"
+    preset = get_preset(args.preset)
+    for name in ("max_steps", "batch_size", "seq_len", "warmup_steps", "eval_every",
+                 "vocab_size", "eval_max_tokens"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda asked for, but torch sees no CUDA device")
+
+    if args.data is None:
+        include = list(preset.include) if preset.include else None
+        args.data = prepare_data(include=include, vocab_size=args.vocab_size or preset.vocab_size,
+                                 tokenizer_dir=args.tokenizer, cache_root=args.cache_dir,
+                                 max_length=preset.model.max_position_embeddings)
+    if args.prepare_only:
+        print(args.data)
+        return 0
+    data = load_token_data(args.data)
+    vocab = load_tokenizer(args.data).get_vocab_size()
+    preset = get_preset(args.preset, vocab_size=vocab)
+
+    from labkit.train.card import shipped_metrics, write_card
+    from labkit.train.export import export_hf
+    from labkit.train.trainer import TrainConfig, train
+
+    max_steps = args.max_steps
+    max_epochs = args.max_epochs if args.max_epochs is not None else preset.max_epochs
+    batch = args.batch_size or preset.batch_size
+    seq_len = args.seq_len or preset.seq_len
+    if max_steps is None and args.time_budget is None:
+        if max_epochs is None:
+            max_steps = 400  # the smoke preset: a few minutes on a laptop CPU
+        else:
+            max_steps = max(1, int(max_epochs * data.train.numel() / (batch * seq_len)))
+    cfg = TrainConfig(
+        seq_len=seq_len, batch_size=batch, max_steps=max_steps, time_budget_s=args.time_budget,
+        max_epochs=max_epochs, lr=args.lr or preset.lr,
+        warmup_steps=args.warmup_steps or preset.warmup_steps,
+        eval_every=args.eval_every or preset.eval_every, eval_max_tokens=args.eval_max_tokens,
+        checkpoint_every=args.checkpoint_every, stop_after=args.stop_after, seed=args.seed,
+        device=device)
+    ckpt = args.checkpoint or args.cache_dir / "runs" / preset.name / "checkpoint.pt"
+    out = args.out or (args.cache_dir / "runs" / "smoke" / "model" if preset.name == "smoke"
+                       else SHIPPED_DIR / preset.name)
+    print(f"labkit train: {preset.name}, {preset.model.num_parameters():,} parameters, "
+          f"{data.train.numel():,} train / {data.heldout.numel():,} held-out tokens, {device}",
+          file=sys.stderr)
+    model, log = train(preset.model, cfg, data.train, data.heldout, ckpt, resume=args.resume)
+    log["device_name"] = (torch.cuda.get_device_name(device) if device.startswith("cuda")
+                          else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)")
+    log["torch_version"] = torch.__version__
+    log["python_version"] = platform.python_version()
+    if not log["finished"]:
+        print(f"stopped after step {log['steps']}; checkpoint at {ckpt} (rerun with --resume)",
+              file=sys.stderr)
+        return 0
+    export_hf(model, preset.model, args.data, out)
+    shipped = shipped_metrics(out, data.heldout, seq_len, args.eval_max_tokens,
+                              args.sample_tokens)
+    command = "labkit train " + shlex.join(argv)
+    write_card(out, preset.name, log, data.meta, command, shipped)
+    summary = {"out": str(out), "steps": log["steps"], "tokens_seen": log["tokens_seen"],
+               "wall_time_s": round(log["wall_time_s"], 1),
+               "heldout_loss": log["eval"][-1]["heldout_loss"],
+               "heldout_loss_fp16_weights": shipped["heldout_loss_fp16_weights"]}
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
