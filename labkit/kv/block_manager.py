@@ -1,0 +1,276 @@
+"""BlockManager: maps each sequence's logical blocks to physical ones (its block table).
+
+It owns the GPU BlockPool (and an optional CPU pool for swapping) and implements the policies the
+scheduler asks for: how many blocks a step needs, prefix-cache lookups, copy-on-write after a
+fork, swap out / in, and rolling a sequence back (speculative decoding rejects tokens).
+
+Every change to a block table is also appended to ``self.events`` (the trace's block events), so
+the state at any step can be rebuilt by folding the events (labkit.engine.trace.replay).
+
+Tensor work is *not* done here: copy-on-write and swaps are queued in ``pending_copies``,
+``pending_swap_out`` and ``pending_swap_in`` and the executor applies them before the forward
+pass. That keeps this module usable by the simulator, which has no tensors at all.
+
+Sequences are duck-typed (see ``SeqLike``): the scheduler's Sequence, or a small test double.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from labkit.kv.block_pool import BlockPool
+from labkit.kv.prefix import BlockHash, hash_block_tokens, hash_prompt_blocks
+
+
+class SeqLike(Protocol):
+    seq_id: str
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+    cpu_block_table: list[int]
+    block_hashes: list[BlockHash]
+    cache_salt: str | None
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_cpu_blocks: int = 0,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.cpu_pool = BlockPool(num_cpu_blocks, enable_caching=False)
+        self.seqs: dict[str, SeqLike] = {}  # sequences holding GPU blocks
+        self.events: list[dict] = []
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write
+        self.pending_swap_out: list[tuple[int, int]] = []  # (gpu, cpu)
+        self.pending_swap_in: list[tuple[int, int]] = []  # (cpu, gpu)
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def _ev(self, type_: str, seq: SeqLike, logical: int, physical: int, src=None, **kw) -> None:
+        ev = {"type": type_, "request_id": seq.request_id, "seq_id": seq.seq_id,
+              "logical": logical, "physical": physical, "src": src}
+        if kw:
+            ev.update(kw)
+        self.events.append(ev)
+
+    def drain(self) -> tuple[list[dict], list, list, list]:
+        """Hand the executor/trace this step's events and pending tensor copies."""
+        out = (self.events, self.pending_copies, self.pending_swap_out, self.pending_swap_in)
+        self.events, self.pending_copies = [], []
+        self.pending_swap_out, self.pending_swap_in = [], []
+        return out
+
+    # ---- prefix cache -------------------------------------------------------------------------
+    def find_cached_prefix(self, seq: SeqLike) -> tuple[list[int], list[BlockHash]]:
+        """Longest chain of cached full blocks for a sequence that has nothing computed yet.
+
+        At most (num_tokens - 1) tokens may hit: the last token is always recomputed so the step
+        produces logits to sample from. A fully cached, block-aligned prompt therefore reuses all
+        blocks but the last, which is recomputed into a fresh block (as vLLM does)."""
+        if not self.enable_prefix_caching or seq.num_computed_tokens:
+            return [], []
+        n = len(seq.token_ids) - 1
+        hashes = hash_prompt_blocks(seq.token_ids[: n - n % self.block_size], self.block_size,
+                                    seq.cache_salt)
+        blocks: list[int] = []
+        for h in hashes:
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks, hashes[: len(blocks)]
+
+    def cache_full_blocks(self, seq: SeqLike) -> None:
+        """Register blocks whose every slot now holds computed KV under their chained hash."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens, len(seq.token_ids), len(seq.block_table) * bs) // bs
+        hashes = seq.block_hashes
+        if len(hashes) >= num_full:
+            return
+        tokens, table = seq.token_ids, seq.block_table
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_full):
+            parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], seq.cache_salt)
+            hashes.append(parent)
+            self.pool.register(table[i], parent)
+
+    # ---- allocation ---------------------------------------------------------------------------
+    def num_blocks_needed(self, seq: SeqLike, num_new_tokens: int, num_cached_blocks: int = 0,
+                          num_lookahead: int = 0) -> int:
+        total = (seq.num_computed_tokens + num_cached_blocks * self.block_size
+                 + num_new_tokens + num_lookahead)
+        need = cdiv(total, self.block_size) - len(seq.block_table) - num_cached_blocks
+        if self._needs_cow(seq):
+            need += 1
+        return max(need, 0)
+
+    def _needs_cow(self, seq: SeqLike) -> bool:
+        """The block the next write lands in is shared (fork) or published in the prefix cache
+        (possible after a rollback into a full block): writing would corrupt the other holders."""
+        b = seq.num_computed_tokens // self.block_size
+        if b >= len(seq.block_table):
+            return False
+        phys = seq.block_table[b]
+        return self.pool.ref_counts[phys] > 1 or self.pool.block_hash[phys] is not None
+
+    def allocate_slots(self, seq: SeqLike, num_new_tokens: int,
+                       cached_blocks: list[int] | None = None,
+                       cached_hashes: list[BlockHash] | None = None,
+                       num_lookahead: int = 0) -> bool:
+        """Make room for ``num_new_tokens`` (+ lookahead) more KV slots; False if the pool is short.
+
+        ``cached_blocks`` are prefix-cache hits from find_cached_prefix (only for a sequence with
+        nothing computed); picking them up may take them out of the evictable set, which the
+        availability check accounts for."""
+        cached_blocks = cached_blocks or []
+        pool = self.pool
+        need = self.num_blocks_needed(seq, num_new_tokens, len(cached_blocks), num_lookahead)
+        reclaimed = sum(1 for b in cached_blocks if pool.ref_counts[b] == 0)
+        if need > pool.num_available - reclaimed:
+            return False
+        table = seq.block_table
+        fresh = not table and seq.num_computed_tokens == 0
+        if fresh:
+            self.seqs[seq.seq_id] = seq
+            if self.enable_prefix_caching:
+                self.prefix_query_tokens += len(seq.token_ids)
+                self.prefix_hit_tokens += len(cached_blocks) * self.block_size
+        for b in cached_blocks:
+            pool.touch(b)
+            self._ev("prefix_hit", seq, len(table), b)
+            table.append(b)
+        if cached_blocks:
+            seq.block_hashes = list(cached_hashes or [])
+            seq.num_computed_tokens = len(cached_blocks) * self.block_size
+        need_after = need
+        if self._needs_cow(seq):
+            i = seq.num_computed_tokens // self.block_size
+            src = table[i]
+            dst = self._alloc(seq, i, event=False)
+            self.pending_copies.append((src, dst))
+            self._ev("cow", seq, i, dst, src)
+            pool.free(src)
+            table[i] = dst
+            need_after -= 1
+        for _ in range(need_after):
+            self._alloc(seq, len(table))
+        return True
+
+    def _alloc(self, seq: SeqLike, logical: int, event: bool = True) -> int:
+        b, evicted = self.pool.allocate()
+        if evicted is not None:
+            self._ev("evict", seq, logical, evicted)
+        if event:
+            self._ev("alloc", seq, logical, b)
+            seq.block_table.append(b)
+        return b
+
+    def fork(self, parent: SeqLike, child: SeqLike) -> None:
+        """Child shares all of parent's blocks (ref counts +1); writes diverge via copy-on-write."""
+        child.block_table = []
+        for i, b in enumerate(parent.block_table):
+            self.pool.touch(b)
+            self._ev("fork", child, i, b, None)
+            child.block_table.append(b)
+        child.block_hashes = list(parent.block_hashes)
+        self.seqs[child.seq_id] = child
+
+    def free(self, seq: SeqLike) -> None:
+        """Release every block of a sequence (finish, abort, recompute preemption).
+        Tail first, so the prefix cache's LRU evicts a chain from its end."""
+        table = seq.block_table
+        for i in range(len(table) - 1, -1, -1):
+            cached = self.pool.free(table[i])
+            self._ev("free", seq, i, table[i], None, cached=cached)
+        table.clear()
+        seq.block_hashes = []
+        for c in seq.cpu_block_table:
+            self.cpu_pool.free(c)
+        seq.cpu_block_table = []
+        self.seqs.pop(seq.seq_id, None)
+
+    def truncate(self, seq: SeqLike, num_slots: int) -> None:
+        """Keep only the blocks covering the first ``num_slots`` slots (speculative rollback)."""
+        keep = cdiv(num_slots, self.block_size)
+        table = seq.block_table
+        while len(table) > keep:
+            i = len(table) - 1
+            cached = self.pool.free(table[i])
+            self._ev("free", seq, i, table[i], None, cached=cached)
+            table.pop()
+        del seq.block_hashes[num_slots // self.block_size:]
+
+    # ---- swapping -----------------------------------------------------------------------------
+    def can_swap_out(self, seq: SeqLike) -> bool:
+        return 0 < len(seq.block_table) <= self.cpu_pool.num_available
+
+    def swap_out(self, seq: SeqLike) -> None:
+        """Copy a sequence's blocks to the CPU pool and free them on the GPU."""
+        table = seq.block_table
+        seq.cpu_block_table = []
+        for i, b in enumerate(table):
+            c, _ = self.cpu_pool.allocate()
+            self.pending_swap_out.append((b, c))
+            self._ev("swap_out", seq, i, c, b)
+            seq.cpu_block_table.append(c)
+        for i in range(len(table) - 1, -1, -1):
+            cached = self.pool.free(table[i])
+            self._ev("free", seq, i, table[i], None, cached=cached)
+        table.clear()
+        seq.block_hashes = []
+
+    def can_swap_in(self, seq: SeqLike, num_lookahead: int = 0) -> bool:
+        need = cdiv(seq.num_computed_tokens + 1 + num_lookahead, self.block_size)
+        return max(need, len(seq.cpu_block_table)) <= self.pool.num_available
+
+    def swap_in(self, seq: SeqLike) -> None:
+        for i, c in enumerate(seq.cpu_block_table):
+            g = self._alloc(seq, i)
+            self.pending_swap_in.append((c, g))
+            self._ev("swap_in", seq, i, g, c)
+            self.cpu_pool.free(c)
+        seq.cpu_block_table = []
+        self.seqs[seq.seq_id] = seq
+
+    # ---- statistics ---------------------------------------------------------------------------
+    def token_slots_used(self) -> int:
+        """Slots holding a token's KV (shared blocks counted once per holder's view)."""
+        bs = self.block_size
+        return sum(min(s.num_computed_tokens, len(s.block_table) * bs) for s in self.seqs.values())
+
+    def stats(self) -> dict:
+        p = self.pool
+        used_slots = p.num_used * self.block_size
+        filled = min(self.token_slots_used(), used_slots)
+        return {
+            "num_blocks": p.num_blocks, "num_used_blocks": p.num_used,
+            "num_free_blocks": p.num_free, "num_cached_blocks": p.num_cached,
+            "num_cpu_blocks": self.cpu_pool.num_blocks,
+            "num_free_cpu_blocks": self.cpu_pool.num_available,
+            "token_slots_used": filled, "internal_waste_slots": used_slots - filled,
+            "prefix_query_tokens": self.prefix_query_tokens,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+            "prefix_hit_rate": self.prefix_hit_tokens / max(self.prefix_query_tokens, 1),
+            "num_evictions": p.num_evictions,
+        }

@@ -1,0 +1,63 @@
+"""Prefix-cache keys: a chain of block hashes.
+
+A full block of KV can be reused by another request only if *everything before it* is identical
+too (attention at position p depends on all tokens <= p). So a block's key covers the whole prefix
+cheaply by chaining: ``hash(parent_block_hash, this_block_token_ids, extra_keys)``. Two prompts
+share block i's key exactly when they share tokens [0, (i+1)*block_size) and the extra keys.
+
+Extra keys carry everything else that changes the KV for the same tokens. Here that is the
+optional per-request ``cache_salt``: tenants with different salts never share cached blocks, so
+one tenant cannot learn (by timing a prefix hit) what another tenant's prompt was.
+
+Why sha256 over a stable byte encoding and not Python's ``hash()``:
+- ``hash()`` of a tuple is 64-bit and not collision resistant. A collision here does not raise,
+  it silently serves another prompt's KV: wrong output, and across tenants a data leak. Someone
+  who controls prompts can search for 64-bit collisions; sha256 makes that infeasible (vLLM moved
+  to sha256 for the same reason).
+- ``hash()`` of str/bytes is salted per process (PYTHONHASHSEED), so keys would differ between
+  runs; a stable encoding makes traces and tests reproducible across processes.
+The encoding is fixed-width little-endian int64 token ids plus a length-prefixed salt, so no two
+different inputs encode to the same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+BlockHash = bytes
+
+_ROOT = b"\x00" * 32  # parent of the first block
+
+
+def hash_block_tokens(
+    parent_hash: BlockHash | None,
+    token_ids: Sequence[int],
+    cache_salt: str | None = None,
+) -> BlockHash:
+    """Key of one full block given its parent's key (None for the first block)."""
+    h = hashlib.sha256()
+    h.update(parent_hash if parent_hash is not None else _ROOT)
+    h.update(struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids))
+    if cache_salt is not None:
+        salt = cache_salt.encode("utf-8")
+        h.update(b"S" + struct.pack("<I", len(salt)) + salt)
+    else:
+        h.update(b"N")
+    return h.digest()
+
+
+def hash_prompt_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None = None,
+    parent_hash: BlockHash | None = None,
+) -> list[BlockHash]:
+    """Chained keys of every *full* block of ``token_ids`` (a partial tail block has no key)."""
+    hashes: list[BlockHash] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        block = token_ids[start : start + block_size]
+        parent_hash = hash_block_tokens(parent_hash, block, cache_salt)
+        hashes.append(parent_hash)
+    return hashes
