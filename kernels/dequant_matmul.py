@@ -1,0 +1,330 @@
+"""Weight-only quantized matmul: y = x @ W with W stored as 4-bit (GPTQ, AWQ) or 8-bit integers.
+
+Decode is a matrix-vector product (M = batch of tokens is small), so time is the weight bytes
+read. Storing W in 4 bits reads 4x fewer bytes than fp16; dequantising inside the matmul (never
+materialising W in fp16) is what turns that into speed.
+
+Tiling (program (n, m, k-split) owns output tile [BLOCK_M, BLOCK_N]; K is walked in BLOCK_K
+steps, every SPLIT_K-th step by this program, and split partials are summed with atomics)::
+
+    GPTQ qweight [K/8, N] int32           AWQ qweight [K, N/8] int32
+    ┌────────┐ one int32 = 8 rows of K      ┌──┬──┐ one int32 = 8 columns of N,
+    │ ▓▓▓▓▓▓ │ ─► [BLOCK_K/8, 8, BLOCK_N]   │▓▓│  │ nibble order 0 2 4 6 1 3 5 7
+    └────────┘    ─► [BLOCK_K, BLOCK_N]     └──┴──┘ ─► [BLOCK_K, BLOCK_N/8, 8] ─► [BLOCK_K, BLOCK_N]
+             w = (q - zero) * scale[group]   then   acc += x_tile @ w   (tensor cores, fp32 acc)
+
+M = 1 takes a GEMV path: acc2d[BLOCK_K, BLOCK_N] += x[:, None] * w, reduced over K once at the end,
+which avoids padding one row to 16 for ``tl.dot``.
+
+What bounds it: for small M, memory. FLOPs 2*M*K*N over bytes K*N/2 (4-bit): intensity 4*M
+FLOP/byte, so up to M ~ 50 the H200 (ridge ~200 FLOP/byte) waits on weights; larger M turns
+compute-bound and the in-loop dequantisation becomes overhead against a plain fp16 GEMM.
+
+Layouts (see interfaces.md):
+- GPTQ: qweight int32 [K/8, N] (lowest nibble = first row); qzeros int32 [G, N/8] storing zero-1,
+  packed along N the same way; scales fp16 [G, N]; g_idx int32 [K]. W = (q - (z + 1)) * s.
+- AWQ GEMM: qweight int32 [K, N/8], nibble j holds column AWQ_ORDER[j]; qzeros int32 [G, N/8]
+  the same way, raw zeros; scales [G, N]; group = k // group_size. W = (q - z) * s.
+- W8A16: int8 weight [N, K], per-output-channel scale [N]. W = q * s (as [K, N]: transposed).
+NF4 dequantisation (bitsandbytes layout) lives in ``nf4.py``.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import triton
+import triton.language as tl
+from labkit.kernels._common import check, interpreting
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+@triton.jit
+def _accumulate(acc, x_ptr, stride_xm, offs_m, offs_k, M, K, w,
+                BLOCK_M: tl.constexpr, DOT_FP32: tl.constexpr):
+    """acc += x[offs_m, offs_k] @ w, or the GEMV form when BLOCK_M == 1."""
+    k_mask = offs_k < K
+    if BLOCK_M == 1:
+        x = tl.load(x_ptr + offs_m * stride_xm + offs_k, mask=k_mask, other=0.0)  # row m < M
+        acc += x.to(tl.float32)[:, None] * w.to(tl.float32)
+    else:
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=(offs_m[:, None] < M) & k_mask[None, :], other=0.0)
+        if DOT_FP32:
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(x, w.to(x.dtype))
+    return acc
+
+
+@triton.jit
+def _store(out_ptr, stride_om, acc, offs_m, offs_n, M, N,
+           BLOCK_M: tl.constexpr, ATOMIC: tl.constexpr):
+    n_mask = offs_n < N
+    if BLOCK_M == 1:
+        y = tl.sum(acc, 0)
+        ptrs = out_ptr + offs_m * stride_om + offs_n
+        mask = n_mask  # one program per row: offs_m < M always
+    else:
+        y = acc
+        ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        mask = (offs_m[:, None] < M) & n_mask[None, :]
+    if ATOMIC:
+        tl.atomic_add(ptrs, y, mask=mask)
+    else:
+        tl.store(ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _program_coords(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if BLOCK_M == 1:
+        offs_m = tl.program_id(1)
+        acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
+    else:
+        offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    return offs_m, offs_n, acc
+
+
+@triton.jit
+def _gptq_kernel(
+    x_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, out_ptr, M, N, K, split_k, stride_xm, stride_om,
+    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    offs_m, offs_n, acc = _program_coords(BLOCK_M, BLOCK_N, BLOCK_K)
+    n_mask = offs_n < N
+    shifts = tl.arange(0, 8) * 4
+    z_shift = (offs_n % 8) * 4
+    for k0 in range(tl.program_id(2) * BLOCK_K, K, BLOCK_K * split_k):
+        offs_kp = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        qw = tl.load(qw_ptr + offs_kp[:, None] * N + offs_n[None, :],
+                     mask=(offs_kp[:, None] < K // 8) & n_mask[None, :], other=0)
+        q = tl.reshape((qw[:, None, :] >> shifts[None, :, None]) & 0xF, [BLOCK_K, BLOCK_N])
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if GROUP_SIZE > 0:  # g_idx == k // GROUP_SIZE and BLOCK_K divides it: one group
+            g = k0 // GROUP_SIZE
+            s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0)
+            qz = tl.load(qz_ptr + g * (N // 8) + offs_n // 8, mask=n_mask, other=0)
+            z = ((qz >> z_shift) & 0xF) + 1
+            w = (q - z[None, :]).to(tl.float32) * s.to(tl.float32)[None, :]
+        else:  # act-order: every row of the tile may belong to another group
+            g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0)
+            s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0.0)
+            qz = tl.load(qz_ptr + g[:, None] * (N // 8) + (offs_n // 8)[None, :],
+                         mask=n_mask[None, :], other=0)
+            z = ((qz >> z_shift[None, :]) & 0xF) + 1
+            w = (q - z).to(tl.float32) * s.to(tl.float32)
+        w = w.to(s_ptr.dtype.element_ty)  # W in fp16, exactly as the reference rounds it
+        acc = _accumulate(acc, x_ptr, stride_xm, offs_m, offs_k, M, K, w, BLOCK_M, DOT_FP32)
+    _store(out_ptr, stride_om, acc, offs_m, offs_n, M, N, BLOCK_M, ATOMIC)
+
+
+@triton.jit
+def _awq_kernel(
+    x_ptr, qw_ptr, qz_ptr, s_ptr, out_ptr, M, N, K, split_k, stride_xm, stride_om,
+    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    offs_m, offs_n, acc = _program_coords(BLOCK_M, BLOCK_N, BLOCK_K)
+    n_mask = offs_n < N
+    offs_np = tl.program_id(0) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+    np_mask = offs_np < N // 8
+    col = tl.arange(0, 8)
+    shifts = ((col % 2) * 4 + col // 2) * 4  # column c sits in nibble AWQ_ORDER.index(c)
+    for k0 in range(tl.program_id(2) * BLOCK_K, K, BLOCK_K * split_k):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        qw = tl.load(qw_ptr + offs_k[:, None] * (N // 8) + offs_np[None, :],
+                     mask=(offs_k[:, None] < K) & np_mask[None, :], other=0)
+        q = tl.reshape((qw[:, :, None] >> shifts[None, None, :]) & 0xF, [BLOCK_K, BLOCK_N])
+        g = k0 // GROUP_SIZE
+        qz = tl.load(qz_ptr + g * (N // 8) + offs_np, mask=np_mask, other=0)
+        z = tl.reshape((qz[:, None] >> shifts[None, :]) & 0xF, [BLOCK_N])
+        s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0)
+        w = ((q - z[None, :]).to(tl.float32) * s.to(tl.float32)[None, :])
+        w = w.to(s_ptr.dtype.element_ty)
+        acc = _accumulate(acc, x_ptr, stride_xm, offs_m, offs_k, M, K, w, BLOCK_M, DOT_FP32)
+    _store(out_ptr, stride_om, acc, offs_m, offs_n, M, N, BLOCK_M, ATOMIC)
+
+
+@triton.jit
+def _w8a16_kernel(
+    x_ptr, qw_ptr, s_ptr, out_ptr, M, N, K, split_k, stride_xm, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ATOMIC: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    offs_m, offs_n, acc = _program_coords(BLOCK_M, BLOCK_N, BLOCK_K)
+    n_mask = offs_n < N
+    for k0 in range(tl.program_id(2) * BLOCK_K, K, BLOCK_K * split_k):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(qw_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None],
+                    mask=(offs_k[:, None] < K) & n_mask[None, :], other=0)
+        w = w.to(tl.float16)  # int8 -> fp16 is exact; the scale is applied to the output
+        acc = _accumulate(acc, x_ptr, stride_xm, offs_m, offs_k, M, K, w, BLOCK_M, DOT_FP32)
+    s = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    acc = acc * s[None, :]  # [BLOCK_K or BLOCK_M, BLOCK_N]: the scale is per column either way
+    _store(out_ptr, stride_om, acc, offs_m, offs_n, M, N, BLOCK_M, ATOMIC)
+
+
+def default_config(m: int, n: int, k: int) -> dict[str, int]:
+    """Tile sizes by M: GEMV with split-K to fill the GPU at M=1, tensor-core tiles above."""
+    if m == 1:
+        return {"BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 4}
+    if m <= 16:
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 4}
+    if m <= 64:
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 2, "num_warps": 4}
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 8}
+
+
+def _launch(kernel, x: torch.Tensor, n: int, args: tuple, config: dict | None,
+            k_align: int = 1, **constexprs) -> torch.Tensor:
+    m, k = x.shape
+    cfg = {**default_config(m, n, k), **(config or {})}
+    block_k = min(cfg["BLOCK_K"], k_align) if k_align > 1 else cfg["BLOCK_K"]
+    split_k = max(1, min(cfg["SPLIT_K"], triton.cdiv(k, block_k)))
+    out_dtype = x.dtype
+    out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if split_k > 1
+           else torch.empty(m, n, dtype=out_dtype, device=x.device))
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split_k)
+    kernel[grid](
+        x, *args, out, m, n, k, split_k, x.stride(0), out.stride(0),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, ATOMIC=split_k > 1,
+        DOT_FP32=interpreting(), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
+        **constexprs,
+    )
+    return out.to(out_dtype) if split_k > 1 else out
+
+
+def _check_x(x: torch.Tensor, k: int) -> None:
+    check(x.dim() == 2 and x.shape[1] == k,
+          f"x must be [M, K] with K = {k} (from the packed weight), got {tuple(x.shape)}")
+    check(x.stride(1) == 1, "x needs a contiguous last dimension")
+    check(x.dtype in (torch.float16, torch.bfloat16), f"x must be fp16 or bf16, got {x.dtype}")
+
+
+_GROUP_CACHE: dict[int, tuple[weakref.ref, int, int]] = {}
+
+
+def _trivial_group_size(g_idx: torch.Tensor, num_groups: int) -> int:
+    """group_size if g_idx == arange(K) // group_size (no act-order), else 0. Cached per tensor
+    so the check (a device sync) runs once per layer, not once per call."""
+    hit = _GROUP_CACHE.get(id(g_idx))
+    if hit is not None and hit[0]() is g_idx and hit[1] == g_idx._version:
+        return hit[2]
+    k = g_idx.numel()
+    size = k // num_groups if num_groups and k % num_groups == 0 else 0
+    if size:
+        expect = torch.arange(k, device=g_idx.device) // size
+        if not (torch.equal(g_idx.long(), expect) and size % 16 == 0 and size & (size - 1) == 0):
+            size = 0
+    if len(_GROUP_CACHE) > 4096:
+        _GROUP_CACHE.clear()
+    _GROUP_CACHE[id(g_idx)] = (weakref.ref(g_idx), g_idx._version, size)
+    return size
+
+
+def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
+                scales: torch.Tensor, g_idx: torch.Tensor,
+                config: dict | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ dequant(GPTQ) with W [K, N]."""
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    _check_x(x, k)
+    check(qweight.dtype == torch.int32 and qzeros.dtype == torch.int32,
+          "qweight and qzeros must be int32")
+    check(scales.dim() == 2 and scales.shape[1] == n and qzeros.shape == (scales.shape[0], n // 8),
+          f"scales must be [G, {n}] and qzeros [G, {n // 8}], got {tuple(scales.shape)} and "
+          f"{tuple(qzeros.shape)}")
+    check(g_idx.numel() == k, f"g_idx must have K = {k} entries, got {g_idx.numel()}")
+    check(n % 8 == 0, f"N must be a multiple of 8, got {n}")
+    group = _trivial_group_size(g_idx, scales.shape[0])
+    return _launch(_gptq_kernel, x, n,
+                   (qweight.contiguous(), qzeros.contiguous(), scales.contiguous(),
+                    g_idx.to(torch.int32).contiguous()),
+                   config, k_align=group or 1, GROUP_SIZE=group)
+
+
+def awq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
+               scales: torch.Tensor, group_size: int,
+               config: dict | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ dequant(AWQ GEMM) with W [K, N]."""
+    k, n = qweight.shape[0], qweight.shape[1] * 8
+    _check_x(x, k)
+    check(qweight.dtype == torch.int32 and qzeros.dtype == torch.int32,
+          "qweight and qzeros must be int32")
+    check(group_size >= 16 and group_size & (group_size - 1) == 0 and k % group_size == 0,
+          f"group_size must be a power of two >= 16 dividing K = {k}, got {group_size}")
+    g = k // group_size
+    check(scales.shape == (g, n) and qzeros.shape == (g, n // 8),
+          f"scales must be [{g}, {n}] and qzeros [{g}, {n // 8}], got {tuple(scales.shape)} and "
+          f"{tuple(qzeros.shape)}")
+    return _launch(_awq_kernel, x, n,
+                   (qweight.contiguous(), qzeros.contiguous(), scales.contiguous()),
+                   config, k_align=group_size, GROUP_SIZE=group_size)
+
+
+def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                 config: dict | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ (qweight [N, K] int8 * scales [N]).T"""
+    check(qweight.dim() == 2 and qweight.dtype == torch.int8,
+          f"qweight must be int8 [N, K], got {qweight.dtype} {tuple(qweight.shape)}")
+    n, k = qweight.shape
+    _check_x(x, k)
+    check(scales.numel() == n, f"scales must have N = {n} entries, got {scales.numel()}")
+    return _launch(_w8a16_kernel, x, n, (qweight.contiguous(), scales.contiguous()), config)
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """[R, C] int32 -> [8R, C] codes: row 8r+j is nibble j (lowest first) of packed row r."""
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+    codes = (packed[:, None, :] >> shifts[None, :, None]) & 0xF
+    return codes.reshape(-1, packed.shape[1])
+
+
+def unpack_int4_cols(packed: torch.Tensor,
+                     order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
+    """[R, C] int32 -> [R, 8C] codes; nibble j of packed column c is column 8c + order[j]."""
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+    nib = (packed[:, :, None] >> shifts[None, None, :]) & 0xF  # [R, C, 8] by nibble
+    codes = torch.empty_like(nib)
+    codes[:, :, list(order)] = nib
+    return codes.reshape(packed.shape[0], -1)
+
+
+def gptq_dequantize_ref(qweight, qzeros, scales, g_idx) -> torch.Tensor:
+    q = unpack_int4_rows(qweight)
+    z = unpack_int4_cols(qzeros) + 1
+    g = g_idx.long()
+    return ((q - z[g]).to(scales.dtype) * scales[g])
+
+
+def awq_dequantize_ref(qweight, qzeros, scales, group_size: int) -> torch.Tensor:
+    q = unpack_int4_cols(qweight, AWQ_ORDER)
+    z = unpack_int4_cols(qzeros, AWQ_ORDER)
+    g = torch.arange(q.shape[0], device=q.device) // group_size
+    return ((q - z[g]).to(scales.dtype) * scales[g])
+
+
+def w8a16_dequantize_ref(qweight, scales) -> torch.Tensor:
+    return (qweight.to(scales.dtype) * scales[:, None]).t()
+
+
+def gptq_matmul_ref(x, qweight, qzeros, scales, g_idx) -> torch.Tensor:
+    return (x.float() @ gptq_dequantize_ref(qweight, qzeros, scales, g_idx).float()).to(x.dtype)
+
+
+def awq_matmul_ref(x, qweight, qzeros, scales, group_size: int) -> torch.Tensor:
+    return (x.float() @ awq_dequantize_ref(qweight, qzeros, scales, group_size).float()).to(x.dtype)
+
+
+def w8a16_matmul_ref(x, qweight, scales) -> torch.Tensor:
+    return (x.float() @ (qweight.float() * scales.float()[:, None]).t()).to(x.dtype)
+
+
+from labkit.kernels.nf4 import nf4_dequantize  # noqa: E402,F401  (interfaces.md names it here)
