@@ -1,0 +1,126 @@
+"""Exercise: one continuous-batching scheduler step under a token budget, decode first.
+
+Iteration-level scheduling (Orca, vLLM) decides every step which sequences run and how many
+tokens each computes, under ``max_num_batched_tokens``. Running decodes go first (they are cheap,
+one token each, and stalling them shows up as TPOT spikes); then unfinished prefills; then new
+requests in arrival order, the last one possibly cut into a chunk (chunked prefill) so the budget
+is used exactly.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from labkit.exercises.checks import CheckFailure, call, run_check
+
+
+@dataclass
+class Seq:
+    """What the scheduler sees of a sequence. Decoding once num_computed >= num_prompt."""
+
+    seq_id: str
+    num_prompt_tokens: int
+    num_computed_tokens: int = 0  # tokens whose KV is already cached (prefix hit or earlier chunks)
+
+
+CONTRACT = '''
+def schedule_step(running: list[Seq], waiting: list[Seq], token_budget: int,
+                  max_num_seqs: int) -> dict[str, int]:
+    """Plan one engine step: {seq_id: number of tokens to compute}, in scheduling order.
+
+    1. Decode first: each running Seq whose prompt is done (num_computed_tokens >=
+       num_prompt_tokens) gets 1 token, in list order, while budget remains.
+    2. Then running Seqs still in prefill get min(prompt tokens left, budget left).
+    3. Then waiting Seqs are admitted in list (arrival) order, each getting min(prompt tokens left,
+       budget left) — the last one may get a partial chunk — while budget remains and the number
+       of sequences (len(running) + admitted) stays <= max_num_seqs. Stop at the first waiting
+       Seq that cannot be admitted (FCFS: nobody overtakes it).
+    Sequences getting 0 tokens are left out. Do not modify the inputs.
+    """
+'''
+
+
+def _random_case(rng: random.Random) -> tuple[list[Seq], list[Seq], int, int]:
+    running = []
+    for i in range(rng.randint(0, 6)):
+        prompt = rng.randint(1, 40)
+        computed = prompt + rng.randint(0, 5) if rng.random() < 0.7 else rng.randint(0, prompt - 1)
+        running.append(Seq(f"r{i}", prompt, computed))
+    waiting = [Seq(f"w{i}", p, rng.randint(0, p - 1) if rng.random() < 0.2 else 0)
+               for i, p in enumerate(rng.randint(1, 60) for _ in range(rng.randint(0, 6)))]
+    budget = rng.choice([1, 3, 8, 16, 32, 64, 256])
+    max_seqs = rng.randint(max(1, len(running)), len(running) + 4)
+    return running, waiting, budget, max_seqs
+
+
+HAND_CASES = [
+    # decodes go first even when a prefill is ahead in the list
+    ([Seq("a", 10, 4), Seq("b", 5, 5)], [], 4, 8),
+    # the last admitted request gets a partial chunk
+    ([Seq("a", 3, 3)], [Seq("w0", 10), Seq("w1", 10)], 8, 8),
+    # max_num_seqs counts running sequences too
+    ([Seq("a", 3, 3), Seq("b", 3, 3)], [Seq("w0", 2), Seq("w1", 2)], 100, 3),
+    # a prefix hit means fewer prompt tokens are left to compute
+    ([], [Seq("w0", 20, 16)], 64, 4),
+    # budget smaller than the number of decodes
+    ([Seq("a", 2, 2), Seq("b", 2, 3), Seq("c", 2, 2)], [Seq("w0", 4)], 2, 8),
+]
+
+
+def _hint(running: list[Seq], waiting: list[Seq], budget: int, max_seqs: int,
+          expected: dict, actual: object) -> str:
+    if not isinstance(actual, dict):
+        return "return a dict {seq_id: num_tokens}."
+    if sum(actual.values()) > budget:
+        return "the tokens of a step must fit in token_budget."
+    if any(v <= 0 for v in actual.values()):
+        return "leave out sequences that get 0 tokens."
+    decodes = [s.seq_id for s in running if s.num_computed_tokens >= s.num_prompt_tokens]
+    if set(decodes) & set(expected) - set(actual):
+        return "running decodes come first: each gets 1 token before any prefill is scheduled."
+    if len(running) + sum(1 for s in waiting if s.seq_id in actual) > max_seqs:
+        return "len(running) + admitted waiting sequences must stay <= max_num_seqs."
+    for s in waiting:
+        if s.seq_id in actual and s.seq_id in expected and actual[s.seq_id] != expected[s.seq_id]:
+            left = s.num_prompt_tokens - s.num_computed_tokens
+            if actual[s.seq_id] == s.num_prompt_tokens and left != s.num_prompt_tokens:
+                return "num_computed_tokens are already cached: compute only the rest."
+            return "chunked prefill: give the last admitted request whatever budget is left."
+    if set(expected) - set(actual):
+        return "budget is left and a sequence could use it (chunked prefill fills the budget)."
+    if list(actual) != list(expected):
+        return "keep the scheduling order: decodes, running prefills, then waiting in order."
+    return "compare with the contract's three rules, in order."
+
+
+def check(schedule_step: Callable[..., dict]) -> object:
+    """Exact plans on hand-written and 300 random queue states."""
+
+    def body() -> str:
+        from labkit.exercises.solutions import schedule_step as reference
+
+        rng = random.Random(0)
+        cases = list(HAND_CASES) + [_random_case(rng) for _ in range(300)]
+        for running, waiting, budget, max_seqs in cases:
+            r_copy, w_copy = [replace(s) for s in running], [replace(s) for s in waiting]
+            expected = reference(r_copy, w_copy, budget, max_seqs)
+            actual = call(schedule_step, r_copy, w_copy, budget, max_seqs)
+            inputs = (f"running={running}\n            waiting={waiting}\n"
+                      f"            token_budget={budget}, max_num_seqs={max_seqs}")
+            if r_copy != running or w_copy != waiting:
+                raise CheckFailure("your function modified its inputs", inputs=inputs,
+                                   expected=(running, waiting), actual=(r_copy, w_copy),
+                                   hint="plan only; the engine updates the sequences after "
+                                        "the step runs.")
+            if not isinstance(actual, dict) or actual != expected or \
+                    list(actual) != list(expected):
+                raise CheckFailure("wrong plan", inputs=inputs, expected=expected,
+                                   actual=actual,
+                                   hint=_hint(running, waiting, budget, max_seqs, expected,
+                                              actual))
+        return (f"{len(cases)} queue states planned right: decode-first with chunked prefill, "
+                "as vLLM's scheduler does.")
+
+    return run_check("schedule_step", body)

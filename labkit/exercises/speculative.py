@@ -1,0 +1,212 @@
+"""Exercises: the speculative-sampling acceptance rule (checked statistically) and its speed-up.
+
+A cheap draft proposes tokens; the target verifies them all in one forward. The rule
+"accept x ~ q with probability min(1, p(x)/q(x)), else sample normalize(max(0, p - q))" makes
+every emitted token follow the target's p exactly, whatever the draft (Leviathan et al. 2023).
+The checker cannot compare single draws, so it draws thousands (seeded, so never flaky) and runs
+a chi-square goodness-of-fit test against p, plus a test of the acceptance rate against
+sum_x min(p(x), q(x)). References: ``labkit.spec.rejection`` and ``labkit.spec.theory``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+
+import torch
+
+from labkit.exercises.checks import CheckFailure, call, run_check
+
+CONTRACT_ACCEPT = '''
+def accept_or_resample(p: Tensor, q: Tensor, draft_token: int,
+                       generator: torch.Generator) -> tuple[bool, int]:
+    """One speculative position. p = target probabilities [V], q = draft probabilities [V],
+    draft_token was drawn from q. Accept it with probability min(1, p[x] / q[x]); if rejected,
+    draw from the residual normalize(max(0, p - q)). Returns (accepted, emitted_token).
+    All randomness from `generator` (torch.rand(1, generator=generator), torch.multinomial(...,
+    generator=generator))."""
+'''
+
+CONTRACT_SPEEDUP = '''
+def expected_tokens_per_step(alpha: float, gamma: int) -> float:
+    """Expected tokens emitted per target forward when each of the gamma drafts is accepted
+    independently with probability alpha, stopping at the first rejection, plus the one token
+    the target always adds (a correction, or the bonus after gamma acceptances).
+    Sum of alpha**i for i in 0..gamma; alpha == 1 gives gamma + 1."""
+
+def expected_speedup(alpha: float, gamma: int, c: float) -> float:
+    """Speed-up over plain decoding when one draft forward costs c target forwards:
+    a step costs gamma * c + 1 target-forward times and emits expected_tokens_per_step."""
+'''
+
+SIGNIFICANCE = 1e-3  # a correct rule fails a test at this level once in a thousand seeds
+
+
+def _chi2_sf(stat: float, dof: int) -> float:
+    """Survival function of chi-square (regularized upper incomplete gamma; no scipy needed)."""
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+def _pairs() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    v = 8
+    p_rand = torch.softmax(torch.randn(v, generator=g) * 1.5, 0)
+    q_rand = torch.softmax(torch.randn(v, generator=g) * 1.5, 0)
+    p_sparse = torch.tensor([0.5, 0.3, 0.2, 0, 0, 0, 0, 0.0])  # q puts mass where p has none
+    q_flat = torch.full((v,), 1 / v)
+    p_topk = torch.tensor([0.0, 0.6, 0.0, 0.4, 0, 0, 0, 0])  # top-k filtered target
+    q_close = torch.tensor([0.05, 0.5, 0.05, 0.3, 0.025, 0.025, 0.025, 0.025])
+    return [("random p, q", p_rand, q_rand), ("q has mass where p has none", p_sparse, q_flat),
+            ("top-k target, draft close to it", p_topk, q_close), ("p == q", p_rand, p_rand),
+            ("draft much flatter than target", p_rand ** 3 / (p_rand ** 3).sum(), q_flat)]
+
+
+def check_accept(accept_or_resample: Callable, *, trials: int = 3000, seed: int = 0) -> object:
+    def body() -> str:
+        lines = []
+        for name, p, q in _pairs():
+            g_draft = torch.Generator().manual_seed(seed)
+            g_fn = torch.Generator().manual_seed(seed + 1)
+            drafts = torch.multinomial(q, trials, replacement=True, generator=g_draft).tolist()
+            counts = [0] * len(p)
+            accepted = 0
+            drawn, kept = [0] * len(p), [0] * len(p)  # per draft token: proposals, acceptances
+            for x in drafts:
+                out = call(accept_or_resample, p.clone(), q.clone(), x, g_fn,
+                           _label=f"accept_or_resample(p={p.tolist()}, q={q.tolist()}, "
+                                  f"draft_token={x}, generator)")
+                if not (isinstance(out, tuple) and len(out) == 2):
+                    raise CheckFailure("return (accepted, token)", expected="a 2-tuple",
+                                       actual=out, inputs=f"p={p.tolist()}, q={q.tolist()}")
+                acc, tok = bool(out[0]), int(out[1])
+                if acc and tok != x:
+                    raise CheckFailure("accepted but emitted a different token",
+                                       inputs=f"draft_token={x}", expected=x, actual=tok,
+                                       hint="an accepted draft is emitted as is.")
+                if not 0 <= tok < len(p):
+                    raise CheckFailure("emitted token out of range", expected=f"0..{len(p)-1}",
+                                       actual=tok)
+                accepted += acc
+                counts[tok] += 1
+                drawn[x] += 1
+                kept[x] += acc
+            inputs = f"{name}: p={[round(v, 3) for v in p.tolist()]}, " \
+                     f"q={[round(v, 3) for v in q.tolist()]}, {trials} seeded trials"
+            support = [i for i in range(len(p)) if p[i] > 0]
+            leaked = {i: counts[i] for i in range(len(p)) if p[i] == 0 and counts[i]}
+            if leaked:
+                raise CheckFailure("emitted tokens the target gives probability 0", inputs=inputs,
+                                   expected="never", actual=f"counts {leaked}",
+                                   hint="on rejection sample the residual max(0, p - q), "
+                                        "never q (or anything with mass outside p).")
+            stat = sum((counts[i] - trials * float(p[i])) ** 2 / (trials * float(p[i]))
+                       for i in support)
+            pval = _chi2_sf(stat, len(support) - 1) if len(support) > 1 else 1.0
+            rate = accepted / trials
+            want = float(torch.minimum(p, q).sum())
+            z = (rate - want) / math.sqrt(max(want * (1 - want), 1e-12) / trials)
+            for x in range(len(p)):  # a token with 0 < p/q < 1 must be accepted SOMETIMES
+                ratio = float(p[x]) / float(q[x]) if float(q[x]) > 0 else 1.0
+                if drawn[x] >= 50 and 0.2 < ratio < 0.8 and kept[x] in (0, drawn[x]):
+                    raise CheckFailure(
+                        f"draft token {x} was {'never' if kept[x] == 0 else 'always'} accepted "
+                        f"in {drawn[x]} proposals", inputs=inputs,
+                        expected=f"accepted with probability p/q = {ratio:.3f}",
+                        actual=f"{kept[x]}/{drawn[x]}",
+                        hint="acceptance is random: draw u ~ U(0, 1) from the generator and "
+                             "accept iff u < p[x] / q[x].")
+            if pval < SIGNIFICANCE:
+                freq = [round(c / trials, 3) for c in counts]
+                raise CheckFailure(
+                    f"emitted tokens do not follow p (chi-square p-value {pval:.2e} < "
+                    f"{SIGNIFICANCE})", inputs=inputs, expected=[round(v, 3) for v in p.tolist()],
+                    actual=freq, hint=_accept_hint(rate, want))
+            if abs(z) > 4 and want < 1:
+                raise CheckFailure("wrong acceptance rate", inputs=inputs, expected=round(want, 4),
+                                   actual=round(rate, 4), hint=_accept_hint(rate, want))
+            lines.append(f"{name}: accepted {rate:.3f} (theory {want:.3f})")
+        return "emitted tokens follow p in every case (chi-square).\n    " + "\n    ".join(lines)
+
+    return run_check("spec_accept", body)
+
+
+def _accept_hint(rate: float, want: float) -> str:
+    if rate > want + 0.02:
+        return ("you accept too often: accept x with probability min(1, p[x]/q[x]) — draw u ~ "
+                "U(0,1) and accept iff u < p[x]/q[x].")
+    if rate < want - 0.02:
+        return "you reject too often: any x with p[x] >= q[x] must always be accepted."
+    return ("the acceptance looks right; on rejection sample normalize(max(0, p - q)), not p "
+            "and not q: sampling p again double-counts the tokens accepted already.")
+
+
+def _simulate(alpha: float, gamma: int, steps: int, rng: random.Random) -> float:
+    total = 0
+    for _ in range(steps):
+        k = 0
+        while k < gamma and rng.random() < alpha:
+            k += 1
+        total += k + 1
+    return total / steps
+
+
+def check_speedup(expected_tokens_per_step: Callable, expected_speedup: Callable) -> object:
+    def body() -> str:
+        from labkit.exercises.solutions import expected_speedup as ref_speedup
+        from labkit.exercises.solutions import expected_tokens_per_step as ref_tokens
+
+        rng = random.Random(0)
+        # the formula itself is checked against a Monte-Carlo simulation of the process
+        for alpha, gamma in [(0.8, 4), (0.5, 1), (0.9, 8)]:
+            sim = _simulate(alpha, gamma, 20000, rng)
+            assert abs(sim - ref_tokens(alpha, gamma)) < 0.1, (alpha, gamma, sim)
+        theory = _theory()
+        for alpha in (0.0, 0.3, 0.6, 0.8, 0.95, 1.0):
+            for gamma in (1, 2, 4, 7):
+                want = ref_tokens(alpha, gamma)
+                if theory is not None:
+                    assert math.isclose(theory(alpha, gamma), want, rel_tol=1e-9)
+                got = call(expected_tokens_per_step, alpha, gamma)
+                if not isinstance(got, (int, float)) or not math.isclose(got, want,
+                                                                         rel_tol=1e-9):
+                    hint = "1 + alpha + ... + alpha**gamma = (1 - alpha**(gamma+1)) / (1 - alpha)"
+                    if alpha == 1.0:
+                        hint = "alpha = 1: the closed form divides 0 by 0; every draft is " \
+                               "accepted, so gamma + 1 tokens."
+                    elif isinstance(got, float) and math.isclose(
+                            got, (1 - alpha ** gamma) / (1 - alpha), rel_tol=1e-9):
+                        hint = "the exponent is gamma + 1: the target always adds one token " \
+                               "(a correction or the bonus)."
+                    raise CheckFailure("wrong expected tokens per step",
+                                       inputs=f"expected_tokens_per_step(alpha={alpha}, "
+                                              f"gamma={gamma})",
+                                       expected=want, actual=got, hint=hint)
+                for c in (0.0, 0.05, 0.2, 1.0):
+                    want_s = ref_speedup(alpha, gamma, c)
+                    got_s = call(expected_speedup, alpha, gamma, c)
+                    if not isinstance(got_s, (int, float)) or not math.isclose(
+                            got_s, want_s, rel_tol=1e-9):
+                        raise CheckFailure(
+                            "wrong expected speed-up",
+                            inputs=f"expected_speedup(alpha={alpha}, gamma={gamma}, c={c})",
+                            expected=want_s, actual=got_s,
+                            hint="speed-up = tokens per step / (gamma * c + 1): gamma draft "
+                                 "forwards plus one target forward per step.")
+        best = max(range(1, 11), key=lambda g: ref_speedup(0.8, g, 0.05))
+        return (f"formulas right (and matching a Monte-Carlo simulation). With alpha = 0.8 and "
+                f"a draft costing 5% of the target, the best gamma is {best} for a "
+                f"{ref_speedup(0.8, best, 0.05):.2f}x speed-up.")
+
+    return run_check("spec_speedup", body)
+
+
+def _theory() -> Callable[[float, int], float] | None:
+    """labkit.spec.theory's formula where it exists (an independent implementation)."""
+    try:
+        from labkit.spec import theory
+    except ImportError:
+        return None
+    fn = getattr(theory, "expected_tokens_per_step", None)
+    return fn if callable(fn) else None
