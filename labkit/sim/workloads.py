@@ -17,6 +17,7 @@ Named workloads (``get_workload(name, **kw)``):
   sources live in ``datasets/workloads/chat_lengths.json``.
 - ``alpaca``: short instruction-following requests, means 19 input / 58 output (same paper),
   ``datasets/workloads/alpaca_lengths.json``.
+- ``lognormal``: your own means and spreads (``output_sigma`` 0 = fixed lengths).
 - ``shared-prefix``: ``num_groups`` system prompts of ``prefix_len`` tokens, each request one of
   them plus a uniform suffix — the case prefix caching is for.
 
@@ -171,6 +172,14 @@ class LengthDist:
     min: int
     max: int
 
+    @classmethod
+    def fit(cls, mean: float, sigma: float, lo: int, hi: int) -> LengthDist:
+        """The distribution with this spread whose clipped mean is ``mean``; sigma 0 = fixed."""
+        if sigma < 0:
+            raise ValueError(f"sigma must be >= 0, got {sigma}")
+        mu = math.log(mean) if sigma == 0 else fit_lognormal_mu(mean, sigma, lo, hi)
+        return cls(mean, sigma, mu, lo, hi)
+
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
         x = rng.lognormal(self.mu, self.sigma, n)
         return np.clip(np.rint(x), self.min, self.max).astype(np.int64)
@@ -211,6 +220,26 @@ class LognormalWorkload(Workload):
         return p, o
 
 
+class ParametricLognormalWorkload(Workload):
+    """``lognormal``: choose the means and spreads yourself (sigma 0 = every request the same
+    length). The batching benchmark sweeps ``output_sigma`` to show how output-length variance
+    decides what continuous batching gains over static batching."""
+
+    name = "lognormal"
+
+    def __init__(self, prompt_mean: float = 128, prompt_sigma: float = 0.0,
+                 output_mean: float = 128, output_sigma: float = 1.0,
+                 max_prompt_len: int = 1024, max_output_len: int = 1024):
+        self.prompt_mean, self.prompt_sigma = prompt_mean, prompt_sigma
+        self.output_mean, self.output_sigma = output_mean, output_sigma
+        self.max_prompt_len, self.max_output_len = max_prompt_len, max_output_len
+        self._prompt = LengthDist.fit(prompt_mean, prompt_sigma, 1, max_prompt_len)
+        self._output = LengthDist.fit(output_mean, output_sigma, 1, max_output_len)
+
+    def _lengths(self, rng, n):
+        return self._prompt.sample(rng, n), self._output.sample(rng, n)
+
+
 class SharedPrefixWorkload(Workload):
     """Requests share one of ``num_groups`` system prompts of ``prefix_len`` tokens, then add a
     uniform ``[suffix_min, suffix_max]`` suffix; outputs uniform ``[output_min, output_max]``."""
@@ -237,7 +266,7 @@ class SharedPrefixWorkload(Workload):
         return [{"prefix_group": int(g), "prefix_len": self.prefix_len} for g in groups]
 
 
-WORKLOADS = ("fixed", "uniform", "chat", "alpaca", "shared-prefix")
+WORKLOADS = ("fixed", "uniform", "chat", "alpaca", "lognormal", "shared-prefix")
 
 
 def get_workload(name: str | Workload, **kw: Any) -> Workload:
@@ -251,6 +280,8 @@ def get_workload(name: str | Workload, **kw: Any) -> Workload:
         return UniformWorkload(**kw)
     if key in ("chat", "sharegpt", "alpaca"):
         return LognormalWorkload("alpaca" if key == "alpaca" else "chat", **kw)
+    if key == "lognormal":
+        return ParametricLognormalWorkload(**kw)
     if key in ("shared-prefix", "prefix"):
         return SharedPrefixWorkload(**kw)
     raise ValueError(f"unknown workload {name!r}; valid names: {', '.join(WORKLOADS)}")

@@ -135,3 +135,16 @@ def test_prompt_sets():
     assert all(r["system"] == system for r in chat)
     # The shared system prompt is most of each prompt: the case prefix caching targets.
     assert all(t.startswith(system) and len(system) >= len(t) / 2 for t in texts)
+
+
+def test_parametric_lognormal_mean_and_spread():
+    fixed = get_workload("lognormal", prompt_mean=50, output_mean=100, output_sigma=0.0)
+    p, o = _lens(fixed.sample(100, seed=0))
+    assert set(p) == {50} and set(o) == {100}
+    wide = get_workload("lognormal", output_mean=100, output_sigma=1.0, max_output_len=2000)
+    _, o = _lens(wide.sample(20_000, seed=0))
+    assert abs(o.mean() - 100) < 4 * o.std() / math.sqrt(len(o))
+    # Coefficient of variation of a lognormal: sqrt(exp(sigma^2) - 1) = 1.31 (clip trims it).
+    assert 1.0 < o.std() / o.mean() < 1.35
+    with pytest.raises(ValueError, match="sigma"):
+        get_workload("lognormal", output_sigma=-1)
