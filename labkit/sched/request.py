@@ -1,0 +1,117 @@
+"""Request and Sequence: the scheduler's units of work and their state machine.
+
+A Request is what a user submitted: one prompt, sampling parameters, a priority, timestamps.
+It owns ``n`` Sequences (samples). Sample 0 is created at admission and prefills the prompt; the
+other n-1 are *forked* from it when its prefill finishes, sharing the prompt's KV blocks until
+they diverge (copy-on-write). From then on each sequence is scheduled, preempted and finished on
+its own, which is what lets preemption by recompute work for n > 1 too.
+
+Sequence states: WAITING -> RUNNING -> (WAITING after recompute preemption | SWAPPED after swap
+preemption) -> ... -> FINISHED (stop | length | abort).
+
+A sequence's progress is ``num_computed_tokens``: how many of ``token_ids`` have KV in the cache.
+Each step computes the next chunk of the rest; when a chunk reaches the end a new token is sampled
+(so a decoding sequence always has exactly one uncomputed token, the last one sampled).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request: Request, index: int, token_ids: list[int]) -> None:
+        self.request = request
+        self.request_id = request.request_id
+        self.index = index
+        self.seq_id = request.request_id if request.n == 1 else f"{request.request_id}:{index}"
+        self.token_ids = token_ids
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.cpu_block_table: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.cache_salt = request.cache_salt
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.generator: Any = None  # torch.Generator for seeded sampling (model executor)
+        self.token_times: list[float] = []
+        self.num_cached_tokens = 0  # prefix-cache hit tokens at first admission
+        self.output_text = ""
+        self.sort_key: tuple = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_prefill(self) -> bool:
+        """Still computing prompt (or, after recompute preemption, prompt + outputs) KV."""
+        return (self.num_computed_tokens < self.num_prompt_tokens
+                or self.num_computed_tokens < len(self.token_ids) - 1)
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table})")
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: Any,
+                 arrival_time: float, priority: int = 0, cache_salt: str | None = None,
+                 index: int = 0) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.n = getattr(params, "n", 1)
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.index = index  # add order: the final tie-break of every policy
+        self.seqs: list[Sequence] = [Sequence(self, 0, list(prompt_token_ids))]
+        self.forked = self.n == 1
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.static_batch = False  # static batching: taken into the current batch
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.forked and all(s.is_finished for s in self.seqs)
+
+    def fork_children(self) -> list[Sequence]:
+        """Create samples 1..n-1 as copies of sample 0 (the caller shares blocks)."""
+        parent = self.seqs[0]
+        children = []
+        for i in range(1, self.n):
+            c = Sequence(self, i, list(parent.token_ids[: parent.num_prompt_tokens]))
+            c.num_computed_tokens = parent.num_computed_tokens
+            c.status = SequenceStatus.RUNNING
+            c.sort_key = parent.sort_key[:-1] + (i,)
+            children.append(c)
+        self.seqs.extend(children)
+        self.forked = True
+        return children

@@ -1,0 +1,309 @@
+"""Scheduler: iteration-level (continuous) batching under a per-step token budget.
+
+Each call to ``schedule()`` decides one engine step, the way vLLM's scheduler does:
+
+1. **Running sequences first** (decode-first), in policy order: each gets its next chunk (one
+   token when decoding; a slice of the prompt when a chunked prefill is in progress) if the token
+   budget ``max_num_batched_tokens`` allows. When the block pool cannot hold the chunk, the worst
+   sequence (by policy) is *preempted*: by recompute (free its blocks, requeue; its KV is rebuilt
+   by a later prefill) or by swap (its blocks are copied to a CPU pool and back later).
+2. If nothing was preempted: swapped sequences come back first, then waiting requests are admitted
+   in policy order while ``max_num_seqs``, the token budget, the pool and the KV watermark allow.
+   A new request first picks up its longest prefix-cache hit.
+
+Policies order the waiting queue, the running queue and the choice of preemption victim:
+``fcfs`` (arrival), ``priority`` (lower value first, then arrival), ``sjf`` (shortest prompt).
+
+Watermark admission (TGI-style hysteresis): once KV usage reaches ``watermark_high`` no new
+request is admitted until usage falls to ``watermark_low``; running work is never blocked. It
+trades some batch size for fewer preemptions.
+
+``batching="static"``: take a batch of up to max_num_seqs waiting requests when nothing runs, run
+it to completion, then the next — the baseline continuous batching is compared with.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from labkit.kv.block_manager import BlockManager, cdiv
+from labkit.sched.request import Request, Sequence, SequenceStatus
+
+POLICIES = ("fcfs", "priority", "sjf")
+PREEMPTION_MODES = ("recompute", "swap")
+BATCHING = ("continuous", "static")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+    batching: str = "continuous"
+    preemption_mode: str = "recompute"
+    watermark_high: float = 1.0
+    watermark_low: float = 1.0
+    num_lookahead_slots: int = 0  # extra KV slots per decoding sequence (speculative decoding)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {POLICIES}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"unknown preemption_mode {self.preemption_mode!r}; "
+                             f"choose one of {PREEMPTION_MODES}")
+        if self.batching not in BATCHING:
+            raise ValueError(f"unknown batching {self.batching!r}; choose one of {BATCHING}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not 0.0 < self.watermark_low <= self.watermark_high <= 1.0:
+            raise ValueError("need 0 < watermark_low <= watermark_high <= 1, got "
+                             f"{self.watermark_low}, {self.watermark_high}")
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    start_pos: int
+    is_prefill: bool
+    samples: bool  # the chunk reaches the end of the sequence: a token is sampled
+    children: list[Sequence] = field(default_factory=list)  # forked at this step (n > 1)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    preempted: list[tuple[Sequence, str]]
+    num_batched_tokens: int
+    token_budget: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+def policy_key(policy: str, req: Request, seq_index: int) -> tuple:
+    if policy == "priority":
+        return (req.priority, req.arrival_time, req.index, seq_index)
+    if policy == "sjf":
+        return (req.prompt_len, req.arrival_time, req.index, seq_index)
+    return (req.arrival_time, req.index, seq_index)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 clock: Callable[[], float]) -> None:
+        self.config = config
+        self.bm = block_manager
+        self.clock = clock
+        self.pending: list[tuple[float, int, Sequence]] = []  # not yet arrived (simulator)
+        self.waiting: list[tuple[tuple, Sequence]] = []  # heap by policy key; lazy deletion
+        self.num_waiting = 0
+        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self.admitting = True  # watermark hysteresis state
+        self.num_preemptions = 0
+        self.static_queue: list[Sequence] = []  # static batching: the current batch's waiting
+
+    # ---- queues ---------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        seq = req.seqs[0]
+        seq.sort_key = policy_key(self.config.policy, req, 0)
+        if req.arrival_time > self.clock():
+            heapq.heappush(self.pending, (req.arrival_time, req.index, seq))
+        else:
+            self._push_waiting(seq)
+
+    def _push_waiting(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.num_waiting += 1
+        if seq.request.static_batch:
+            bisect.insort(self.static_queue, seq, key=lambda s: s.sort_key)
+        else:
+            heapq.heappush(self.waiting, (seq.sort_key, seq))
+
+    def _peek_waiting(self) -> Sequence | None:
+        while self.waiting:
+            seq = self.waiting[0][1]
+            if seq.status is SequenceStatus.WAITING:
+                return seq
+            heapq.heappop(self.waiting)  # aborted while waiting
+        return None
+
+    def next_arrival(self) -> float | None:
+        return self.pending[0][0] if self.pending else None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.swapped or self.num_waiting or self.pending)
+
+    def abort_seq(self, seq: Sequence) -> None:
+        """Remove a sequence from whatever queue holds it and free its blocks."""
+        if seq.status is SequenceStatus.WAITING:
+            n_pending = len(self.pending)
+            self.pending = [p for p in self.pending if p[2] is not seq]
+            if len(self.pending) == n_pending:  # in the waiting heap (lazily deleted) or batch
+                self.num_waiting -= 1
+                if seq in self.static_queue:
+                    self.static_queue.remove(seq)
+            heapq.heapify(self.pending)
+        elif seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.bm.free(seq)
+
+    def remove_finished(self) -> None:
+        """Drop sequences the engine marked finished this step (their blocks are freed)."""
+        self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+
+    # ---- scheduling -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg, bm = self.config, self.bm
+        now = self.clock()
+        while self.pending and self.pending[0][0] <= now:
+            self._push_waiting(heapq.heappop(self.pending)[2])
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[tuple[Sequence, str]] = []
+
+        # 1. running sequences, best first; preempt from the worst end when blocks run out
+        self.running.sort(key=lambda s: s.sort_key)
+        queue = deque(self.running)
+        kept: list[Sequence] = []
+        self.running = kept
+        while queue:
+            seq = queue.popleft()
+            num_new = seq.num_tokens - seq.num_computed_tokens
+            if budget <= 0 or (num_new > budget and not cfg.enable_chunked_prefill):
+                kept.append(seq)
+                continue
+            num_new = min(num_new, budget)
+            is_prefill = seq.is_prefill
+            lookahead = 0 if is_prefill else cfg.num_lookahead_slots
+            ok = bm.allocate_slots(seq, num_new, num_lookahead=lookahead)
+            while not ok:
+                victim = queue.pop() if queue else seq
+                preempted.append((victim, self._preempt(victim)))
+                if victim is seq:
+                    break
+                ok = bm.allocate_slots(seq, num_new, num_lookahead=lookahead)
+            if not ok:
+                continue
+            kept.append(seq)
+            scheduled.append(self._scheduled(seq, num_new, is_prefill))
+            budget -= num_new
+
+        # 2. swapped back in, then new admissions, only when nothing had to be preempted
+        if not preempted:
+            budget = self._swap_in(scheduled, budget)
+            if not self.swapped:
+                budget = self._admit(scheduled, budget)
+        self.num_preemptions += len(preempted)
+        return SchedulerOutput(scheduled, preempted, cfg.max_num_batched_tokens - budget,
+                               cfg.max_num_batched_tokens)
+
+    def _scheduled(self, seq: Sequence, num_new: int, is_prefill: bool) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        samples = start + num_new == seq.num_tokens
+        s = ScheduledSeq(seq, num_new, start, is_prefill, samples)
+        req = seq.request
+        if samples and not req.forked:
+            s.children = req.fork_children()
+            for c in s.children:
+                self.bm.fork(seq, c)
+                self.running.append(c)
+        return s
+
+    def _preempt(self, seq: Sequence) -> str:
+        if self.config.preemption_mode == "swap" and self.bm.can_swap_out(seq):
+            self.bm.swap_out(seq)
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            return "swap"
+        self.bm.free(seq)
+        seq.num_computed_tokens = 0
+        self._push_waiting(seq)
+        return "recompute"
+
+    def _swap_in(self, scheduled: list[ScheduledSeq], budget: int) -> int:
+        cfg, bm = self.config, self.bm
+        while self.swapped and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            seq = self.swapped[0]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            lookahead = 0 if seq.is_prefill else cfg.num_lookahead_slots
+            need = max(len(seq.cpu_block_table),
+                       cdiv(seq.num_computed_tokens + num_new + lookahead, bm.block_size))
+            if need > bm.pool.num_available:
+                break
+            self.swapped.popleft()
+            bm.swap_in(seq)
+            assert bm.allocate_slots(seq, num_new, num_lookahead=lookahead)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(self._scheduled(seq, num_new, seq.is_prefill))
+            budget -= num_new
+        return budget
+
+    def _watermark_ok(self) -> bool:
+        usage = self.bm.pool.num_used / self.bm.num_blocks
+        if self.admitting and usage >= self.config.watermark_high and self.config.watermark_high < 1:
+            self.admitting = False
+        elif not self.admitting and usage <= self.config.watermark_low:
+            self.admitting = True
+        return self.admitting
+
+    def _open_static_batch(self) -> None:
+        """Static batching: nothing runs, so take the next batch from the waiting queue."""
+        cap = self.config.max_num_seqs
+        width = 0
+        while width < cap:
+            seq = self._peek_waiting()
+            if seq is None or width + seq.request.n > cap:
+                break
+            heapq.heappop(self.waiting)
+            seq.request.static_batch = True
+            self.static_queue.append(seq)
+            width += seq.request.n
+
+    def _admit(self, scheduled: list[ScheduledSeq], budget: int) -> int:
+        cfg, bm = self.config, self.bm
+        static = cfg.batching == "static"
+        if static and not self.running and not self.swapped and not self.static_queue:
+            self._open_static_batch()
+        while budget > 0 and self._watermark_ok():
+            if static:
+                seq = self.static_queue[0] if self.static_queue else None
+            else:
+                seq = self._peek_waiting()
+            if seq is None:
+                break
+            req = seq.request
+            width = 1 if req.forked else req.n  # samples it will fork into
+            if len(self.running) + width > cfg.max_num_seqs:
+                break
+            blocks, hashes = bm.find_cached_prefix(seq)
+            num_new = seq.num_tokens - len(blocks) * bm.block_size
+            if num_new > budget and not cfg.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not bm.allocate_slots(seq, num_new, blocks, hashes):
+                break
+            if static:
+                self.static_queue.pop(0)
+            else:
+                heapq.heappop(self.waiting)
+            self.num_waiting -= 1
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = self.clock()
+                seq.num_cached_tokens = len(blocks) * bm.block_size
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(self._scheduled(seq, num_new, True))
+            budget -= num_new
+        return budget
