@@ -252,7 +252,8 @@ class Scheduler:
 
     def _watermark_ok(self) -> bool:
         usage = self.bm.pool.num_used / self.bm.num_blocks
-        if self.admitting and usage >= self.config.watermark_high and self.config.watermark_high < 1:
+        high = self.config.watermark_high
+        if self.admitting and usage >= high and high < 1:
             self.admitting = False
         elif not self.admitting and usage <= self.config.watermark_low:
             self.admitting = True

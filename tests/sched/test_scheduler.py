@@ -17,10 +17,9 @@ def make(num_blocks=64, block_size=4, **kw):
     return Scheduler(SchedulerConfig(**kw), bm, clock=lambda: 0.0), bm
 
 
-def add(s, rid, prompt, max_tokens=4, n=1, priority=0, idx=[0]):
-    idx[0] += 1
+def add(s, rid, prompt, max_tokens=4, n=1, priority=0):
     req = Request(rid, prompt, SimpleNamespace(n=n, max_tokens=max_tokens), 0.0, priority,
-                  index=idx[0])
+                  index=s.num_waiting + len(s.running))
     s.add_request(req)
     return req
 
@@ -111,8 +110,9 @@ def test_static_batching_waits_for_whole_batch():
     reqs = [add(s, "a", [1, 2], max_tokens=1), add(s, "b", [1, 2], max_tokens=5),
             add(s, "c", [1, 2], max_tokens=1)]
     steps = run(s, bm, reqs)
-    c_start = next(i for i, st in enumerate(steps) if any(x.seq.seq_id == "c" for x in st.scheduled))
-    b_end = max(i for i, st in enumerate(steps) if any(x.seq.seq_id == "b" for x in st.scheduled))
+    ids = [{x.seq.seq_id for x in st.scheduled} for st in steps]
+    c_start = next(i for i, st in enumerate(ids) if "c" in st)
+    b_end = max(i for i, st in enumerate(ids) if "b" in st)
     assert c_start > b_end  # c waits for the whole first batch although a slot freed early
 
 
