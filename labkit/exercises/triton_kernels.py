@@ -1,0 +1,318 @@
+"""Exercises: Triton kernels — a vector-add warm-up, then paged-attention decode for one head.
+
+Without a GPU, Triton runs kernels through its interpreter (numpy on the CPU) when
+``TRITON_INTERPRET=1`` is set *before the kernel is defined* (``@triton.jit`` decides then).
+Importing this module sets it when there is no GPU, so import it first in the notebook.
+
+A real GPU does not tell you that a thread read past the end of a tensor: you get garbage or, much
+later, an illegal-address crash. Here every access is checked: each tensor handed to your kernel
+sits between guard zones, and the interpreter's load/store is wrapped so that an unmasked access
+outside every tensor is reported with the tensor it ran past and by how many elements.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from labkit.exercises.checks import CheckFailure, run_check
+
+
+def ensure_interpreter() -> bool:
+    """Select Triton's CPU interpreter when there is no GPU. Returns whether it is active."""
+    if torch.cuda.is_available():
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    os.environ["TRITON_INTERPRET"] = "1"
+    return True
+
+
+INTERPRETED = ensure_interpreter()
+DEVICE = "cpu" if INTERPRETED or not torch.cuda.is_available() else "cuda"
+
+CONTRACT_ADD = '''
+@triton.jit
+def add_kernel(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
+    """out[i] = x[i] + y[i] for i < n_elements. Launched with grid (cdiv(n_elements, BLOCK_SIZE),):
+    program p handles elements p*BLOCK_SIZE ... p*BLOCK_SIZE + BLOCK_SIZE - 1. n_elements need not
+    be a multiple of BLOCK_SIZE: mask the tail."""
+'''
+
+CONTRACT_PAGED = '''
+@triton.jit
+def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+                           out_ptr, scale, max_blocks_per_seq,
+                           BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Decode attention for ONE head; one program per sequence (grid = (num_seqs,)).
+    q [num_seqs, HEAD_DIM]; k_cache, v_cache [num_blocks, BLOCK_SIZE, HEAD_DIM] (contiguous);
+    block_tables [num_seqs, max_blocks_per_seq] int32: logical block i of sequence s lives in
+    physical block block_tables[s, i]; context_lens [num_seqs] int32 (>= 1).
+    out[s] = softmax(scale * K_s @ q[s]) @ V_s over the context_lens[s] cached tokens of s,
+    K_s/V_s gathered through the block table. Slots past context_lens[s] hold garbage: mask them.
+    Use float32 math and an online softmax (running max and sum) over the blocks."""
+'''
+
+
+# ---- guarded buffers and the bounds checker -----------------------------------------------------
+GUARD = 64  # elements of guard zone on each side of every tensor
+
+
+def guarded(t: torch.Tensor, fill: float = float("nan")) -> torch.Tensor:
+    """A copy of ``t`` living inside a bigger buffer whose margins hold ``fill``."""
+    flat = t.contiguous().reshape(-1)
+    buf = torch.full((flat.numel() + 2 * GUARD,), fill, dtype=t.dtype, device=t.device) \
+        if t.is_floating_point() else torch.full((flat.numel() + 2 * GUARD,), -7777,
+                                                 dtype=t.dtype, device=t.device)
+    buf[GUARD:GUARD + flat.numel()] = flat
+    return buf[GUARD:GUARD + flat.numel()].view(t.shape)
+
+
+class OutOfBounds(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def bounds_checked(tensors: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Raise OutOfBounds on any unmasked interpreter load/store outside ``tensors``."""
+    if not INTERPRETED:
+        yield
+        return
+    import numpy as np
+    from triton.runtime import interpreter as interp
+
+    ranges = [(name, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), t.element_size(),
+               t.numel()) for name, t in tensors.items()]
+    starts = np.array([r[1] for r in ranges], dtype=np.uint64)
+    ends = np.array([r[2] for r in ranges], dtype=np.uint64)
+    builder = interp.InterpreterBuilder
+    orig_load, orig_store = builder.create_masked_load, builder.create_masked_store
+
+    def check(kind: str, ptrs: Any, mask: Any) -> None:
+        addr = np.asarray(ptrs.data, dtype=np.uint64).reshape(-1)
+        m = np.broadcast_to(np.asarray(mask.data, dtype=bool), np.shape(ptrs.data)).reshape(-1)
+        addr = addr[m]
+        if addr.size == 0:
+            return
+        inside = ((addr[:, None] >= starts[None, :]) & (addr[:, None] < ends[None, :])).any(1)
+        if inside.all():
+            return
+        bad = addr[~inside]
+        a = int(bad[0])
+        # name the tensor the pointer most likely came from: the closest start below it
+        below = [r for r in ranges if r[1] <= a]
+        name, start, _, size, numel = max(below, key=lambda r: r[1]) if below else \
+            min(ranges, key=lambda r: r[1])
+        offset = (a - start) // size if a >= start else -((start - a) // size)
+        raise OutOfBounds(f"{kind} at {name} + {offset} (element offset) but {name} has "
+                          f"{numel} elements (valid offsets 0..{numel - 1}); {bad.size} "
+                          f"out-of-bounds lane(s) in this access")
+
+    def load(self: Any, ptrs: Any, mask: Any, other: Any, *args: Any) -> Any:
+        check("load", ptrs, mask)
+        return orig_load(self, ptrs, mask, other, *args)
+
+    def store(self: Any, ptrs: Any, value: Any, mask: Any, *args: Any) -> Any:
+        check("store", ptrs, mask)
+        return orig_store(self, ptrs, value, mask, *args)
+
+    builder.create_masked_load, builder.create_masked_store = load, store
+    try:
+        yield
+    finally:
+        builder.create_masked_load, builder.create_masked_store = orig_load, orig_store
+
+
+def _find_oob(e: BaseException) -> str | None:
+    """The interpreter wraps exceptions raised inside a kernel; dig ours out."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OutOfBounds):
+            return str(e)
+        text = str(e)
+        if "OutOfBounds(" in text:
+            start = text.index("OutOfBounds(") + len("OutOfBounds(")
+            return text[start:].rstrip(")").strip("'\"")
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _launch(kernel: Any, grid: tuple, tensors: dict[str, torch.Tensor], args: list,
+            meta: dict, what: str) -> None:
+    if DEVICE == "cpu" and type(kernel).__name__ == "JITFunction":
+        raise CheckFailure(
+            "your kernel was compiled for a GPU, but there is none", show_values=False,
+            hint="import labkit.exercises.triton_kernels (it sets TRITON_INTERPRET=1) BEFORE "
+                 "defining the @triton.jit kernel; restart the kernel if triton was set up "
+                 "without it.")
+    if not hasattr(kernel, "__getitem__"):
+        raise CheckFailure("expected a @triton.jit function", expected="a triton kernel",
+                           actual=kernel, hint="decorate your kernel with @triton.jit.")
+    try:
+        with bounds_checked(tensors), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # numpy NaN noise from the interpreter
+            kernel[grid](*args, **meta)
+    except CheckFailure:
+        raise
+    except Exception as e:  # noqa: BLE001 - compile or launch errors in learner code
+        oob = _find_oob(e)
+        if oob is not None:
+            raise CheckFailure(f"out-of-bounds access: {oob}", inputs=what, show_values=False,
+                               hint="mask every tl.load / tl.store whose offsets can run past "
+                                    "the end (mask=offsets < n), or clamp the offsets.") from None
+        msg = str(e).strip().splitlines()
+        raise CheckFailure(f"launching your kernel failed: {type(e).__name__}: "
+                           f"{' '.join(msg[-3:]) if msg else ''}", inputs=what,
+                           show_values=False,
+                           hint="read the error: Triton names the line of the kernel.") from e
+
+
+# ---- vector add ---------------------------------------------------------------------------------
+def check_vector_add(add_kernel: Any) -> object:
+    def body() -> str:
+        g = torch.Generator().manual_seed(0)
+        for n, block in [(1024, 256), (100, 64), (1, 128), (4097, 1024)]:
+            x = guarded(torch.randn(n, generator=g).to(DEVICE))
+            y = guarded(torch.randn(n, generator=g).to(DEVICE))
+            out = guarded(torch.zeros(n, device=DEVICE))
+            grid = ((n + block - 1) // block,)
+            what = f"n_elements={n}, BLOCK_SIZE={block}, grid={grid}"
+            _launch(add_kernel, grid, {"x_ptr": x, "y_ptr": y, "out_ptr": out},
+                    [x, y, out, n], {"BLOCK_SIZE": block}, what)
+            expected = x + y
+            if not torch.allclose(out, expected):
+                i = int((~torch.isclose(out, expected)).nonzero()[0])
+                raise CheckFailure(f"wrong sum at element {i}", inputs=what,
+                                   expected=float(expected[i]), actual=float(out[i]),
+                                   hint="offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE); "
+                                        "every program must cover its own slice.")
+        return "correct on 4 sizes, every access in bounds. On to paged attention!"
+
+    return run_check("triton_vector_add", body)
+
+
+# ---- paged attention decode, one head -----------------------------------------------------------
+def reference_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Gather each sequence's K/V through its block table, then plain softmax attention."""
+    bs = k_cache.shape[1]
+    out = torch.empty_like(q, dtype=torch.float32)
+    for s in range(q.shape[0]):
+        n = int(context_lens[s])
+        blocks = block_tables[s, : (n + bs - 1) // bs].long()
+        k = k_cache[blocks].reshape(-1, k_cache.shape[-1])[:n].float()
+        v = v_cache[blocks].reshape(-1, v_cache.shape[-1])[:n].float()
+        out[s] = torch.softmax(scale * (k @ q[s].float()), dim=0) @ v
+    return out
+
+
+def _paged_case(seed: int, context_lens: list[int], block_size: int, head_dim: int,
+                shuffle: bool) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    num_seqs = len(context_lens)
+    max_blocks = max((n + block_size - 1) // block_size for n in context_lens) + 1
+    num_blocks = num_seqs * max_blocks + 3
+    physical = list(range(num_blocks))
+    if shuffle:
+        rng.shuffle(physical)
+    tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int32)
+    # unused blocks hold finite garbage; only slots past a context (in used blocks) hold NaN,
+    # so a NaN output means exactly "read past context_len"
+    k_cache = torch.randn(num_blocks, block_size, head_dim, generator=g) * 3
+    v_cache = torch.randn(num_blocks, block_size, head_dim, generator=g) * 3
+    it = iter(physical)
+    for s, n in enumerate(context_lens):
+        for i in range((n + block_size - 1) // block_size):
+            b = next(it)
+            tables[s, i] = b
+            filled = min(block_size, n - i * block_size)
+            k_cache[b, filled:] = float("nan")
+            v_cache[b, filled:] = float("nan")
+    q = torch.randn(num_seqs, head_dim, generator=g)
+    return {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": tables,
+            "context_lens": torch.tensor(context_lens, dtype=torch.int32),
+            "scale": head_dim ** -0.5, "max_blocks": max_blocks}
+
+
+PAGED_CASES = [  # (seed, context_lens, block_size, head_dim, shuffled block tables)
+    (0, [3], 4, 16, False),
+    (1, [4, 8], 4, 16, False),
+    (2, [5, 8, 13], 4, 16, True),
+    (3, [1, 17, 33, 40], 16, 32, True),
+]
+
+
+def check_paged_attention(paged_attention_kernel: Any) -> object:
+    def body() -> str:
+        for seed, lens, bs, d, shuffle in PAGED_CASES:
+            c = _paged_case(seed, lens, bs, d, shuffle)
+            t = {k: guarded(v.to(DEVICE)) for k, v in c.items()
+                 if isinstance(v, torch.Tensor)}
+            out = guarded(torch.zeros(len(lens), d, device=DEVICE))
+            tensors = {"q_ptr": t["q"], "k_cache_ptr": t["k_cache"],
+                       "v_cache_ptr": t["v_cache"], "block_tables_ptr": t["block_tables"],
+                       "context_lens_ptr": t["context_lens"], "out_ptr": out}
+            what = (f"context_lens={lens}, BLOCK_SIZE={bs}, HEAD_DIM={d}, block_tables="
+                    f"{c['block_tables'].tolist()}")
+            _launch(paged_attention_kernel, (len(lens),), tensors,
+                    [*tensors.values(), c["scale"], c["max_blocks"]],
+                    {"BLOCK_SIZE": bs, "HEAD_DIM": d}, what)
+            expected = reference_decode(c["q"], c["k_cache"], c["v_cache"], c["block_tables"],
+                                        c["context_lens"], c["scale"])
+            _cross_check_backend(c, expected)
+            got = out.float().cpu()
+            for s, n in enumerate(lens):
+                if torch.allclose(got[s], expected[s], atol=1e-4, rtol=1e-4):
+                    continue
+                if torch.isnan(got[s]).any():
+                    hint = ("NaN: you used K/V slots at positions >= context_len (the checker "
+                            "fills them with NaN). Mask them: scores of invalid positions must be "
+                            "-inf and their V loads masked (other=0).")
+                elif n > bs and (shuffle or _ignores_table(c, got)):
+                    hint = ("sequences spanning several blocks read the wrong blocks: look up "
+                            "the physical block with tl.load(block_tables_ptr + seq * "
+                            "max_blocks_per_seq + i); logical block i is not physical block i.")
+                else:
+                    hint = ("compare with softmax(scale * K @ q) @ V; with an online softmax, "
+                            "rescale the running sum and accumulator by exp(m_old - m_new) "
+                            "when the max grows.")
+                raise CheckFailure(f"wrong output for sequence {s} (context_len {n})",
+                                   inputs=what, expected=expected[s], actual=got[s], hint=hint)
+        return ("paged decode attention matches the reference through shuffled block tables, "
+                "every access in bounds. This is the kernel vLLM's PagedAttention is built on.")
+
+    return run_check("triton_paged_attention", body)
+
+
+def _ignores_table(c: dict[str, Any], got: torch.Tensor) -> bool:
+    """Does the output match attention over blocks s*max_blocks+i, i.e. no table lookup?"""
+    num_seqs, max_blocks = c["block_tables"].shape
+    naive = torch.arange(num_seqs * max_blocks, dtype=torch.int32).reshape(num_seqs, max_blocks)
+    naive = naive.clamp(max=c["k_cache"].shape[0] - 1)
+    with torch.no_grad():
+        guess = reference_decode(c["q"], c["k_cache"], c["v_cache"], naive, c["context_lens"],
+                                 c["scale"])
+    return bool(torch.allclose(guess, got, atol=1e-4, rtol=1e-4, equal_nan=True))
+
+
+def _cross_check_backend(c: dict[str, Any], expected: torch.Tensor) -> None:
+    """Where labkit's torch attention backend exists, it must agree with this reference."""
+    try:
+        from labkit.kv.attention import get_attention_backend
+    except ImportError:
+        return
+    backend = get_attention_backend("torch")
+    theirs = backend.decode(c["q"][:, None, :], c["k_cache"][:, :, None, :],
+                            c["v_cache"][:, :, None, :], c["block_tables"], c["context_lens"],
+                            c["scale"])[:, 0, :]
+    if not torch.allclose(theirs.float(), expected, atol=1e-4, rtol=1e-4):
+        raise RuntimeError("labkit.kv.attention's torch decode disagrees with the exercise "
+                           "reference: a labkit bug, please report it")
+
