@@ -1,0 +1,59 @@
+"""Tiny random target / draft models with one vocabulary, so tests need no shipped checkpoint."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from labkit.model.config import ModelConfig
+from labkit.model.llama import LlamaForCausalLM
+
+VOCAB = 128
+
+
+def tiny_config(**kw) -> ModelConfig:
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=256)
+    return ModelConfig(**{**base, **kw})
+
+
+def build(seed: int, **kw) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(tiny_config(**kw)).eval()
+
+
+def noisy_copy(model: LlamaForCausalLM, scale: float, seed: int) -> LlamaForCausalLM:
+    """A draft that agrees with the target often but not always (partial acceptance)."""
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std().clamp_min(1e-3))
+    return draft
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models run fastest on one thread; two threads on a busy 2-core box are 50x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def target() -> LlamaForCausalLM:
+    return build(0)
+
+
+@pytest.fixture(scope="session")
+def drafts(target) -> dict[str, LlamaForCausalLM]:
+    return {
+        "noisy": noisy_copy(target, 0.3, seed=1),
+        "small": build(2, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1),
+        "self": target,
+    }
