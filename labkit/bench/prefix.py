@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     payload = run(args.model, quick=args.quick, seed=args.seed)
     off = payload["real"][0]
     print(f"\n{payload['model']} on CPU: {off['num_prompts']} prompts of "
-          f"{off['prompt_len_mean']:.0f} tokens on average, {off['shared_prefix_len']} of them a shared system prompt "
+          f"{off['prompt_len_mean']:.0f} tokens on average, {off['shared_prefix_len']} of them "
+          "a shared system prompt "
           f"({payload['shared_prefix_fraction']:.0%})")
     print_table(payload["real"])
     print("\nsimulated Llama-2-7B on A100-80GB, 1,024-token shared prefix, Poisson arrivals")
