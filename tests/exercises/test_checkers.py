@@ -1,0 +1,155 @@
+"""Every reference solution passes its checker; every deliberately wrong one is caught with a
+message that names the mistake (negative controls)."""
+
+import pytest
+
+from labkit.exercises import (
+    allocator,
+    kv_size,
+    latency,
+    prefix_cache,
+    quantization,
+    scheduler_step,
+    speculative,
+)
+from labkit.exercises import solutions as S
+from labkit.exercises import wrong as W
+
+PASSING = [
+    ("kv_cache_bytes", lambda: kv_size.check(S.kv_cache_bytes)),
+    ("block_allocator", lambda: allocator.check(S.BlockAllocator)),
+    ("block_hashes", lambda: prefix_cache.check_hashes(S.block_hashes)),
+    ("longest_cached_prefix", lambda: prefix_cache.check_lookup(S.longest_cached_prefix)),
+    ("schedule_step", lambda: scheduler_step.check(S.schedule_step)),
+    ("latency_metrics", lambda: latency.check(S.latency_metrics)),
+    ("int8", lambda: quantization.check_int8(S.quantize_int8_per_channel, S.dequantize_int8)),
+    ("int4", lambda: quantization.check_int4(S.quantize_int4_groupwise,
+                                             S.dequantize_int4_groupwise)),
+    ("nf4", lambda: quantization.check_nf4(S.nf4_quantize, S.nf4_dequantize)),
+    ("spec_accept", lambda: speculative.check_accept(S.accept_or_resample)),
+    ("spec_speedup", lambda: speculative.check_speedup(S.expected_tokens_per_step,
+                                                       S.expected_speedup)),
+]
+
+
+@pytest.mark.parametrize("name,run", PASSING, ids=[p[0] for p in PASSING])
+def test_reference_solution_passes(name, run, capsys):
+    result = run()
+    assert result.passed, result.message
+    assert result.message.startswith("✓")
+    assert "✓" in capsys.readouterr().out
+
+
+# (checker call, substrings the failure message must contain)
+WRONG = [
+    ("kv: query heads", lambda: kv_size.check(W.kv_bytes_uses_query_heads),
+     ["num_kv_heads", "expected: 536870912", "actual:   2147483648"]),
+    ("kv: forgets V", lambda: kv_size.check(W.kv_bytes_forgets_v), ["factor 2"]),
+    ("kv: assumes fp16", lambda: kv_size.check(W.kv_bytes_assumes_fp16),
+     ["torch.float32 takes 4 byte(s)"]),
+    ("alloc: no ref decrement", lambda: allocator.check(W.AllocatorNoRefDecrement),
+     ["ref_count(", "fork('", "free('"]),
+    ("alloc: off by one", lambda: allocator.check(W.AllocatorOffByOne),
+     ["len(block_table(", "ceil(n / block_size)"]),
+    ("alloc: no copy-on-write", lambda: allocator.check(W.AllocatorNoCopyOnWrite),
+     ["append_token(", "copy-on-write"]),
+    ("alloc: partial allocation on OOM", lambda: allocator.check(W.AllocatorPartialOnOOM),
+     ["-> MemoryError", "num_free_blocks()"]),
+    ("hash: not chained", lambda: prefix_cache.check_hashes(W.hashes_not_chained),
+     ["should NOT share", "chain the parent key"]),
+    ("hash: ignores salt", lambda: prefix_cache.check_hashes(W.hashes_ignore_salt),
+     ["salts differ", "tenant"]),
+    ("hash: partial block", lambda: prefix_cache.check_hashes(W.hashes_include_partial_block),
+     ["wrong number of keys", "FULL block"]),
+    ("lookup: skips holes", lambda: prefix_cache.check_lookup(W.lookup_skips_holes),
+     ["expected: [7]", "actual:   [7, 3]", "first key that is not cached"]),
+    ("lookup: reuses everything", lambda: prefix_cache.check_lookup(W.lookup_reuses_everything),
+     ["at least one token", "expected: [5]"]),
+    ("sched: prefill first", lambda: scheduler_step.check(W.schedule_prefill_first),
+     ["decodes come first", "expected: {'b': 1, 'a': 3}"]),
+    ("sched: no chunking", lambda: scheduler_step.check(W.schedule_no_chunking),
+     ["chunked prefill", "'w0': 7"]),
+    ("sched: max seqs", lambda: scheduler_step.check(W.schedule_max_seqs_off_by_one),
+     ["max_num_seqs"]),
+    ("latency: tpot / n", lambda: latency.check(W.latency_tpot_divides_by_n),
+     ["wrong tpot mean", "len(token_times) - 1"]),
+    ("latency: nearest rank", lambda: latency.check(W.latency_nearest_rank_p99),
+     ["wrong ttft p99", "interpolate linearly"]),
+    ("latency: ttft from scheduling", lambda: latency.check(W.latency_ttft_from_scheduling),
+     ["wrong ttft", "from arrival"]),
+    ("int8: /128", lambda: quantization.check_int8(W.int8_scale_128, S.dequantize_int8),
+     ["wrong scale for row", "127"]),
+    ("int8: per tensor", lambda: quantization.check_int8(W.int8_per_tensor, S.dequantize_int8),
+     ["wrong scale", "per row"]),
+    ("int8: truncation", lambda: quantization.check_int8(W.int8_truncates, S.dequantize_int8),
+     ["wrong code at", "round to nearest"]),
+    ("int4: range without 0",
+     lambda: quantization.check_int4(W.int4_range_without_zero, S.dequantize_int4_groupwise),
+     ["wrong scale for row", "range must include 0"]),
+    ("int4: no clamp",
+     lambda: quantization.check_int4(W.int4_no_clamp, S.dequantize_int4_groupwise),
+     ["wrong code at", "clamp(round(w / scale) + zero, 0, 15)"]),
+    ("int4: dequant wrong group",
+     lambda: quantization.check_int4(S.quantize_int4_groupwise, W.dequantize_int4_wrong_group),
+     ["dequantize_int4_groupwise is wrong", "first difference at index"]),
+    ("nf4: floor", lambda: quantization.check_nf4(W.nf4_quantize_floor, S.nf4_dequantize),
+     ["not the nearest level"]),
+    ("nf4: wrong block", lambda: quantization.check_nf4(S.nf4_quantize,
+                                                        W.nf4_dequantize_wrong_block),
+     ["wrong lookup", "first difference at index", "i // blocksize"]),
+    ("spec: deterministic accept", lambda: speculative.check_accept(W.accept_if_p_greater),
+     ["never accepted", "u < p[x] / q[x]"]),
+    ("spec: resample p", lambda: speculative.check_accept(W.resample_from_p),
+     ["do not follow p", "chi-square", "max(0, p - q)"]),
+    ("spec: resample q", lambda: speculative.check_accept(W.resample_from_q),
+     ["do not follow p", "max(0, p - q)"]),
+    ("speedup: exponent", lambda: speculative.check_speedup(W.tokens_per_step_exponent_gamma,
+                                                            S.expected_speedup),
+     ["exponent is gamma + 1", "expected: 1.3"]),
+    ("speedup: alpha 1", lambda: speculative.check_speedup(W.tokens_per_step_no_alpha_one,
+                                                           S.expected_speedup),
+     ["alpha = 1", "actual:   nan"]),
+    ("speedup: no target cost", lambda: speculative.check_speedup(S.expected_tokens_per_step,
+                                                                  W.speedup_forgets_target),
+     ["wrong expected speed-up", "gamma * c + 1"]),
+]
+
+
+@pytest.mark.parametrize("name,run,needles", WRONG, ids=[w[0] for w in WRONG])
+def test_wrong_solution_caught(name, run, needles):
+    result = run()
+    assert not result.passed
+    assert result.message.startswith("✗"), result.message
+    for needle in needles:
+        assert needle in result.message, f"{needle!r} not in:\n{result.message}"
+
+
+def test_not_implemented_is_reported_kindly():
+    def kv_cache_bytes(*args, **kwargs):
+        raise NotImplementedError
+
+    result = kv_size.check(kv_cache_bytes)
+    assert not result.passed and "not implemented yet" in result.message
+
+
+def test_learner_crash_names_the_input():
+    def kv_cache_bytes(num_layers, num_attention_heads, num_kv_heads, head_dim, seq_len,
+                       batch_size, dtype):
+        return 2 * num_layers * num_kv_heads * head_dim * seq_len * batch_size * dtype.itemsize_x
+
+    result = kv_size.check(kv_cache_bytes)
+    assert "raised AttributeError" in result.message
+    assert "kv_cache_bytes(num_layers=32" in result.message
+
+
+def test_strict_mode_raises(monkeypatch):
+    monkeypatch.setenv("LABKIT_STRICT_CHECKS", "1")
+    with pytest.raises(AssertionError, match="num_kv_heads"):
+        kv_size.check(W.kv_bytes_uses_query_heads)
+
+
+def test_allocator_checker_uses_many_copy_on_writes():
+    """The random operation sequences must actually exercise fork + copy-on-write and OOM."""
+    result = allocator.check(S.BlockAllocator)
+    n_cow = int(result.message.split("(")[1].split(" copy-on-writes")[0])
+    assert n_cow >= 20
