@@ -42,51 +42,21 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
 @triton.jit
-def _accumulate(acc, x_ptr, stride_xm, offs_m, offs_k, M, K, w,
-                BLOCK_M: tl.constexpr, DOT_FP32: tl.constexpr):
-    """acc += x[offs_m, offs_k] @ w, or the GEMV form when BLOCK_M == 1."""
-    k_mask = offs_k < K
-    if BLOCK_M == 1:
-        x = tl.load(x_ptr + offs_m * stride_xm + offs_k, mask=k_mask, other=0.0)  # row m < M
-        acc += x.to(tl.float32)[:, None] * w.to(tl.float32)
-    else:
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=(offs_m[:, None] < M) & k_mask[None, :], other=0.0)
-        if DOT_FP32:
-            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(x, w.to(x.dtype))
-    return acc
+def _dot_accumulate(acc, x_ptr, stride_xm, offs_m, offs_k, M, K, w, DOT_FP32: tl.constexpr):
+    """acc[BLOCK_M, BLOCK_N] += x[offs_m, offs_k] @ w[BLOCK_K, BLOCK_N] on the tensor cores."""
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+    if DOT_FP32:
+        return acc + tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+    return acc + tl.dot(x, w.to(x.dtype))
 
 
 @triton.jit
-def _store(out_ptr, stride_om, acc, offs_m, offs_n, M, N,
-           BLOCK_M: tl.constexpr, ATOMIC: tl.constexpr):
-    n_mask = offs_n < N
-    if BLOCK_M == 1:
-        y = tl.sum(acc, 0)
-        ptrs = out_ptr + offs_m * stride_om + offs_n
-        mask = n_mask  # one program per row: offs_m < M always
-    else:
-        y = acc
-        ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-        mask = (offs_m[:, None] < M) & n_mask[None, :]
+def _write(out_ptr, offs, y, mask, ATOMIC: tl.constexpr):
     if ATOMIC:
-        tl.atomic_add(ptrs, y, mask=mask)
+        tl.atomic_add(out_ptr + offs, y, mask=mask)
     else:
-        tl.store(ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _program_coords(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if BLOCK_M == 1:
-        offs_m = tl.program_id(1)
-        acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
-    else:
-        offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    return offs_m, offs_n, acc
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -95,32 +65,50 @@ def _gptq_kernel(
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    offs_m, offs_n, acc = _program_coords(BLOCK_M, BLOCK_N, BLOCK_K)
+    pid_m = tl.program_id(1)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
+    rows8 = tl.arange(0, BLOCK_K // 8)
     shifts = tl.arange(0, 8) * 4
     z_shift = (offs_n % 8) * 4
+    if BLOCK_M == 1:  # GEMV: keep the [BLOCK_K/8, 8, BLOCK_N] shape, reduce over K at the end
+        acc = tl.zeros([BLOCK_K // 8, 8, BLOCK_N], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(tl.program_id(2) * BLOCK_K, K, BLOCK_K * split_k):
-        offs_kp = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        offs_kp = k0 // 8 + rows8
         qw = tl.load(qw_ptr + offs_kp[:, None] * N + offs_n[None, :],
                      mask=(offs_kp[:, None] < K // 8) & n_mask[None, :], other=0)
-        q = tl.reshape((qw[:, None, :] >> shifts[None, :, None]) & 0xF, [BLOCK_K, BLOCK_N])
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+        q = (qw[:, None, :] >> shifts[None, :, None]) & 0xF  # [BK/8, 8, BN]: row k0 + 8i + j
+        offs_k2 = k0 + 8 * rows8[:, None] + tl.arange(0, 8)[None, :]
         if GROUP_SIZE > 0:  # g_idx == k // GROUP_SIZE and BLOCK_K divides it: one group
             g = k0 // GROUP_SIZE
             s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0)
             qz = tl.load(qz_ptr + g * (N // 8) + offs_n // 8, mask=n_mask, other=0)
             z = ((qz >> z_shift) & 0xF) + 1
-            w = (q - z[None, :]).to(tl.float32) * s.to(tl.float32)[None, :]
+            w = (q - z[None, None, :]).to(tl.float32) * s.to(tl.float32)[None, None, :]
         else:  # act-order: every row of the tile may belong to another group
-            g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0)
-            s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0.0)
-            qz = tl.load(qz_ptr + g[:, None] * (N // 8) + (offs_n // 8)[None, :],
-                         mask=n_mask[None, :], other=0)
-            z = ((qz >> z_shift[None, :]) & 0xF) + 1
+            g = tl.load(g_ptr + offs_k2, mask=offs_k2 < K, other=0)[:, :, None]
+            s = tl.load(s_ptr + g * N + offs_n[None, None, :], mask=n_mask[None, None, :],
+                        other=0.0)
+            qz = tl.load(qz_ptr + g * (N // 8) + (offs_n // 8)[None, None, :],
+                         mask=n_mask[None, None, :], other=0)
+            z = ((qz >> z_shift[None, None, :]) & 0xF) + 1
             w = (q - z).to(tl.float32) * s.to(tl.float32)
         w = w.to(s_ptr.dtype.element_ty)  # W in fp16, exactly as the reference rounds it
-        acc = _accumulate(acc, x_ptr, stride_xm, offs_m, offs_k, M, K, w, BLOCK_M, DOT_FP32)
-    _store(out_ptr, stride_om, acc, offs_m, offs_n, M, N, BLOCK_M, ATOMIC)
+        if BLOCK_M == 1:
+            x = tl.load(x_ptr + pid_m * stride_xm + offs_k2, mask=offs_k2 < K, other=0.0)
+            acc += x.to(tl.float32)[:, :, None] * w.to(tl.float32)
+        else:
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            acc = _dot_accumulate(acc, x_ptr, stride_xm, offs_m, k0 + tl.arange(0, BLOCK_K),
+                                  M, K, tl.reshape(w, [BLOCK_K, BLOCK_N]), DOT_FP32)
+    if BLOCK_M == 1:
+        _write(out_ptr, pid_m * stride_om + offs_n, tl.sum(tl.sum(acc, 0), 0), n_mask, ATOMIC)
+    else:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        _write(out_ptr, offs_m[:, None] * stride_om + offs_n[None, :], acc,
+               (offs_m[:, None] < M) & n_mask[None, :], ATOMIC)
 
 
 @triton.jit
@@ -129,25 +117,42 @@ def _awq_kernel(
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    offs_m, offs_n, acc = _program_coords(BLOCK_M, BLOCK_N, BLOCK_K)
-    n_mask = offs_n < N
+    pid_m = tl.program_id(1)
     offs_np = tl.program_id(0) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
-    np_mask = offs_np < N // 8
     col = tl.arange(0, 8)
+    offs_n2 = offs_np[:, None] * 8 + col[None, :]  # [BN/8, 8]: output column 8p + c
+    np_mask = offs_np < N // 8
+    n_mask2 = offs_n2 < N
     shifts = ((col % 2) * 4 + col // 2) * 4  # column c sits in nibble AWQ_ORDER.index(c)
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_K, BLOCK_N // 8, 8], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(tl.program_id(2) * BLOCK_K, K, BLOCK_K * split_k):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         qw = tl.load(qw_ptr + offs_k[:, None] * (N // 8) + offs_np[None, :],
                      mask=(offs_k[:, None] < K) & np_mask[None, :], other=0)
-        q = tl.reshape((qw[:, :, None] >> shifts[None, None, :]) & 0xF, [BLOCK_K, BLOCK_N])
+        q = (qw[:, :, None] >> shifts[None, None, :]) & 0xF  # [BK, BN/8, 8]
         g = k0 // GROUP_SIZE
         qz = tl.load(qz_ptr + g * (N // 8) + offs_np, mask=np_mask, other=0)
-        z = tl.reshape((qz[:, None] >> shifts[None, :]) & 0xF, [BLOCK_N])
-        s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0)
-        w = ((q - z[None, :]).to(tl.float32) * s.to(tl.float32)[None, :])
+        z = (qz[:, None] >> shifts[None, :]) & 0xF  # [BN/8, 8]
+        s = tl.load(s_ptr + g * N + offs_n2, mask=n_mask2, other=0.0)
+        w = ((q - z[None, :, :]).to(tl.float32) * s.to(tl.float32)[None, :, :])
         w = w.to(s_ptr.dtype.element_ty)
-        acc = _accumulate(acc, x_ptr, stride_xm, offs_m, offs_k, M, K, w, BLOCK_M, DOT_FP32)
-    _store(out_ptr, stride_om, acc, offs_m, offs_n, M, N, BLOCK_M, ATOMIC)
+        if BLOCK_M == 1:
+            x = tl.load(x_ptr + pid_m * stride_xm + offs_k, mask=offs_k < K, other=0.0)
+            acc += x.to(tl.float32)[:, None, None] * w.to(tl.float32)
+        else:
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            acc = _dot_accumulate(acc, x_ptr, stride_xm, offs_m, offs_k, M, K,
+                                  tl.reshape(w, [BLOCK_K, BLOCK_N]), DOT_FP32)
+    if BLOCK_M == 1:
+        _write(out_ptr, pid_m * stride_om + offs_n2, tl.sum(acc, 0), n_mask2, ATOMIC)
+    else:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        _write(out_ptr, offs_m[:, None] * stride_om + offs_n[None, :], acc,
+               (offs_m[:, None] < M) & (offs_n[None, :] < N), ATOMIC)
 
 
 @triton.jit
@@ -156,17 +161,31 @@ def _w8a16_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ATOMIC: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    offs_m, offs_n, acc = _program_coords(BLOCK_M, BLOCK_N, BLOCK_K)
+    pid_m = tl.program_id(1)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(tl.program_id(2) * BLOCK_K, K, BLOCK_K * split_k):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(qw_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None],
                     mask=(offs_k[:, None] < K) & n_mask[None, :], other=0)
         w = w.to(tl.float16)  # int8 -> fp16 is exact; the scale is applied to the output
-        acc = _accumulate(acc, x_ptr, stride_xm, offs_m, offs_k, M, K, w, BLOCK_M, DOT_FP32)
+        if BLOCK_M == 1:
+            x = tl.load(x_ptr + pid_m * stride_xm + offs_k, mask=offs_k < K, other=0.0)
+            acc += x.to(tl.float32)[:, None] * w.to(tl.float32)
+        else:
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            acc = _dot_accumulate(acc, x_ptr, stride_xm, offs_m, offs_k, M, K, w, DOT_FP32)
     s = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    acc = acc * s[None, :]  # [BLOCK_K or BLOCK_M, BLOCK_N]: the scale is per column either way
-    _store(out_ptr, stride_om, acc, offs_m, offs_n, M, N, BLOCK_M, ATOMIC)
+    if BLOCK_M == 1:
+        _write(out_ptr, pid_m * stride_om + offs_n, tl.sum(acc, 0) * s, n_mask, ATOMIC)
+    else:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        _write(out_ptr, offs_m[:, None] * stride_om + offs_n[None, :], acc * s[None, :],
+               (offs_m[:, None] < M) & n_mask[None, :], ATOMIC)
 
 
 def default_config(m: int, n: int, k: int) -> dict[str, int]:

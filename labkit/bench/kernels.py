@@ -1,0 +1,504 @@
+"""``labkit bench kernels``: check every Triton kernel at real sizes, then time it on a GPU.
+
+Each number sits beside its ceiling or baseline measured in the same run: the device's copy
+bandwidth for memory-bound kernels (paged decode, reshape_and_cache, NF4, norms), PyTorch SDPA on
+the same KV gathered into contiguous tensors for attention, fp16 ``F.linear`` for dequant-matmul.
+Times are medians from ``triton.testing.do_bench`` (it flushes L2 before every call). Writes
+JSON and a markdown table (default ``datasets/results/kernels.json`` / ``.md``).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from labkit.bench.common import bench_parser, environment, print_table, write_json
+
+DEFAULT_JSON = Path(__file__).resolve().parents[2] / "datasets" / "results" / "kernels.json"
+
+FULL = {
+    "copy_bytes": 2 << 30,
+    "decode": [(b, c) for b in (1, 16, 64) for c in (512, 4096, 16384)],
+    "heads": (32, 8, 128), "block_size": 16,
+    "prefill": [(4, 1024, 1024), (1, 4096, 4096), (4, 512, 4096)],  # seqs, q_len, ctx_len
+    "dequant": [(m, k) for k in (4096, 8192) for m in (1, 16, 128)],
+    "group_size": 128, "nf4": (8192, 8192), "cache_tokens": 8192, "norm": (8192, 4096),
+    "check": {"decode": (16, 4096), "prefill": (3, 300, 1000), "dequant": (16, 4096)},
+}
+# Tiny sizes: lets the tests drive every code path on CPU under the interpreter.
+SMOKE = {
+    "copy_bytes": 1 << 16, "decode": [(2, 40)], "heads": (4, 2, 16), "block_size": 16,
+    "prefill": [(2, 20, 20), (1, 8, 40)], "dequant": [(1, 64), (16, 64)], "group_size": 32,
+    "nf4": (8, 64), "cache_tokens": 16, "norm": (4, 64),
+    "check": {"decode": (2, 40), "prefill": (2, 9, 30), "dequant": (3, 64)},
+}
+# Extra tile configs tried for the small-M dequant cases; the best is reported with its config.
+SWEEP = {
+    1: [{"BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 4},
+        {"BLOCK_M": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 2, "num_warps": 4},
+        {"BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 4, "num_warps": 4},
+        {"BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 8, "num_warps": 2}],
+    16: [{"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 4},
+         {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 2, "num_warps": 4}],
+}
+
+
+def _timer() -> Callable[[Callable[[], Any]], float]:
+    """Median milliseconds of fn: do_bench on a GPU, a plain wall clock elsewhere (smoke only)."""
+    if torch.cuda.is_available():
+        import triton.testing
+
+        return lambda fn: float(triton.testing.do_bench(fn, warmup=10, rep=40,
+                                                        return_mode="median"))
+
+    def wall(fn: Callable[[], Any]) -> float:
+        fn()
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+
+    return wall
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _paged_setup(num_seqs: int, ctx: int, heads: tuple[int, int, int], block_size: int,
+                 dtype: torch.dtype, device: str, gen: torch.Generator,
+                 q_tokens: int | None = None):
+    """Random caches with every sequence's blocks at shuffled physical places."""
+    hq, hkv, d = heads
+    per_seq = math.ceil(ctx / block_size)
+    num_blocks = num_seqs * per_seq + 3
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen, device=device,
+                          dtype=torch.float32).to(dtype)
+    v_cache = torch.randn_like(k_cache, dtype=torch.float32).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen, device=device)[: num_seqs * per_seq]
+    block_tables = perm.view(num_seqs, per_seq).to(torch.int32)
+    context_lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device=device)
+    q = torch.randn(q_tokens or num_seqs, hq, d, generator=gen, device=device).to(dtype)
+    return q, k_cache, v_cache, block_tables, context_lens
+
+
+def _gathered(cache: torch.Tensor, block_tables: torch.Tensor, ctx: int) -> torch.Tensor:
+    """[B, Hkv, ctx, D] contiguous copy, the layout SDPA wants."""
+    b = block_tables.shape[0]
+    blocks = cache[block_tables.long()]  # [B, per_seq, bs, Hkv, D]
+    return blocks.reshape(b, -1, *cache.shape[2:])[:, :ctx].transpose(1, 2).contiguous()
+
+
+def _sdpa(q, k, v, **kw):
+    try:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+    except TypeError:  # torch without enable_gqa
+        rep = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1),
+                                              v.repeat_interleave(rep, 1), **kw)
+
+
+class Bench:
+    """Collects checks and results; each section runs guarded so one failure costs one row."""
+
+    def __init__(self, sizes: dict, device: str, seed: int = 0):
+        self.sizes, self.device = sizes, device
+        self.gen = torch.Generator(device=device).manual_seed(seed)
+        self.time = _timer()
+        self.copy_gbps: float | None = None
+        self.checks: list[dict] = []
+        self.results: list[dict] = []
+        self.errors: list[dict] = []
+
+    def guarded(self, name: str, fn: Callable[[], None]) -> None:
+        t = time.perf_counter()
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - report and carry on with the other sections
+            self.errors.append({"section": name, "error": repr(e),
+                                "traceback": traceback.format_exc(limit=6)})
+            print(f"[{name}] FAILED: {e!r}", flush=True)
+        print(f"[{name}] {time.perf_counter() - t:.1f}s", flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def check(self, kernel: str, shape: str, err: float, tol: float) -> None:
+        ok = err <= tol
+        self.checks.append({"kernel": kernel, "shape": shape, "rel_err": err, "tol": tol,
+                            "ok": ok})
+        print(f"  check {kernel:28s} {shape:34s} rel_err {err:.2e} (tol {tol:.0e}) "
+              f"{'ok' if ok else 'FAIL'}", flush=True)
+
+    def add(self, kernel: str, shape: str, ms: float, baseline: str | None = None,
+            baseline_ms: float | None = None, nbytes: float | None = None,
+            flops: float | None = None, **extra: Any) -> None:
+        row: dict[str, Any] = {"kernel": kernel, "shape": shape, "ms": ms}
+        if nbytes is not None:
+            row["achieved_gbps"] = nbytes / ms / 1e6
+            if self.copy_gbps:
+                row["ratio_to_copy_bandwidth"] = row["achieved_gbps"] / self.copy_gbps
+        if flops is not None:
+            row["tflops"] = flops / ms / 1e9
+        if baseline_ms is not None:
+            row.update(baseline=baseline, baseline_ms=baseline_ms,
+                       speedup_vs_baseline=baseline_ms / ms)
+        row.update(extra)
+        self.results.append(row)
+        print("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                               for k, v in row.items()), flush=True)
+
+    def payload(self) -> dict[str, Any]:
+        dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+        return {"device": dev, "copy_gbps": self.copy_gbps, "checks": self.checks,
+                "results": self.results, "errors": self.errors, "targets": targets(self),
+                "environment": environment()}
+
+
+def targets(b: Bench) -> list[dict]:
+    """The issue's two targets, judged from this run's own rows."""
+    out = []
+    for r in b.results:
+        if r["kernel"] == "paged_attention_decode" and r["shape"].startswith("B=64 ctx=4096 "):
+            out.append({"target": "paged decode >= 80% of copy bandwidth at B=64 x 4096",
+                        "value": r.get("ratio_to_copy_bandwidth"),
+                        "met": (r.get("ratio_to_copy_bandwidth") or 0) >= 0.8})
+        if (r["kernel"] in ("gptq_matmul", "awq_matmul")
+                and r["shape"] == "M=1 K=8192 N=8192"):
+            out.append({"target": f"{r['kernel']} >= 2.5x fp16 at M=1 K=N=8192",
+                        "value": r.get("speedup_vs_baseline"),
+                        "met": (r.get("speedup_vs_baseline") or 0) >= 2.5})
+    return out
+
+
+def to_markdown(payload: dict[str, Any]) -> str:
+    """The report as markdown: targets, checks, then one table of results."""
+    lines = [f"# labkit bench kernels — {payload['device']}", "",
+             f"Copy bandwidth (device-to-device, read + write): "
+             f"**{(payload['copy_gbps'] or 0):.0f} GB/s**. Times are do_bench medians (ms).", ""]
+    if payload["targets"]:
+        lines += ["| target | value | met |", "|---|---|---|"]
+        for t in payload["targets"]:
+            value = "" if t["value"] is None else f"{t['value']:.3g}"
+            lines.append(f"| {t['target']} | {value} | {'yes' if t['met'] else 'no'} |")
+        lines.append("")
+    bad = [c for c in payload["checks"] if not c["ok"]]
+    lines.append(f"Correctness checks: {len(payload['checks']) - len(bad)}/"
+                 f"{len(payload['checks'])} within tolerance" + (
+                     ": FAILED " + ", ".join(f"{c['kernel']} {c['shape']}" for c in bad)
+                     if bad else "."))
+    lines += ["", "| kernel | shape | ms | GB/s | of copy BW | TFLOP/s | baseline | baseline ms "
+              "| speedup |", "|---|---|---|---|---|---|---|---|---|"]
+
+    def f(v: Any, fmt: str) -> str:
+        return "" if v is None else format(v, fmt)
+
+    for r in payload["results"]:
+        lines.append(
+            f"| {r['kernel']} | {r['shape']} | {f(r['ms'], '.4f')} | "
+            f"{f(r.get('achieved_gbps'), '.0f')} | {f(r.get('ratio_to_copy_bandwidth'), '.0%')} | "
+            f"{f(r.get('tflops'), '.1f')} | {r.get('baseline', '')} | "
+            f"{f(r.get('baseline_ms'), '.4f')} | {f(r.get('speedup_vs_baseline'), '.2f')} |")
+    for e in payload["errors"]:
+        lines.append(f"\nSection `{e['section']}` failed: `{e['error']}`")
+    return "\n".join(lines) + "\n"
+
+
+BF16 = torch.bfloat16
+
+
+def _randint32(b: Bench, *shape: int) -> torch.Tensor:
+    return torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, device=b.device,
+                         generator=b.gen)
+
+
+def sec_copy(b: Bench) -> None:
+    src = torch.empty(b.sizes["copy_bytes"] // 2, dtype=BF16, device=b.device)
+    src.normal_(generator=b.gen)
+    dst = torch.empty_like(src)
+    ms = b.time(lambda: dst.copy_(src))
+    nbytes = 2 * src.numel() * src.element_size()
+    b.copy_gbps = nbytes / ms / 1e6
+    b.add("copy (torch, d2d)", f"{src.numel() * 2 >> 20} MiB", ms, nbytes=nbytes)
+
+
+def sec_checks(b: Bench) -> None:
+    """Every kernel against its plain-PyTorch reference at one realistic size, fresh inputs."""
+    from labkit.kernels import dequant_matmul as dq
+    from labkit.kernels import nf4, paged_attention, paged_prefill, rms_norm, rotary_embedding
+    from labkit.kernels import reshape_and_cache as rc
+
+    hq, hkv, d = b.sizes["heads"]
+    bs = b.sizes["block_size"]
+    nseq, ctx = b.sizes["check"]["decode"]
+    q, kc, vc, bt, _ = _paged_setup(nseq, ctx, (hq, hkv, d), bs, BF16, b.device, b.gen)
+    lens = torch.randint(1, ctx + 1, (nseq,), generator=b.gen, device=b.device).int()
+    ref = paged_attention.paged_attention_decode_ref(q, kc, vc, bt, lens, d**-0.5)
+    for splits in (1, None):
+        out = paged_attention.paged_attention_decode(q, kc, vc, bt, lens, d**-0.5, splits)
+        b.check(f"paged_attention_decode split={splits or 'auto'}", f"B={nseq} ctx<={ctx} bf16",
+                _rel_err(out, ref), 1e-2)
+    nseq, qlen, ctx = b.sizes["check"]["prefill"]
+    q, kc, vc, bt, _ = _paged_setup(nseq, ctx, (hq, hkv, d), bs, BF16, b.device, b.gen,
+                                    q_tokens=nseq * qlen)
+    qsl = torch.arange(nseq + 1, device=b.device, dtype=torch.int32) * qlen
+    lens = torch.tensor([ctx - i * (ctx - qlen) // max(nseq - 1, 1) for i in range(nseq)],
+                        dtype=torch.int32, device=b.device)
+    out = paged_prefill.paged_prefill_attention(q, kc, vc, bt, qsl, lens, d**-0.5)
+    ref = paged_prefill.paged_prefill_attention_ref(q, kc, vc, bt, qsl, lens, d**-0.5)
+    b.check("paged_prefill_attention", f"{nseq} seqs q_len={qlen} ctx<={ctx} bf16",
+            _rel_err(out, ref), 1e-2)
+
+    n = b.sizes["cache_tokens"]
+    key, val = (torch.randn(n, hkv, d, generator=b.gen, device=b.device).to(BF16)
+                for _ in range(2))
+    kc = torch.zeros(2 * n // bs + 1, bs, hkv, d, dtype=BF16, device=b.device)
+    vc, kc2, vc2 = kc.clone(), kc.clone(), kc.clone()
+    slots = torch.randperm(kc.shape[0] * bs, generator=b.gen, device=b.device)[:n]
+    slots[:: max(n // 7, 1)] = -1
+    rc.reshape_and_cache(key, val, kc, vc, slots)
+    rc.reshape_and_cache_ref(key, val, kc2, vc2, slots)
+    b.check("reshape_and_cache", f"N={n} (with -1 slots)",
+            float(not (torch.equal(kc, kc2) and torch.equal(vc, vc2))), 0.0)
+
+    rows, hidden = b.sizes["norm"]
+    x, r = (torch.randn(rows, hidden, generator=b.gen, device=b.device).to(BF16)
+            for _ in range(2))
+    w = torch.rand(hidden, generator=b.gen, device=b.device).to(BF16) + 0.5
+    (y, h), (y2, h2) = rms_norm.rms_norm(x, w, 1e-6, r), rms_norm.rms_norm_ref(x, w, 1e-6, r)
+    b.check("rms_norm (+residual)", f"{rows}x{hidden} bf16", max(_rel_err(y, y2),
+                                                                  _rel_err(h, h2)), 1e-2)
+    cache = rotary_embedding.build_cos_sin_cache(8192, d, 500000.0, device=b.device)
+    pos = torch.randint(0, 8192, (n,), generator=b.gen, device=b.device)
+    qq = torch.randn(n, hq, d, generator=b.gen, device=b.device).to(BF16)
+    kk = torch.randn(n, hkv, d, generator=b.gen, device=b.device).to(BF16)
+    qr, kr = rotary_embedding.rotary_embedding_ref(pos, qq, kk, cache)
+    rotary_embedding.rotary_embedding(pos, qq, kk, cache)
+    b.check("rotary_embedding", f"N={n} Hq={hq} Hkv={hkv} D={d} bf16",
+            max(_rel_err(qq, qr), _rel_err(kk, kr)), 1e-2)
+
+    m, k = b.sizes["check"]["dequant"]
+    for name, out, w_ref in _dequant_cases(b, m, k, dq, act_order=True):
+        x = out[0]
+        b.check(name, f"M={m} K=N={k} fp16", _rel_err(out[1](None), x.float() @ w_ref.float()),
+                5e-3)
+    packed = torch.randint(0, 256, (k * k // 2,), dtype=torch.uint8, device=b.device,
+                           generator=b.gen)
+    absmax = torch.rand(k * k // 64, generator=b.gen, device=b.device)
+    b.check("nf4_dequantize", f"{k}x{k} blocksize 64",
+            _rel_err(nf4.nf4_dequantize(packed, absmax, 64, (k, k)),
+                     nf4.nf4_dequantize_ref(packed, absmax, 64, (k, k))), 1e-3)
+
+
+def _dequant_cases(b: Bench, m: int, k: int, dq, act_order: bool = False):
+    """(name, (x, run(config)), W reference [K, N]) for GPTQ, AWQ, W8A16 at M x K, N = K."""
+    n, gs = k, b.sizes["group_size"]
+    g = k // gs
+    x = torch.randn(m, k, generator=b.gen, device=b.device).half()
+    sc = (torch.rand(g, n, generator=b.gen, device=b.device) * 0.01 + 1e-3).half()
+    qw, qz = _randint32(b, k // 8, n), _randint32(b, g, n // 8)
+    gidx = (torch.arange(k, device=b.device) // gs).int()
+    cases = [("gptq_matmul", (x, lambda c: dq.gptq_matmul(x, qw, qz, sc, gidx, c)),
+              dq.gptq_dequantize_ref(qw, qz, sc, gidx))]
+    if act_order:
+        perm = gidx[torch.randperm(k, generator=b.gen, device=b.device)].contiguous()
+        cases.append(("gptq_matmul act-order", (x, lambda c: dq.gptq_matmul(x, qw, qz, sc,
+                                                                              perm, c)),
+                      dq.gptq_dequantize_ref(qw, qz, sc, perm)))
+    aw, az = _randint32(b, k, n // 8), _randint32(b, g, n // 8)
+    cases.append(("awq_matmul", (x, lambda c: dq.awq_matmul(x, aw, az, sc, gs, c)),
+                  dq.awq_dequantize_ref(aw, az, sc, gs)))
+    w8 = torch.randint(-128, 128, (n, k), dtype=torch.int8, device=b.device, generator=b.gen)
+    s8 = (torch.rand(n, generator=b.gen, device=b.device) * 0.01 + 1e-3).half()
+    cases.append(("w8a16_matmul", (x, lambda c: dq.w8a16_matmul(x, w8, s8, c)),
+                  dq.w8a16_dequantize_ref(w8, s8)))
+    return cases
+
+
+def sec_decode(b: Bench) -> None:
+    from labkit.kernels.paged_attention import default_num_splits, paged_attention_decode
+
+    for nseq, ctx in b.sizes["decode"]:
+        _decode_case(b, nseq, ctx, paged_attention_decode, default_num_splits)
+
+
+def _decode_case(b: Bench, nseq: int, ctx: int, kernel, default_num_splits) -> None:
+    hq, hkv, d = b.sizes["heads"]
+    bs, scale = b.sizes["block_size"], d**-0.5
+    q, kc, vc, bt, lens = _paged_setup(nseq, ctx, (hq, hkv, d), bs, BF16, b.device, b.gen)
+    kg, vg = _gathered(kc, bt, ctx), _gathered(vc, bt, ctx)
+    qs = q[:, :, None, :]
+    ref = _sdpa(qs, kg, vg, scale=scale)[:, :, 0]
+    base = b.time(lambda: _sdpa(qs, kg, vg, scale=scale))
+    nbytes = 2 * nseq * ctx * hkv * d * 2
+    shape = f"B={nseq} ctx={ctx} Hq={hq} Hkv={hkv} D={d} bs={bs}"
+    splits = default_num_splits(nseq, hkv, bt.shape[1] * bs)
+    for forced in ((None, 1) if nseq == 1 else (None,)):
+        def fn(f=forced):
+            return kernel(q, kc, vc, bt, lens, scale, f)
+        err = _rel_err(fn(), ref)
+        b.add("paged_attention_decode" + (" (no split)" if forced else ""), shape,
+              b.time(fn), "SDPA on gathered KV", base, nbytes=nbytes,
+              num_splits=forced or splits, rel_err_vs_sdpa=err)
+
+
+def sec_prefill(b: Bench) -> None:
+    from labkit.kernels.paged_prefill import paged_prefill_attention
+
+    for nseq, qlen, ctx in b.sizes["prefill"]:
+        _prefill_case(b, nseq, qlen, ctx, paged_prefill_attention)
+
+
+def _prefill_case(b: Bench, nseq: int, qlen: int, ctx: int, kernel) -> None:
+    hq, hkv, d = b.sizes["heads"]
+    bs, scale = b.sizes["block_size"], d**-0.5
+    q, kc, vc, bt, lens = _paged_setup(nseq, ctx, (hq, hkv, d), bs, BF16, b.device, b.gen,
+                                       q_tokens=nseq * qlen)
+    qsl = torch.arange(nseq + 1, device=b.device, dtype=torch.int32) * qlen
+    kg, vg = _gathered(kc, bt, ctx), _gathered(vc, bt, ctx)
+    qs = q.view(nseq, qlen, hq, d).transpose(1, 2)
+    if qlen == ctx:
+        kw: dict[str, Any] = {"is_causal": True}
+    else:
+        pos = torch.arange(ctx - qlen, ctx, device=b.device)
+        kw = {"attn_mask": torch.arange(ctx, device=b.device)[None, :] <= pos[:, None]}
+    ref = _sdpa(qs, kg, vg, scale=scale, **kw).transpose(1, 2).reshape(-1, hq, d)
+    base = b.time(lambda: _sdpa(qs, kg, vg, scale=scale, **kw))
+
+    def fn():
+        return kernel(q, kc, vc, bt, qsl, lens, scale, qlen)
+
+    err = _rel_err(fn(), ref)
+    visible = qlen * (ctx - qlen) + qlen * (qlen + 1) // 2
+    b.add("paged_prefill_attention", f"{nseq} seqs q_len={qlen} ctx={ctx} Hq={hq} D={d}",
+          b.time(fn), "SDPA contiguous" + (" causal" if qlen == ctx else " +mask"), base,
+          flops=4.0 * nseq * hq * d * visible, rel_err_vs_sdpa=err)
+
+
+def sec_dequant(b: Bench) -> None:
+    from labkit.kernels import dequant_matmul as dq
+
+    for m, k in b.sizes["dequant"]:
+        _dequant_shape(b, m, k, dq)
+
+
+def _dequant_shape(b: Bench, m: int, k: int, dq) -> None:
+    w16 = torch.randn(k, k, generator=b.gen, device=b.device).half()
+    x0 = torch.randn(m, k, generator=b.gen, device=b.device).half()
+    base = b.time(lambda: F.linear(x0, w16))
+    g = k // b.sizes["group_size"]
+    nbytes = {"gptq_matmul": k * k // 2 + g * k * 2.5, "awq_matmul": k * k // 2 + g * k * 2.5,
+              "w8a16_matmul": k * k + 2 * k}
+    for name, (x, fn), w_ref in _dequant_cases(b, m, k, dq):
+        ref = x.float() @ w_ref.float()
+        timings = []
+        for cfg in SWEEP.get(m, [None]) if torch.cuda.is_available() else [None]:
+            err = _rel_err(fn(cfg), ref)
+            timings.append((b.time(partial(fn, cfg)), cfg, err))
+        ms, cfg, err = min(timings, key=lambda t: t[0])
+        b.add(name, f"M={m} K={k} N={k}", ms, "fp16 F.linear", base, nbytes=nbytes[name],
+              flops=2.0 * m * k * k, config=str(cfg or dq.default_config(m, k, k)),
+              default_config_ms=timings[0][0], rel_err=err,
+              worst_rel_err_over_configs=max(t[2] for t in timings))
+
+
+def sec_memory_bound(b: Bench) -> None:
+    """NF4 dequantize, reshape_and_cache, rms_norm and rotary: GB/s against copy bandwidth."""
+    from labkit.kernels import nf4, rms_norm, rotary_embedding
+    from labkit.kernels import reshape_and_cache as rc
+
+    rows, cols = b.sizes["nf4"]
+    numel = rows * cols
+    packed = torch.randint(0, 256, (numel // 2,), dtype=torch.uint8, device=b.device,
+                           generator=b.gen)
+    absmax = torch.rand(numel // 64, generator=b.gen, device=b.device)
+    ms = b.time(lambda: nf4.nf4_dequantize(packed, absmax, 64, (rows, cols)))
+    base = b.time(lambda: nf4.nf4_dequantize_ref(packed, absmax, 64, (rows, cols)))
+    nbytes = numel // 2 + 2 * numel + 4 * numel // 64
+    b.add("nf4_dequantize", f"{rows}x{cols} bs=64 ->fp16", ms, "torch lookup", base,
+          nbytes=nbytes)
+    try:
+        from bitsandbytes.functional import QuantState, dequantize_4bit
+        qs = QuantState(absmax=absmax, shape=torch.Size((rows, cols)), blocksize=64,
+                        code=nf4._code(packed.device), quant_type="nf4", dtype=torch.float16)
+        bnb_ms = b.time(lambda: dequantize_4bit(packed.view(-1, 1), qs))
+        b.add("nf4_dequantize", f"{rows}x{cols} bs=64 ->fp16", ms, "bitsandbytes", bnb_ms,
+              nbytes=nbytes)
+    except ImportError:
+        print("  bitsandbytes not installed: NF4 compared with the torch lookup only")
+
+    hq, hkv, d = b.sizes["heads"]
+    bs, n = b.sizes["block_size"], b.sizes["cache_tokens"]
+    key, val = (torch.randn(n, hkv, d, generator=b.gen, device=b.device).to(BF16)
+                for _ in range(2))
+    kc = torch.empty(4 * n // bs, bs, hkv, d, dtype=BF16, device=b.device)
+    vc = torch.empty_like(kc)
+    slots = torch.randperm(kc.shape[0] * bs, generator=b.gen, device=b.device)[:n]
+    ms = b.time(lambda: rc.reshape_and_cache(key, val, kc, vc, slots))
+    base = b.time(lambda: rc.reshape_and_cache_ref(key, val, kc, vc, slots))
+    b.add("reshape_and_cache", f"N={n} Hkv={hkv} D={d} bf16", ms, "torch index_put", base,
+          nbytes=2 * 2 * key.numel() * 2)
+
+    rows, hidden = b.sizes["norm"]
+    x, r = (torch.randn(rows, hidden, generator=b.gen, device=b.device).to(BF16)
+            for _ in range(2))
+    w = torch.rand(hidden, generator=b.gen, device=b.device).to(BF16)
+    ms = b.time(lambda: rms_norm.rms_norm(x, w, 1e-6, r))
+    base = b.time(lambda: rms_norm.rms_norm_ref(x, w, 1e-6, r))
+    b.add("rms_norm (+residual)", f"{rows}x{hidden} bf16", ms, "torch eager", base,
+          nbytes=4 * x.numel() * 2)
+    cache = rotary_embedding.build_cos_sin_cache(8192, d, device=b.device)
+    pos = torch.randint(0, 8192, (n,), generator=b.gen, device=b.device)
+    qq = torch.randn(n, hq, d, generator=b.gen, device=b.device).to(BF16)
+    kk = torch.randn(n, hkv, d, generator=b.gen, device=b.device).to(BF16)
+    ms = b.time(lambda: rotary_embedding.rotary_embedding(pos, qq, kk, cache))
+    base = b.time(lambda: rotary_embedding.rotary_embedding_ref(pos, qq, kk, cache))
+    b.add("rotary_embedding", f"N={n} Hq={hq} Hkv={hkv} D={d} bf16", ms, "torch eager", base,
+          nbytes=2 * (qq.numel() + kk.numel()) * 2)
+
+
+SECTIONS = [("copy bandwidth", sec_copy), ("correctness", sec_checks), ("decode", sec_decode),
+            ("prefill", sec_prefill), ("dequant", sec_dequant),
+            ("memory-bound", sec_memory_bound)]
+
+
+def run(sizes: dict, device: str) -> dict[str, Any]:
+    """Every section in order; returns the JSON payload."""
+    b = Bench(sizes, device)
+    for name, fn in SECTIONS:
+        print(f"== {name}", flush=True)
+        b.guarded(name, lambda fn=fn: fn(b))
+    return b.payload()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = bench_parser("kernels", __doc__.splitlines()[0])
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("labkit bench kernels needs a CUDA GPU: it times Triton kernels against the "
+              "device's copy bandwidth and cuBLAS/SDPA baselines, which mean nothing on CPU. "
+              "The kernels' correctness tests run on CPU: pytest tests/kernels "
+              "(TRITON_INTERPRET=1).", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    payload = run(FULL, "cuda")
+    payload["wall_s"] = time.perf_counter() - t0
+    json_path = Path(args.json) if args.json else DEFAULT_JSON
+    write_json(json_path, payload)
+    md = to_markdown(payload)
+    json_path.with_suffix(".md").write_text(md)
+    print(md)
+    print_table(payload["results"], ["kernel", "shape", "ms", "achieved_gbps", "tflops",
+                                     "speedup_vs_baseline"])
+    failed = [c for c in payload["checks"] if not c["ok"]]
+    return 1 if failed or payload["errors"] else 0
