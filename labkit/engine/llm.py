@@ -1,0 +1,124 @@
+"""LLM: the offline batch API (vLLM's ``LLM``): give prompts, get RequestOutputs in input order.
+
+    llm = labkit.LLM(model="labkit-tiny")
+    outs = llm.generate(["def fib(n):"], labkit.SamplingParams(temperature=0, max_tokens=32))
+    print(outs[0].outputs[0].text)
+
+``llm.llm_engine`` is the LLMEngine underneath, for stepping, stats and the trace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from labkit.engine.llm_engine import LLMEngine
+from labkit.engine.outputs import CompletionOutput, RequestOutput
+from labkit.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: Any = "labkit-tiny", *, tokenizer: Any = None, block_size: int = 16,
+                 num_blocks: int | None = None, kv_cache_bytes: int | None = None,
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
+                 policy: str = "fcfs", max_num_seqs: int = 64,
+                 max_num_batched_tokens: int | None = None, batching: str = "continuous",
+                 preemption_mode: str = "recompute", num_cpu_blocks: int = 0,
+                 watermark_high: float = 1.0, watermark_low: float = 1.0,
+                 attention_backend: str | None = None, speculative_config: Any = None,
+                 device: str | torch.device | None = None, dtype: Any = None,
+                 max_model_len: int | None = None) -> None:
+        name = ""
+        if isinstance(model, (tuple, list)):
+            model, tokenizer = model
+        elif not isinstance(model, torch.nn.Module):
+            from labkit.model.loader import load_pretrained
+
+            name = str(model)
+            model, tok = load_pretrained(model, dtype=dtype, device=device)
+            tokenizer = tokenizer or tok
+        if isinstance(model, torch.nn.Module) and (device is not None or dtype is not None):
+            model = model.to(device=device, dtype=dtype if isinstance(dtype, torch.dtype)
+                             else None)
+        model.eval()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.llm_engine = LLMEngine.from_model(
+            model, tokenizer, block_size=block_size, num_blocks=num_blocks,
+            kv_cache_bytes=kv_cache_bytes, num_cpu_blocks=num_cpu_blocks,
+            attention_backend=attention_backend, max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill, policy=policy,
+            max_num_batched_tokens=max_num_batched_tokens, batching=batching,
+            preemption_mode=preemption_mode, watermark_high=watermark_high,
+            watermark_low=watermark_low, model_name=name, speculative_config=speculative_config)
+        self._counter = 0
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, tokenizer: Any = None, **kw: Any) -> LLM:
+        return cls((model, tokenizer), **kw)
+
+    def generate(self, prompts: str | Sequence[str] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, prompt_token_ids: Sequence[Sequence[int]] | None = None,
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None,
+                 cache_salt: str | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        if prompt_token_ids is not None:
+            items: list[Any] = [list(p) for p in prompt_token_ids]
+        elif isinstance(prompts, str):
+            items = [prompts]
+        elif prompts is None:
+            raise ValueError("give prompts or prompt_token_ids")
+        else:
+            items = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                  else [sampling_params] * len(items))
+        if len(params) != len(items):
+            raise ValueError(f"{len(params)} sampling params for {len(items)} prompts")
+        eng = self.llm_engine
+        ids = []
+        try:
+            for i, (p, sp) in enumerate(zip(items, params)):
+                rid = f"gen-{self._counter}"
+                self._counter += 1
+                eng.add_request(rid, p, sp, priority=priority[i] if priority else 0,
+                                cache_salt=cache_salt)
+                ids.append(rid)
+        except ValueError:
+            for rid in ids:
+                eng.abort(rid)
+            raise
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
+        pending = set(ids)
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished and eng.requests[o.request_id].is_finished and \
+                        o.request_id in pending:
+                    pending.discard(o.request_id)
+                    bar.update(1)
+        bar.close()
+        return [self.request_output(rid, items[i] if isinstance(items[i], str) else None)
+                for i, rid in enumerate(ids)]
+
+    def request_output(self, request_id: str, prompt: str | None = None) -> RequestOutput:
+        return make_request_output(self.llm_engine, request_id, prompt)
+
+
+def make_request_output(engine: LLMEngine, request_id: str,
+                        prompt: str | None = None) -> RequestOutput:
+    req = engine.requests[request_id]
+    tok = engine.tokenizer
+    outs = []
+    for s in req.seqs:
+        text = s.output_text
+        if not text and tok is not None and s.output_token_ids and req.params.detokenize:
+            text = tok.decode(s.output_token_ids)
+        outs.append(CompletionOutput(s.index, text, list(s.output_token_ids), s.finish_reason))
+    return RequestOutput(request_id, prompt, list(req.prompt_token_ids), outs, req.is_finished,
+                         req.seqs[0].num_cached_tokens)

@@ -1,0 +1,133 @@
+"""Trace: one record per engine step, and ``replay`` to rebuild the KV state at any step.
+
+The trace is what widgets scrub through and benches summarise. Its block events are complete
+enough that the block tables, reference counts and free / cached sets after any step are a pure
+fold over the events up to it; ``replay`` is that fold, and a test checks it against the live
+block manager at every step.
+
+Event semantics (GPU pool unless noted), applied in order:
+- ``alloc``: ``physical`` (fresh, ref 1) becomes ``logical`` block of ``seq_id``;
+- ``evict``: cached ``physical`` loses its prefix-cache entry and becomes free (the next alloc
+  takes it);
+- ``prefix_hit`` / ``fork``: ``seq_id`` shares ``physical`` (ref + 1; leaves the cached set);
+- ``cow``: copy-on-write, ``logical`` now maps to fresh ``physical``; ``src`` loses a reference;
+- ``free``: ``seq_id`` drops ``physical`` (ref - 1); at ref 0 it is ``cached`` (extra key,
+  kept for prefix hits) or free;
+- ``swap_out``: ``src`` (GPU) copied to CPU block ``physical`` (the GPU block's ``free`` follows);
+- ``swap_in``: CPU block ``src`` copied into GPU ``physical`` (its ``alloc`` came just before);
+  the CPU block is released.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class Trace:
+    def __init__(self, meta: dict[str, Any] | None = None) -> None:
+        self.meta: dict[str, Any] = dict(meta or {})
+        self.requests: dict[str, dict[str, Any]] = {}
+        self.steps: list[dict[str, Any]] = []
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"meta": self.meta, "requests": self.requests, "steps": self.steps}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Trace:
+        t = cls(d["meta"])
+        t.requests = dict(d["requests"])
+        t.steps = list(d["steps"])
+        return t
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        s = json.dumps(self.to_dict())
+        if path is not None:
+            Path(path).write_text(s)
+        return s
+
+    @classmethod
+    def from_json(cls, path_or_text: str | Path) -> Trace:
+        p = Path(path_or_text) if not str(path_or_text).lstrip().startswith("{") else None
+        return cls.from_dict(json.loads(p.read_text() if p else str(path_or_text)))
+
+
+@dataclass
+class PoolSnapshot:
+    block_tables: dict[str, list[int]] = field(default_factory=dict)
+    ref_counts: dict[int, int] = field(default_factory=dict)  # used blocks only
+    cached: set[int] = field(default_factory=set)
+    free: set[int] = field(default_factory=set)
+    cpu_block_tables: dict[str, list[int]] = field(default_factory=dict)
+    seq_tokens: dict[str, list[int]] = field(default_factory=dict)
+
+
+def replay(trace: Trace | dict, step: int) -> PoolSnapshot:
+    """State after step index ``step`` (negative counts from the end), from the trace alone."""
+    t = trace if isinstance(trace, Trace) else Trace.from_dict(trace)
+    if step < 0:
+        step += len(t.steps)
+    if not 0 <= step < len(t.steps):
+        raise ValueError(f"step {step} out of range: the trace has {len(t.steps)} steps")
+    num_blocks = t.meta["num_blocks"]
+    tables: dict[str, dict[int, int]] = {}
+    cpu: dict[str, dict[int, int]] = {}
+    refs = [0] * num_blocks
+    free, cached = set(range(num_blocks)), set()
+    tokens: dict[str, list[int]] = {}
+    prompts = {rid: r.get("prompt_token_ids") for rid, r in t.requests.items()}
+
+    for rec in t.steps[: step + 1]:
+        for ev in rec["events"]:
+            kind, sid, lg, ph = ev["type"], ev["seq_id"], ev["logical"], ev["physical"]
+            if kind == "alloc":
+                free.discard(ph)
+                refs[ph] = 1
+                tables.setdefault(sid, {})[lg] = ph
+            elif kind == "evict":
+                cached.discard(ph)
+                free.add(ph)
+            elif kind in ("prefix_hit", "fork"):
+                cached.discard(ph)
+                refs[ph] += 1
+                tables.setdefault(sid, {})[lg] = ph
+            elif kind == "cow":
+                free.discard(ph)
+                refs[ph] = 1
+                refs[ev["src"]] -= 1
+                tables[sid][lg] = ph
+            elif kind == "free":
+                refs[ph] -= 1
+                tables[sid].pop(lg, None)
+                if not tables[sid]:
+                    del tables[sid]
+                if refs[ph] == 0:
+                    (cached if ev.get("cached") else free).add(ph)
+            elif kind == "swap_out":
+                cpu.setdefault(sid, {})[lg] = ph
+            elif kind == "swap_in":
+                cpu[sid].pop(lg, None)
+                if not cpu[sid]:
+                    del cpu[sid]
+            else:
+                raise ValueError(f"unknown trace event type {kind!r}")
+        for sid, new in rec["outputs"].items():
+            rid = sid.rsplit(":", 1)[0] if sid not in t.requests else sid
+            if sid not in tokens:
+                p = prompts.get(rid)
+                tokens[sid] = list(p) if p is not None else []
+            tokens[sid].extend(new)
+    known = {sid: tok for sid, tok in tokens.items()
+             if prompts.get(sid if sid in t.requests else sid.rsplit(":", 1)[0]) is not None}
+    return PoolSnapshot(
+        block_tables={s: [tb[i] for i in sorted(tb)] for s, tb in tables.items()},
+        ref_counts={b: r for b, r in enumerate(refs) if r > 0},
+        cached=cached, free=free,
+        cpu_block_tables={s: [tb[i] for i in sorted(tb)] for s, tb in cpu.items()},
+        seq_tokens=known,
+    )
