@@ -1,0 +1,264 @@
+"""Drill bank, part 2: quantization, speculative decoding, latency metrics, MoE, and the
+frameworks (llama.cpp / GGUF, TensorRT-LLM, vLLM vs Transformers). Data only."""
+
+from __future__ import annotations
+
+from labkit.exercises.drills_core import d
+
+MODELS = [
+    d("quant-memory", "quantization",
+      "How much memory do Llama-2-7B's weights take in fp16, INT8, INT4 (GPTQ) and NF4?",
+      "About 13.5 GB in fp16 (6.7 B parameters x 2 bytes). INT8 halves the linear layers; 4-bit "
+      "formats take about a quarter plus a scale (and zero) per group; embeddings and the LM head "
+      "usually stay in fp16, so INT4 lands near 3.9 GB, which fits a consumer GPU.",
+      """
+      from labkit.quant.memory import estimate_memory
+      for fmt in ("fp16", "int8", "gptq", "nf4"):
+          gb = estimate_memory("llama-2-7b", fmt).weight_bytes / 1e9
+          print(f"{fmt:>5}: {gb:5.1f} GB")
+      assert round(estimate_memory("llama-2-7b", "fp16").weight_bytes / 1e9, 1) == 13.5
+      assert round(estimate_memory("llama-2-7b", "gptq").weight_bytes / 1e9, 1) == 3.9
+      """),
+    d("quant-decode-speed", "quantization",
+      "Why does weight-only quantization speed up decode but barely prefill?",
+      "Decode at small batch is memory-bound: each step reads all the weights for a handful of "
+      "tokens, so 4x fewer weight bytes is close to 4x faster. Prefill processes thousands of "
+      "tokens per weight read and is compute-bound; weights are dequantized to fp16 before the "
+      "matmul, so the FLOPs are unchanged.",
+      """
+      from labkit.sim.cost import step_cost
+      dec = step_cost("llama-2-7b", "a100-80gb", 0, 1, 512)
+      pre = step_cost("llama-2-7b", "a100-80gb", 2048, 0, 0)
+      print(f"decode bound by {dec.bound}, prefill bound by {pre.bound}")
+      assert dec.bound == "memory" and pre.bound == "compute"
+      """),
+    d("quant-per-channel", "quantization",
+      "Why quantize INT8 weights per output channel instead of per tensor?",
+      "One scale must cover the largest value it applies to. Rows of a weight matrix differ in "
+      "range by orders of magnitude, so a per-tensor scale wastes most of the 255 levels on small "
+      "rows. A scale per output channel costs one float per row and cuts the error sharply; "
+      "activation outliers need more (LLM.int8 keeps outlier features in fp16, SmoothQuant "
+      "migrates them into the weights).",
+      """
+      import torch
+      from labkit.quant.rtn import dequantize_int8, quantize_int8
+      g = torch.Generator().manual_seed(0)
+      w = torch.randn(64, 256, generator=g) * torch.logspace(-2, 0, 64)[:, None]
+      per_channel = (dequantize_int8(*quantize_int8(w)) - w).pow(2).mean()
+      s = w.abs().max() / 127
+      per_tensor = ((w / s).round().clamp(-127, 127) * s - w).pow(2).mean()
+      print(f"MSE per-channel {per_channel:.2e}, per-tensor {per_tensor:.2e}")
+      assert per_channel < per_tensor / 3
+      """),
+    d("quant-gptq-awq", "quantization",
+      "RTN, GPTQ, AWQ: what is the difference?",
+      "Round-to-nearest quantizes each group independently. GPTQ quantizes columns one at a time "
+      "and updates the not-yet-quantized columns to compensate for each rounding error, using the "
+      "inverse Hessian of the layer's inputs from calibration data. AWQ notices that a few input "
+      "channels with large activations matter most, scales those weights up (and the activations "
+      "down) before rounding so they lose less precision. Both beat RTN at 4 bits; smaller groups "
+      "help every method at a cost in scale storage.",
+      """
+      import torch
+      from labkit.quant.rtn import fake_quantize
+      w = torch.randn(128, 512, generator=torch.Generator().manual_seed(0))
+      errs = {gs: (fake_quantize(w, 4, gs) - w).pow(2).mean().item() for gs in (32, 128, -1)}
+      print({f"group {gs}": f"{e:.2e}" for gs, e in errs.items()})
+      assert errs[32] < errs[128] < errs[-1]
+      """),
+    d("quant-nf4", "quantization",
+      "What is NF4 and why does QLoRA use it?",
+      "NormalFloat-4 puts its 16 levels at quantiles of a normal distribution, so normally "
+      "distributed weights use every level about equally often: lower error than a uniform 4-bit "
+      "grid for the same bits. Blocks of 64 share an absmax scale; double quantization stores "
+      "those scales in 8 bits. bitsandbytes implements it; QLoRA trains LoRA adapters on top of "
+      "a frozen NF4 base model.",
+      """
+      import torch
+      from labkit.quant.nf4 import quantize_nf4
+      w = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+      nf4 = (quantize_nf4(w, blocksize=64).dequantize() - w).pow(2).mean()
+      blocks = w.reshape(-1, 64)
+      s = blocks.abs().amax(1, keepdim=True) / 7
+      uniform = ((blocks / s).round().clamp(-8, 7) * s - blocks).pow(2).mean()
+      print(f"MSE NF4 {nf4:.2e} vs uniform absmax INT4 {uniform:.2e}")
+      assert nf4 < uniform
+      """),
+    d("quant-tools", "quantization",
+      "Which quantization tool for which deployment?",
+      "bitsandbytes (NF4/INT8) for quick loading and QLoRA fine-tuning in Transformers; GPTQ "
+      "(GPTQModel, the maintained successor of AutoGPTQ) and AWQ (AutoAWQ, now archived upstream "
+      "with its work folded into other projects) for 4-bit checkpoints served fast by vLLM or "
+      "TGI; llama.cpp's GGUF k-quants for CPUs, Apple silicon and edge devices; FP8 in TensorRT-"
+      "LLM or vLLM on Hopper GPUs. Evaluate with perplexity plus task benchmarks before shipping."),
+    d("spec-speedup", "speculative-decoding",
+      "Speculative decoding: how many tokens per target step, and what speed-up?",
+      "With per-token acceptance rate a and g draft tokens, a target step emits "
+      "(1 - a^(g+1)) / (1 - a) tokens on average (the accepted drafts plus one target token). "
+      "If a draft step costs c target steps, the speed-up is that divided by (g*c + 1). At a = "
+      "0.8, g = 4, c = 0.05 that is 3.4 tokens per step and about 2.8x.",
+      """
+      from labkit.spec.theory import expected_speedup, expected_tokens_per_step
+      tokens = expected_tokens_per_step(0.8, 4)
+      speedup = expected_speedup(0.8, 4, 0.05)
+      print(f"{tokens:.2f} tokens/step, {speedup:.2f}x")
+      assert abs(tokens - 3.3616) < 1e-3 and 2.7 < speedup < 2.9
+      """),
+    d("spec-exact", "speculative-decoding",
+      "Why is speculative sampling's output distribution exactly the target's?",
+      "Accept a draft token x with probability min(1, p(x)/q(x)); on rejection sample from "
+      "normalize(max(0, p - q)). The chance of emitting y is min(p, q)(y) from acceptance plus "
+      "max(0, p - q)(y) from the residual, which sums to p(y). A bad draft only lowers the "
+      "acceptance rate, never the quality.",
+      """
+      import torch
+      from labkit.spec.rejection import rejection_sample
+      p = torch.tensor([0.6, 0.3, 0.1, 0.0])
+      q = torch.tensor([0.1, 0.2, 0.3, 0.4])
+      g = torch.Generator().manual_seed(0)
+      counts = torch.zeros(4)
+      for _ in range(4000):
+          x = int(torch.multinomial(q, 1, generator=g))
+          emitted, _ = rejection_sample([x], q[None], torch.stack([p, p]), generator=g)
+          counts[emitted[0]] += 1
+      freq = counts / counts.sum()
+      print("emitted frequencies", freq.tolist(), "target", p.tolist())
+      assert (freq - p).abs().max() < 0.03
+      """),
+    d("spec-hurts", "speculative-decoding",
+      "When does speculative decoding not pay off?",
+      "When acceptance is low (a weak draft, high temperature, or text unlike the draft's "
+      "training), when the draft is not much cheaper than the target, and at large batch sizes "
+      "where the target is already compute-bound so verifying g extra tokens is no longer free. "
+      "Then the draft's cost dominates and the speed-up drops below 1.",
+      """
+      from labkit.spec.theory import expected_speedup
+      for alpha, gamma, c in [(0.8, 4, 0.05), (0.3, 4, 0.2), (0.5, 8, 0.3)]:
+          print(f"alpha {alpha}, gamma {gamma}, c {c}: {expected_speedup(alpha, gamma, c):.2f}x")
+      assert expected_speedup(0.3, 4, 0.2) < 1.0
+      """),
+    d("metrics-defs", "metrics",
+      "Define TTFT, TPOT, ITL and E2E latency. Which one does a chat user feel?",
+      "TTFT (time to first token) = first token time - arrival: queueing plus prefill, what a "
+      "chat user feels first. TPOT (time per output token) = (last token - first token) / (n - 1): "
+      "decode speed, which should beat reading speed. ITL is each gap between tokens (its tail "
+      "shows stalls). E2E = finish - arrival = TTFT + (n - 1) x TPOT. SLOs are set on P50 and "
+      "P99 of each.",
+      """
+      from labkit.engine.metrics import compute_metrics
+      timings = [{"arrival_time": 0.0, "first_token_time": 0.25,
+                  "token_times": [0.25, 0.30, 0.35, 0.40], "finish_time": 0.40}]
+      m = compute_metrics(timings)
+      print({k: round(m[k]["mean"], 3) for k in ("ttft", "tpot", "e2e")})
+      assert abs(m["ttft"]["mean"] - 0.25) < 1e-9 and abs(m["tpot"]["mean"] - 0.05) < 1e-9
+      """),
+    d("metrics-roofline", "metrics",
+      "What TPOT can Llama-2-7B reach at batch 1 on an A100 versus an H100, and why?",
+      "Batch-1 decode reads all 13.5 GB of weights per token, so TPOT is about weight bytes / "
+      "memory bandwidth: ~7 ms on an A100 (2 TB/s), ~4 ms on an H100 (3.35 TB/s). FLOP/s barely "
+      "matter here; bandwidth does.",
+      """
+      from labkit.sim.cost import step_time
+      for gpu in ("a100-80gb", "h100-sxm"):
+          t = step_time("llama-2-7b", gpu, 0, 1, 512)
+          print(f"{gpu}: TPOT ~{t * 1e3:.1f} ms -> {1 / t:.0f} tokens/s")
+      assert step_time("llama-2-7b", "h100-sxm", 0, 1, 512) < step_time(
+          "llama-2-7b", "a100-80gb", 0, 1, 512)
+      """),
+    d("metrics-tradeoff", "metrics",
+      "Throughput versus latency: what does a bigger batch cost?",
+      "A bigger decode batch raises tokens/s nearly linearly while weight reads dominate, and "
+      "each step (the TPOT every user sees) grows only slowly, until KV reads and compute take "
+      "over. Operators pick the largest batch whose P99 TPOT still meets the SLO; long prefills "
+      "in the same step hurt TPOT, which chunked prefill bounds.",
+      """
+      from labkit.sim.cost import step_time
+      rows = []
+      for batch in (1, 8, 32, 128):
+          t = step_time("llama-2-7b", "a100-80gb", 0, batch, batch * 1024)
+          rows.append((batch, t * 1e3, batch / t))
+          print(f"batch {batch:>3}: TPOT {t * 1e3:5.1f} ms, {batch / t:6.0f} tokens/s")
+      assert rows[-1][2] > 10 * rows[0][2] and rows[-1][1] > rows[0][1]
+      """),
+    d("moe", "moe",
+      "Mixtral-8x7B has 47B parameters; why does it run like a 13B model, and what does that cost?",
+      "Each MoE layer has 8 expert MLPs and a router that sends every token to its top 2, so a "
+      "token touches attention plus 2 of 8 experts: about 13B active parameters per token. All "
+      "47B must still sit in memory, and at large batch every expert gets tokens, so memory and "
+      "bandwidth look like a 47B model. With expert parallelism, tokens travel to their experts' "
+      "GPUs and back: two all-to-all exchanges per MoE layer, a major cost across nodes.",
+      """
+      layers, d_model, ffn, vocab, experts, top_k = 32, 4096, 14336, 32000, 8, 2
+      attn = d_model * (32 * 128) * 2 + d_model * (8 * 128) * 2  # q,o + k,v (GQA 32/8)
+      expert = 3 * d_model * ffn
+      total = layers * (attn + experts * expert) + 2 * vocab * d_model
+      active = layers * (attn + top_k * expert) + 2 * vocab * d_model
+      a2a = 2 * top_k * d_model * 2  # bytes per token per MoE layer, bf16, out and back
+      print(f"total {total / 1e9:.1f}B, active {active / 1e9:.1f}B, "
+            f"all-to-all {a2a / 1024:.0f} KiB/token/layer")
+      assert 46e9 < total < 47.5e9 and 12.5e9 < active < 13.5e9
+      """),
+    d("gguf", "llama-cpp",
+      "What is GGUF, and what does Q4_0 store?",
+      "GGUF is llama.cpp's single-file format: metadata (architecture, tokenizer, hyper-"
+      "parameters) plus tensors, laid out so the file can be memory-mapped and used without "
+      "copying. Q4_0 stores blocks of 32 weights as 4-bit codes plus one fp16 scale: 4.5 bits "
+      "per weight, symmetric. K-quants (Q4_K_M etc.) add super-blocks with quantized scales and "
+      "mixed precision per tensor for better quality at similar size.",
+      """
+      import torch
+      from labkit.quant.rtn import fake_quantize
+      bits = (32 * 4 + 16) / 32
+      w = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+      err = (fake_quantize(w, 4, 32, sym=True) - w).pow(2).mean() / w.pow(2).mean()
+      print(f"Q4_0-like: {bits} bits/weight, relative MSE {err:.3f}; "
+            f"7B model ~{6.74e9 * bits / 8 / 1e9:.1f} GB")
+      assert bits == 4.5 and err < 0.02
+      """),
+    d("llama-cpp-offload", "llama-cpp",
+      "llama.cpp on a laptop with an 8 GB GPU: how does it run a model that does not fit?",
+      "It offloads as many transformer layers as fit to the GPU (n_gpu_layers) and runs the rest "
+      "on the CPU, reading weights straight from the memory-mapped GGUF file. Each token passes "
+      "through both, so speed sits between pure-CPU and pure-GPU; quantization decides how many "
+      "layers fit.",
+      """
+      from labkit.quant.memory import estimate_memory
+      layers = 80
+      per_layer = estimate_memory("llama-2-70b", "gptq").quantized_bytes / layers
+      fit = int(7e9 // per_layer)  # keep ~1 GB for KV and buffers
+      print(f"~{per_layer / 1e6:.0f} MB per 4-bit layer -> {fit} of {layers} layers on the GPU")
+      assert 10 < fit < layers
+      """),
+    d("trtllm", "tensorrt-llm",
+      "What does TensorRT-LLM's compilation buy you?",
+      "It builds an engine for one GPU architecture and shape range: fused kernels (QKV "
+      "projection, attention, norm with residual, activation with matmul) that cut memory "
+      "round-trips and launch overhead, kernel auto-tuning, FP8/INT8/INT4 paths on tensor "
+      "cores, in-flight (continuous) batching and a paged KV cache. The price: build time, "
+      "engines tied to GPU and version, less flexibility than vLLM.",
+      """
+      hidden, bytes_per = 4096, 2
+      tokens = 2048
+      # residual add then RMSNorm, unfused: read x, r -> write h; read h -> write y
+      unfused = tokens * hidden * bytes_per * (2 + 1 + 1 + 1)
+      fused = tokens * hidden * bytes_per * (2 + 1 + 1)  # read x, r; write h and y once
+      print(f"unfused {unfused / 2**20:.0f} MiB, fused {fused / 2**20:.0f} MiB of traffic")
+      assert fused < unfused
+      """),
+    d("frameworks", "frameworks",
+      "Why is vLLM faster than plain Hugging Face Transformers generate, and when would you pick "
+      "something else?",
+      "Transformers pads a static batch and pre-allocates KV contiguously; vLLM pages the KV "
+      "cache (more sequences fit), batches continuously (no idle slots), shares prefixes and "
+      "uses fused kernels, so throughput is several times higher under load. Pick TensorRT-LLM "
+      "for the last bit of NVIDIA performance, SGLang for heavy prefix reuse and structured "
+      "programs, llama.cpp or Ollama for CPUs, laptops and edge devices."),
+    d("compression", "compression",
+      "Quantization, distillation and pruning: how do they differ, and how are they combined?",
+      "Quantization keeps the model and stores it in fewer bits. Distillation trains a smaller "
+      "student to match a teacher's output distribution (soft labels), changing the "
+      "architecture. Pruning removes weights: unstructured sparsity needs sparse kernels to pay "
+      "off, structured pruning (heads, channels, layers) speeds up ordinary hardware. A common "
+      "pipeline distills, then prunes, then quantizes; in LLM serving quantization is by far the "
+      "most used."),
+]
