@@ -165,9 +165,9 @@ def paged_prefill_attention_ref(
             continue
         k = gather_kv(k_cache, block_tables[b], n).float().repeat_interleave(group, dim=1)
         v = gather_kv(v_cache, block_tables[b], n).float().repeat_interleave(group, dim=1)
-        q_pos = torch.arange(n - (e - s), n)
+        q_pos = torch.arange(n - (e - s), n, device=q.device)
         scores = torch.einsum("qhd,thd->hqt", q[s:e].float(), k) * scale
-        mask = torch.arange(n)[None, :] <= q_pos[:, None]
+        mask = torch.arange(n, device=q.device)[None, :] <= q_pos[:, None]
         scores = scores.masked_fill(~mask, float("-inf"))
         out[s:e] = torch.einsum("hqt,thd->qhd", scores.softmax(-1), v).to(q.dtype)
     return out

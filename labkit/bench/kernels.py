@@ -85,7 +85,7 @@ def _paged_setup(num_seqs: int, ctx: int, heads: tuple[int, int, int], block_siz
     num_blocks = num_seqs * per_seq + 3
     k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen, device=device,
                           dtype=torch.float32).to(dtype)
-    v_cache = torch.randn_like(k_cache, dtype=torch.float32).to(dtype)
+    v_cache = torch.randn(k_cache.shape, generator=gen, device=device).to(dtype)
     perm = torch.randperm(num_blocks, generator=gen, device=device)[: num_seqs * per_seq]
     block_tables = perm.view(num_seqs, per_seq).to(torch.int32)
     context_lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device=device)
