@@ -15,6 +15,11 @@ def make_tiny(seed: int = 0, **kw) -> LlamaForCausalLM:
 
 
 @pytest.fixture
+def make_tiny_model():
+    return make_tiny
+
+
+@pytest.fixture
 def tiny():
     return make_tiny()
 
