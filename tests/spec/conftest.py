@@ -57,3 +57,9 @@ def drafts(target) -> dict[str, LlamaForCausalLM]:
                        num_attention_heads=2, num_key_value_heads=1),
         "self": target,
     }
+
+
+@pytest.fixture(scope="session")
+def build_model():
+    """``build_model(seed, **config overrides)``: a fresh tiny random model."""
+    return build
