@@ -33,6 +33,10 @@ FULL = {
     "dequant": [(m, k) for k in (4096, 8192) for m in (1, 16, 128)],
     "group_size": 128, "nf4": (8192, 8192), "cache_tokens": 8192, "norm": (8192, 4096),
     "check": {"decode": (16, 4096), "prefill": (3, 300, 1000), "dequant": (16, 4096)},
+    "tune_decode": (64, 4096), "tune_prefill": (1, 4096),
+    "decode_configs": [(32, 4, 3), (128, 4, 2), (64, 8, 3), (128, 8, 3), (64, 4, 4), (128, 4, 3)],
+    "prefill_configs": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 128, 4, 2), (128, 128, 8, 2),
+                        (64, 64, 4, 3)],
 }
 # Tiny sizes: lets the tests drive every code path on CPU under the interpreter.
 SMOKE = {
@@ -40,6 +44,8 @@ SMOKE = {
     "prefill": [(2, 20, 20), (1, 8, 40)], "dequant": [(1, 64), (16, 64)], "group_size": 32,
     "nf4": (8, 64), "cache_tokens": 16, "norm": (4, 64),
     "check": {"decode": (2, 40), "prefill": (2, 9, 30), "dequant": (3, 64)},
+    "tune_decode": (2, 40), "tune_prefill": (1, 20), "decode_configs": [(32, 4, 3)],
+    "prefill_configs": [(32, 32, 4, 2)],
 }
 # Extra tile configs tried for the small-M dequant cases; the best is reported with its config.
 SWEEP = {
@@ -403,8 +409,12 @@ def _dequant_shape(b: Bench, m: int, k: int, dq) -> None:
         ref = x.float() @ w_ref.float()
         timings = []
         for cfg in SWEEP.get(m, [None]) if torch.cuda.is_available() else [None]:
-            err = _rel_err(fn(cfg), ref)
-            timings.append((b.time(partial(fn, cfg)), cfg, err))
+            try:
+                err = _rel_err(fn(cfg), ref)
+                timings.append((b.time(partial(fn, cfg)), cfg, err))
+            except Exception as e:  # noqa: BLE001 - one bad tile config must not hide the rest
+                b.errors.append({"section": f"dequant {name} M={m} K={k} {cfg}",
+                                 "error": repr(e)[:300]})
         ms, cfg, err = min(timings, key=lambda t: t[0])
         b.add(name, f"M={m} K={k} N={k}", ms, "fp16 F.linear", base, nbytes=nbytes[name],
               flops=2.0 * m * k * k, config=str(cfg or dq.default_config(m, k, k)),
@@ -467,9 +477,53 @@ def sec_memory_bound(b: Bench) -> None:
           nbytes=2 * (qq.numel() + kk.numel()) * 2)
 
 
+def sec_tuning(b: Bench) -> None:
+    """Tile variants at the two headline attention shapes, so one run shows what the defaults
+    leave on the table (rows are labelled with their config; the defaults are rows above)."""
+    from labkit.kernels.paged_attention import paged_attention_decode
+    from labkit.kernels.paged_prefill import paged_prefill_attention
+
+    hq, hkv, d = b.sizes["heads"]
+    bs, scale = b.sizes["block_size"], d**-0.5
+    nseq, ctx = b.sizes["tune_decode"]
+    q, kc, vc, bt, lens = _paged_setup(nseq, ctx, (hq, hkv, d), bs, BF16, b.device, b.gen)
+    ref = paged_attention_decode(q, kc, vc, bt, lens, scale, 1)
+    for block_n, warps, stages in b.sizes["decode_configs"]:
+        def fn(bn=block_n, w=warps, st=stages):
+            return paged_attention_decode(q, kc, vc, bt, lens, scale, 1, bn, w, st)
+        try:
+            err = _rel_err(fn(), ref)
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: skip the variant
+            b.errors.append({"section": f"tuning decode {block_n}/{warps}/{stages}",
+                             "error": repr(e)[:300]})
+            continue
+        b.add("paged_attention_decode (variant)", f"B={nseq} ctx={ctx} BLOCK_N={block_n} "
+              f"warps={warps} stages={stages}", b.time(fn), nbytes=2 * nseq * ctx * hkv * d * 2,
+              rel_err_vs_default=err)
+    del q, kc, vc
+    nseq, qlen = b.sizes["tune_prefill"]
+    q, kc, vc, bt, lens = _paged_setup(nseq, qlen, (hq, hkv, d), bs, BF16, b.device, b.gen,
+                                       q_tokens=nseq * qlen)
+    qsl = torch.arange(nseq + 1, device=b.device, dtype=torch.int32) * qlen
+    ref = paged_prefill_attention(q, kc, vc, bt, qsl, lens, scale, qlen)
+    flops = 4.0 * nseq * hq * d * qlen * (qlen + 1) // 2
+    for bm, bn, warps, stages in b.sizes["prefill_configs"]:
+        def fn(bm=bm, bn=bn, w=warps, st=stages):
+            return paged_prefill_attention(q, kc, vc, bt, qsl, lens, scale, qlen, bm, bn, w, st)
+        try:
+            err = _rel_err(fn(), ref)
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: skip the variant
+            b.errors.append({"section": f"tuning prefill {bm}/{bn}/{warps}/{stages}",
+                             "error": repr(e)[:300]})
+            continue
+        b.add("paged_prefill_attention (variant)", f"{nseq} seqs q_len={qlen} BLOCK_M={bm} "
+              f"BLOCK_N={bn} warps={warps} stages={stages}", b.time(fn), flops=flops,
+              rel_err_vs_default=err)
+
+
 SECTIONS = [("copy bandwidth", sec_copy), ("correctness", sec_checks), ("decode", sec_decode),
             ("prefill", sec_prefill), ("dequant", sec_dequant),
-            ("memory-bound", sec_memory_bound)]
+            ("memory-bound", sec_memory_bound), ("tuning", sec_tuning)]
 
 
 def run(sizes: dict, device: str) -> dict[str, Any]:
