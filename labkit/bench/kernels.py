@@ -526,12 +526,15 @@ SECTIONS = [("copy bandwidth", sec_copy), ("correctness", sec_checks), ("decode"
             ("memory-bound", sec_memory_bound), ("tuning", sec_tuning)]
 
 
-def run(sizes: dict, device: str) -> dict[str, Any]:
-    """Every section in order; returns the JSON payload."""
+def run(sizes: dict, device: str, partial_json: Path | None = None) -> dict[str, Any]:
+    """Every section in order; returns the JSON payload (also saved after each section to
+    ``partial_json`` so a run cut short still leaves its numbers)."""
     b = Bench(sizes, device)
     for name, fn in SECTIONS:
         print(f"== {name}", flush=True)
         b.guarded(name, lambda fn=fn: fn(b))
+        if partial_json is not None:
+            write_json(partial_json, {**b.payload(), "partial": True})
     return b.payload()
 
 
@@ -545,9 +548,9 @@ def main(argv: list[str] | None = None) -> int:
               "(TRITON_INTERPRET=1).", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    payload = run(FULL, "cuda")
-    payload["wall_s"] = time.perf_counter() - t0
     json_path = Path(args.json) if args.json else DEFAULT_JSON
+    payload = run(FULL, "cuda", partial_json=json_path)
+    payload["wall_s"] = time.perf_counter() - t0
     write_json(json_path, payload)
     md = to_markdown(payload)
     json_path.with_suffix(".md").write_text(md)
