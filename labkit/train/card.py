@@ -91,6 +91,10 @@ def write_card(model_dir: str | Path, name: str, log: dict, data_meta: dict, com
         command,
         "```",
     ]
+    if "--data" in command:
+        lines += ["", "`--data` names a directory made by `labkit train --prepare-only` (corpus "
+                  f"of Python {data_meta['python_version']}); without it `labkit train` builds "
+                  "the same directory from the running Python's standard library."]
     if "resolved_max_steps" in log:
         r = log["resolved_max_steps"]
         lines += ["", f"The time budget resolved to `--max-steps {r['max_steps']}` after timing "
@@ -99,7 +103,9 @@ def write_card(model_dir: str | Path, name: str, log: dict, data_meta: dict, com
     lines += ["", "Held-out loss during training:", "", "| step | tokens seen | held-out loss |",
               "|---|---|---|"]
     evals = log["eval"]
-    keep = evals if len(evals) <= 12 else evals[:: math.ceil(len(evals) / 12)] + evals[-1:]
+    keep = evals if len(evals) <= 12 else evals[:: math.ceil(len(evals) / 12)]
+    if keep[-1] is not evals[-1]:
+        keep.append(evals[-1])
     lines += [f"| {e['step']} | {e['tokens_seen']:,} | {e['heldout_loss']:.4f} |" for e in keep]
     lines += ["", "Greedy completions (`labkit.model.generate.generate`, 48 new tokens, "
               "float32 on CPU):", ""]

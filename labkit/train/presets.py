@@ -40,12 +40,12 @@ def _llama(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv_head
 PRESETS: dict[str, Preset] = {
     # 5.28 M parameters (4.23 M outside the embedding).
     "labkit-tiny": Preset("labkit-tiny", _llama(4096, 256, 704, 6, 8, 2, 1024), seq_len=1024,
-                          batch_size=64, lr=2e-3, warmup_steps=100, max_epochs=8.0,
+                          batch_size=64, lr=2e-3, warmup_steps=100, max_epochs=16.0,
                           eval_every=100),
     # 1.02 M parameters: two layers so a draft step costs a third of a target step.
     "labkit-tiny-draft": Preset("labkit-tiny-draft", _llama(4096, 128, 512, 2, 4, 2, 1024),
                                 seq_len=1024, batch_size=64, lr=3e-3, warmup_steps=100,
-                                max_epochs=8.0, eval_every=100),
+                                max_epochs=16.0, eval_every=100),
     # Minutes on a laptop CPU: a slice of the stdlib that contains held-out files.
     "smoke": Preset("smoke", _llama(1024, 64, 128, 2, 4, 2, 256), seq_len=128, batch_size=16,
                     lr=3e-3, warmup_steps=20, max_epochs=None, eval_every=50, vocab_size=1024,

@@ -249,8 +249,7 @@ def train(model_config: ModelConfig, cfg: TrainConfig, train_ids: torch.Tensor,
             bar.set_postfix(loss=f"{mean:.3f}", lr=f"{lr:.2e}")
         if step % cfg.eval_every == 0 or step == max_steps:
             run_eval()
-            bar.set_postfix(loss=f"{log['train'][-1]['loss']:.3f}",
-                            heldout=f"{log['eval'][-1]['heldout_loss']:.3f}")
+            bar.set_postfix(heldout=f"{log['eval'][-1]['heldout_loss']:.3f}")
         log["wall_time_s"] = time.perf_counter() - t_start
         if step == max_steps or step % cfg.checkpoint_every == 0 or step == cfg.stop_after:
             checkpoint()
