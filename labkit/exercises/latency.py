@@ -101,21 +101,55 @@ def check(latency_metrics: Callable[[list[dict]], dict]) -> object:
                             f"wrong {metric} {stat}", inputs=f"requests={shown}",
                             expected=value, actual=got,
                             hint=_hint(metric, stat, reqs, got, value))
-        engine_note = _engine_cross_check(reference)
+        engine_note = _engine_cross_check(latency_metrics, reference)
         return f"TTFT/TPOT/E2E mean, P50 and P99 right on {len(workloads)} workloads.{engine_note}"
 
     return run_check("latency_metrics", body)
 
 
-def _engine_cross_check(reference: Callable) -> str:
-    """Where labkit's own metrics exist, show they agree with the definitions used here."""
+def engine_timings(num_requests: int = 6, seed: int = 0) -> list[dict]:
+    """Per-request timestamps from a real ``LLMEngine`` run on the tiny seeded model."""
+    from labkit.engine.llm_engine import LLMEngine
+    from labkit.engine.sampling_params import SamplingParams
+    from labkit.exercises.allocator_engine import tiny_model
+
+    engine = LLMEngine.from_model(tiny_model(), None, block_size=4, num_blocks=64,
+                                  max_num_seqs=4, max_num_batched_tokens=16)
+    rng = random.Random(seed)
+    for i in range(num_requests):
+        prompt = [rng.randrange(128) for _ in range(rng.randint(3, 20))]
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=rng.choice(
+            [1, 4, 8, 12]), ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return engine.request_timings()
+
+
+def _engine_cross_check(learner: Callable, reference: Callable) -> str:
+    """The learner's metrics on a real engine run must equal labkit's compute_metrics."""
     try:
         from labkit.engine.metrics import compute_metrics
-    except ImportError:
+
+        timings = engine_timings()
+    except ImportError:  # pragma: no cover - before the engine landed
         return ""
-    reqs = _requests(random.Random(7), 50)
-    ours = reference(reqs)
-    theirs = compute_metrics(reqs)
-    if not math.isclose(theirs["ttft"]["p99"], ours["ttft"]["p99"], rel_tol=1e-6):
-        return ""  # different percentile convention; the exercise's contract stands on its own
-    return " Same numbers as labkit.engine.metrics.compute_metrics."
+    theirs = compute_metrics(timings)
+    ours = reference(timings)
+    for metric in ("ttft", "tpot", "e2e"):
+        for stat in ("mean", "p50", "p99"):
+            if not _close(ours[metric][stat], theirs[metric][stat]):  # pragma: no cover
+                raise RuntimeError(f"exercise reference and labkit.engine.metrics disagree on "
+                                   f"{metric} {stat}: a labkit bug, please report it")
+    actual = call(learner, [dict(t) for t in timings],
+                  _label=f"latency_metrics(<{len(timings)} requests from a real engine run>)")
+    for metric in ("ttft", "tpot", "e2e"):
+        for stat in ("mean", "p50", "p99"):
+            got = actual.get(metric, {}).get(stat) if isinstance(actual, dict) else None
+            if not _close(got, theirs[metric][stat]):
+                raise CheckFailure(f"on a real engine run, wrong {metric} {stat}",
+                                   inputs=f"engine.request_timings(), e.g. {timings[0]}",
+                                   expected=theirs[metric][stat], actual=got,
+                                   hint=_hint(metric, stat, timings, got, theirs[metric][stat]))
+    ttft = theirs["ttft"]["p50"] * 1e3
+    return (f" On a real engine run (tiny model, {len(timings)} requests) your numbers equal "
+            f"labkit.engine.metrics: TTFT P50 {ttft:.1f} ms.")

@@ -153,3 +153,27 @@ def test_allocator_checker_uses_many_copy_on_writes():
     result = allocator.check(S.BlockAllocator)
     n_cow = int(result.message.split("(")[1].split(" copy-on-writes")[0])
     assert n_cow >= 20
+
+
+def test_allocator_drives_the_real_model():
+    from labkit.exercises import allocator_engine
+
+    ok = allocator_engine.check_on_model(S.BlockAllocator)
+    assert ok.passed, ok.message
+    cow = allocator_engine.check_on_model(W.AllocatorNoCopyOnWrite)
+    assert "drifted from the reference" in cow.message and "copy-on-write" in cow.message
+    leak = allocator_engine.check_on_model(W.AllocatorNoRefDecrement)
+    assert "blocks leaked" in leak.message
+    short = allocator_engine.check_on_model(W.AllocatorOffByOne)
+    assert "cannot hold its 6 tokens" in short.message
+
+
+def test_latency_reference_equals_labkit_metrics_on_engine_run():
+    from labkit.engine.metrics import compute_metrics
+
+    timings = latency.engine_timings(num_requests=5, seed=3)
+    ours, theirs = S.latency_metrics(timings), compute_metrics(timings)
+    for metric in ("ttft", "tpot", "e2e"):
+        for stat in ("mean", "p50", "p99"):
+            assert ours[metric][stat] == pytest.approx(theirs[metric][stat], rel=1e-9)
+    assert "real engine run" in latency.check(S.latency_metrics).message
