@@ -255,6 +255,7 @@ class LLMEngine:
         bm = self.block_manager
         outputs: list[StepOutput] = []
         finished: list[dict] = []
+        bs, lookahead = bm.block_size, self.config.num_lookahead_slots
         for sc in out.scheduled:
             if not sc.samples:
                 sc.seq.num_computed_tokens += sc.num_new_tokens
@@ -263,7 +264,7 @@ class LLMEngine:
             for seq in (sc.seq, *sc.children) if sc.children else (sc.seq,):
                 new = results.get(seq.seq_id, [])
                 added, reason = self._append(seq, new, now)
-                seq.num_computed_tokens = seq.num_tokens - 1
+                seq.num_computed_tokens = len(seq.token_ids) - 1
                 bm.cache_full_blocks(seq)
                 if reason is not None:
                     seq.status = SequenceStatus.FINISHED
@@ -271,9 +272,8 @@ class LLMEngine:
                     bm.free(seq)
                     finished.append({"request_id": seq.request_id, "seq_id": seq.seq_id,
                                      "reason": reason})
-                elif len(seq.block_table) * bm.block_size > seq.num_tokens + \
-                        self.config.num_lookahead_slots:
-                    bm.truncate(seq, seq.num_tokens)  # drop slots of rejected drafts
+                elif len(seq.block_table) > cdiv(len(seq.token_ids) + lookahead, bs):
+                    bm.truncate(seq, len(seq.token_ids))  # drop slots of rejected drafts
                 if added or reason:
                     outputs.append(self._step_output(seq, added, reason))
                 req = seq.request
@@ -287,19 +287,17 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, new: list[int], now: float) -> tuple[list[int], str | None]:
         p = seq.request.params
-        added: list[int] = []
-        reason = None
-        for tok in new:
-            seq.token_ids.append(tok)
-            seq.token_times.append(now)
-            added.append(tok)
-            if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
-                reason = "stop"
-            elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-                reason = "length"
-            if reason:
-                break
-        return added, reason
+        tokens, times = seq.token_ids, seq.token_times
+        eos = () if p.ignore_eos else self.eos_token_ids
+        limit = min(seq.num_prompt_tokens + p.max_tokens, self.max_model_len)
+        for i, tok in enumerate(new):
+            tokens.append(tok)
+            times.append(now)
+            if tok in eos or tok in p.stop_token_ids:
+                return new[: i + 1], "stop"
+            if len(tokens) >= limit:
+                return new[: i + 1], "length"
+        return new, None
 
     def _step_output(self, seq: Sequence, added: list[int], reason: str | None) -> StepOutput:
         p = seq.request.params
@@ -345,7 +343,7 @@ class LLMEngine:
                            "num_tokens": s.num_new_tokens, "start_pos": s.start_pos,
                            "chunked": not s.samples} for s in out.scheduled],
             "num_batched_tokens": out.num_batched_tokens, "token_budget": out.token_budget,
-            "outputs": {sid: list(t) for sid, t in results.items()},
+            "outputs": results,  # fresh dict per step from the executor
             "preempted": [{"request_id": s.request_id, "seq_id": s.seq_id, "mode": m}
                           for s, m in out.preempted],
             "finished": fin, "events": events,

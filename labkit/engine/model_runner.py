@@ -82,7 +82,7 @@ class ModelExecutor:
             decode_only=len(ids) == len(chunks),
         )
         logits = self.model(torch.tensor([ids], device=dev), torch.tensor([pos], device=dev),
-                            self.kv_cache, torch.tensor(out_idx, device=dev))
+                            self.kv_cache, torch.tensor(out_idx, dtype=torch.long, device=dev))
         self.kv_cache.meta = None
         return logits
 

@@ -115,7 +115,8 @@ class TorchBackend:
         mask = kpos[None, None, :] <= qpos[:, :, None]  # causal, implies < ctx for real rows
         if sliding_window is not None:
             mask &= kpos[None, None, :] > qpos[:, :, None] - sliding_window
-        mask[:, :, 0] |= True  # padded query rows: keep softmax finite, result discarded
+        pad_rows = torch.arange(Tq, device=dev)[None, :] >= qlen[:, None]
+        mask[:, :, 0] |= pad_rows  # padded query rows: keep softmax finite, result discarded
         qg = qp.float().view(B, Tq, Hkv, Hq // Hkv, D)
         scores = torch.einsum("bthgd,bshd->bhgts", qg, k.float()) * scale
         scores.masked_fill_(~mask[:, None, None, :, :], float("-inf"))

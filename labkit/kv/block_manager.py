@@ -143,13 +143,20 @@ class BlockManager:
         ``cached_blocks`` are prefix-cache hits from find_cached_prefix (only for a sequence with
         nothing computed); picking them up may take them out of the evictable set, which the
         availability check accounts for."""
+        table = seq.block_table
+        bs = self.block_size
+        if not cached_blocks:  # fast path: a decode step whose slot is already allocated
+            start = seq.num_computed_tokens
+            if start + num_new_tokens + num_lookahead <= len(table) * bs:
+                phys = table[start // bs]
+                if self.pool.ref_counts[phys] == 1 and self.pool.block_hash[phys] is None:
+                    return True
         cached_blocks = cached_blocks or []
         pool = self.pool
         need = self.num_blocks_needed(seq, num_new_tokens, len(cached_blocks), num_lookahead)
         reclaimed = sum(1 for b in cached_blocks if pool.ref_counts[b] == 0)
         if need > pool.num_available - reclaimed:
             return False
-        table = seq.block_table
         fresh = not table and seq.num_computed_tokens == 0
         if fresh:
             self.seqs[seq.seq_id] = seq

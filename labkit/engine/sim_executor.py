@@ -1,0 +1,53 @@
+"""SimExecutor: the real scheduler and block manager, no tensors, a roofline clock.
+
+Each step the engine hands it the same SchedulerOutput the model executor gets. Instead of a
+forward pass it (1) asks ``labkit.sim.cost.step_time`` how long that batch would take on the
+chosen GPU for the chosen model and advances the engine's virtual clock by it, and (2) emits one
+placeholder token for every sequence whose chunk reached its end. Each simulated request carries
+``max_tokens = output_len`` and ignores EOS, so it finishes after exactly its predetermined
+output length. Everything else (admission, chunking, preemption, prefix hits, the trace, the
+timestamps and metrics) is the engine's own code, which is the point of the simulator.
+"""
+
+from __future__ import annotations
+
+from labkit.engine.clock import VirtualClock
+from labkit.sched.scheduler import SchedulerOutput
+from labkit.sim.cost import step_time
+from labkit.sim.presets import GPUPreset, ModelPreset, get_gpu, get_model_preset
+
+
+class SimExecutor:
+    kind = "sim"
+
+    def __init__(self, model: ModelPreset | str, gpu: GPUPreset | str,
+                 clock: VirtualClock, vocab_size: int = 32000) -> None:
+        self.model = get_model_preset(model)
+        self.gpu = get_gpu(gpu)
+        self.clock = clock
+        self.vocab_size = vocab_size
+        self.busy_s = 0.0
+
+    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        prefill = decode = context = pairs = 0
+        results: dict[str, list[int]] = {}
+        V = self.vocab_size
+        for sc in out.scheduled:
+            n, start = sc.num_new_tokens, sc.start_pos
+            if sc.is_prefill:
+                prefill += n
+            else:
+                decode += n
+            context += start
+            pairs += n * start + n * (n + 1) // 2
+            if sc.samples:
+                seq = sc.seq
+                # placeholder ids, distinct per sequence and position (no accidental prefix hits)
+                results[seq.seq_id] = [(seq.num_tokens * 2654435761 + seq.request.index) % V]
+                for c in sc.children:
+                    results[c.seq_id] = [(c.num_tokens * 2654435761 + c.index * 7919
+                                          + c.request.index) % V]
+        dt = step_time(self.model, self.gpu, prefill, decode, context, attention_pairs=pairs)
+        self.busy_s += dt
+        self.clock.advance(dt)
+        return results

@@ -1,0 +1,106 @@
+"""Every engine path equals the reference ``generate`` token for token."""
+
+from __future__ import annotations
+
+import pytest
+
+from labkit.engine.llm import LLM
+from labkit.engine.sampling_params import SamplingParams
+
+MAX_NEW = 10
+
+
+def run(model, prompts, params=None, **kw):
+    llm = LLM.from_model(model, None, **kw)
+    params = params or SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    eng = llm.llm_engine
+    assert eng.block_manager.pool.num_used == 0  # everything released (free or cached)
+    assert eng.block_manager.cpu_pool.num_used == 0
+    return outs, eng
+
+
+def check_greedy(outs, prompts, reference, max_new=MAX_NEW):
+    for p, o in zip(prompts, outs):
+        assert o.finished and o.prompt_token_ids == p
+        for c in o.outputs:
+            assert c.token_ids == reference(p, max_new, ignore_eos=True)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 5])
+@pytest.mark.parametrize("chunked", [True, False])
+@pytest.mark.parametrize("caching", [True, False])
+def test_greedy_matches_reference(tiny_model, prompts, reference, block_size, chunked, caching):
+    budget = 24 if chunked else 256  # 24 forces multi-step chunked prefills
+    outs, eng = run(tiny_model, prompts, block_size=block_size, enable_chunked_prefill=chunked,
+                    enable_prefix_caching=caching, max_num_batched_tokens=budget,
+                    max_num_seqs=4)  # later prompts are admitted after their prefixes exist
+    check_greedy(outs, prompts, reference)
+    hit = eng.stats()["prefix_hit_tokens"]
+    assert (hit > 0) == caching  # the shared prefix and the repeated prompt do hit
+
+
+def test_fully_cached_block_aligned_prompt(tiny_model, prompts, reference):
+    llm = LLM.from_model(tiny_model, None, block_size=8)
+    sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    p = prompts[1]  # 16 tokens = 2 full blocks
+    first = llm.generate(prompt_token_ids=[p], sampling_params=sp)[0]
+    second = llm.generate(prompt_token_ids=[p], sampling_params=sp)[0]
+    assert second.num_cached_tokens == 8  # the last block is recomputed for logits
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids == reference(
+        p, MAX_NEW, ignore_eos=True)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "sjf"])
+def test_policies(tiny_model, prompts, reference, policy):
+    llm = LLM.from_model(tiny_model, None, block_size=4, policy=policy, max_num_seqs=3)
+    sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp,
+                        priority=list(range(len(prompts), 0, -1)))
+    check_greedy(outs, prompts, reference)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_tiny_pool_preemption(tiny_model, prompts, reference, mode):
+    outs, eng = run(tiny_model, prompts, block_size=4, num_blocks=16, preemption_mode=mode,
+                    num_cpu_blocks=32 if mode == "swap" else 0, max_num_batched_tokens=32)
+    check_greedy(outs, prompts, reference)
+    modes = {p["mode"] for s in eng.trace.steps for p in s["preempted"]}
+    assert modes == {mode}
+
+
+def test_static_batching(tiny_model, prompts, reference):
+    outs, eng = run(tiny_model, prompts, block_size=4, batching="static", max_num_seqs=3)
+    check_greedy(outs, prompts, reference)
+
+
+def test_n_samples_greedy_share_blocks(tiny_model, prompts, reference):
+    sp = SamplingParams(n=3, temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs, eng = run(tiny_model, prompts[:4], sp, block_size=4, enable_prefix_caching=False)
+    check_greedy(outs, prompts[:4], reference)
+    kinds = {e["type"] for s in eng.trace.steps for e in s["events"]}
+    assert {"fork", "cow"} <= kinds
+
+
+@pytest.mark.parametrize("kw", [dict(block_size=16), dict(block_size=3, num_blocks=20,
+                                                          max_num_batched_tokens=16)])
+def test_seeded_sampling_matches_reference(tiny_model, prompts, reference, kw):
+    sp = SamplingParams(n=2, temperature=0.9, top_k=20, top_p=0.9, seed=123,
+                        max_tokens=MAX_NEW, ignore_eos=True)
+    outs, _ = run(tiny_model, prompts[:5], sp, **kw)
+    for p, o in zip(prompts[:5], outs):
+        for i, c in enumerate(o.outputs):
+            want = reference(p, MAX_NEW, temperature=0.9, top_k=20, top_p=0.9, seed=123 + i,
+                             ignore_eos=True)
+            assert c.token_ids == want
+    assert outs[0].outputs[0].token_ids != outs[0].outputs[1].token_ids
+
+
+def test_stop_token_and_eos(tiny_model, prompts, reference):
+    ref = reference(prompts[0], MAX_NEW, ignore_eos=True)
+    stop = ref[3]
+    sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, stop_token_ids=[stop],
+                        ignore_eos=True)
+    out, _ = run(tiny_model, prompts[:1], sp)
+    c = out[0].outputs[0]
+    assert c.token_ids == ref[: ref.index(stop) + 1] and c.finish_reason == "stop"
