@@ -30,10 +30,11 @@ from tqdm.auto import tqdm
 from labkit.bench.common import bench_parser, environment, print_table, write_json
 from labkit.sim.workloads import LengthDist, get_workload, prompt_texts
 
-QUICK = {"num_requests": 32, "batch_size": 16, "output_mean": 96, "output_max": 384,
-         "sweep_requests": 256, "sweep_sigmas": (0.0, 0.5, 1.0, 1.5)}
+QUICK = {"num_requests": 48, "batch_size": 16, "output_mean": 64, "output_max": 256,
+         "sweep_requests": 256, "sweep_sigmas": (0.0, 0.5, 1.0, 1.5), "sweep_batch": 64}
 FULL = {"num_requests": 96, "batch_size": 32, "output_mean": 128, "output_max": 512,
-        "sweep_requests": 1000, "sweep_sigmas": (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5)}
+        "sweep_requests": 1000, "sweep_sigmas": (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5),
+        "sweep_batch": 64}
 
 
 def make_requests(tokenizer: Any, num_requests: int, output_mean: float, output_max: int,
@@ -107,10 +108,11 @@ def run_hf(model: str | Path, prompts: list[list[int]], max_tokens: list[int], b
 
 def static_step_bound(output_lens: list[int], batch_size: int) -> float:
     """Decode steps static batching needs (sum over batches of the longest output) divided by
-    the steps a perfectly packed continuous batch needs (total tokens / batch size)."""
+    the fewest steps continuous batching can need (total tokens / batch size, and never fewer
+    than the longest output): an upper bound on continuous batching's gain."""
     lens = list(output_lens)
     static = sum(max(lens[i:i + batch_size]) for i in range(0, len(lens), batch_size))
-    return static / (sum(lens) / batch_size)
+    return static / max(sum(lens) / batch_size, max(lens))
 
 
 def sim_sweep(sigmas: tuple[float, ...], num_requests: int, batch_size: int = 64,
@@ -162,7 +164,8 @@ def run(model: str | Path = "labkit-tiny", quick: bool = True, seed: int = 0,
         runs[name] = fn()
     match = [a == h for a, h in zip(runs["continuous"]["outputs"], runs["hf"]["outputs"])]
     static_match = runs["static"]["outputs"] == runs["continuous"]["outputs"]
-    sweep = sim_sweep(tuple(cfg["sweep_sigmas"]), cfg["sweep_requests"], seed=seed)
+    sweep = sim_sweep(tuple(cfg["sweep_sigmas"]), cfg["sweep_requests"], cfg["sweep_batch"],
+                      seed=seed)
     c, s, h = (runs[k]["tokens_per_s"] for k in ("continuous", "static", "hf"))
     return {
         "benchmark": "batching", "model": str(model), "quick": quick, "batch_size": b,
@@ -175,7 +178,7 @@ def run(model: str | Path = "labkit-tiny", quick: bool = True, seed: int = 0,
         "steps": {k: runs[k].get("steps") for k in ("continuous", "static")},
         "wall_s": {k: runs[k]["wall_s"] for k in runs},
         "hf_computed_tokens": runs["hf"]["computed_tokens"],
-        "sim_sweep": sweep, "environment": environment(),
+        "sim_sweep": sweep, "sweep_batch": cfg["sweep_batch"], "environment": environment(),
     }
 
 
@@ -210,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"continuous / static = {payload['continuous_over_static']:.2f}x   "
           f"continuous / transformers = {payload['continuous_over_hf']:.2f}x   "
           f"outputs_match = {payload['outputs_match']}")
-    print("\nsimulated Llama-2-7B on A100-80GB, batch 64: output-length spread vs gain")
+    print(f"\nsimulated Llama-2-7B on A100-80GB, {len(payload['sim_sweep'])} spreads, batch "
+          f"{payload['sweep_batch']}: output-length spread vs continuous batching's gain")
     print_table(payload["sim_sweep"])
     write_json(args.json, payload)
     if args.json:

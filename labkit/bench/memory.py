@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from labkit.bench.common import bench_parser, environment, print_table, write_json
 from labkit.engine.metrics import compute_metrics, kv_summary
 
-QUICK = {"sim_requests": 300, "real_requests": 12, "real_max_prompt": 256, "real_max_output": 256}
+QUICK = {"sim_requests": 300, "real_requests": 8, "real_max_prompt": 192, "real_max_output": 192}
 FULL = {"sim_requests": 1000, "real_requests": 32, "real_max_prompt": 512, "real_max_output": 512}
 
 
