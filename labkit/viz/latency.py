@@ -52,7 +52,7 @@ class LatencyWidget(widgets.VBox):
 
     def __init__(self, source: Any, nbins: int = 40) -> None:
         self.nbins = nbins
-        self.figure = go.FigureWidget()
+        self.figure = td.swap_figure(None, None, go.Figure(), "labkit-latency-figure")
         self.table = widgets.HTML()
         super().__init__([self.table, self.figure])
         self.add_class("labkit-latency")
@@ -80,11 +80,7 @@ class LatencyWidget(widgets.VBox):
                         + "".join(f"<td>{v:.2f}</td>" for v in pct) + "</tr>")
         fig.update_layout(height=320, width=900, plot_bgcolor="white", bargap=0.05,
                           margin=dict(l=50, r=20, t=40, b=40))
-        with self.figure.batch_update():
-            self.figure.data = ()
-            self.figure.layout = {}
-            self.figure.add_traces(list(fig.data))
-            self.figure.update_layout(fig.layout)
+        self.figure = td.swap_figure(self, self.figure, fig, "labkit-latency-figure")
         self.table.value = ("<table><tr><th>metric (ms)</th><th>samples</th><th>mean</th>"
                             + "".join(f"<th>p{q}</th>" for q in PERCENTILES) + "</tr>"
                             + "".join(rows) + "</table>")

@@ -19,7 +19,8 @@ from labkit.viz import tracedata as td
 
 
 def memory_series(trace: Any) -> dict[str, list[float]]:
-    """Per step, in KV token slots: really used, paged (allocated blocks × block_size), paged
+    """Per step, in KV token slots: held by sequences (shared blocks count once per sequence),
+    paged (allocated blocks × block_size), paged
     including free-but-prefix-cached blocks, and contiguous reservation (prompt + max_tokens of
     every request holding KV)."""
     trace = td.as_trace_dict(trace)
@@ -56,7 +57,7 @@ class MemoryWidget(widgets.VBox):
         if x not in ("step", "time"):
             raise ValueError(f"x must be 'step' or 'time', got {x!r}")
         self.x = x
-        self.figure = go.FigureWidget()
+        self.figure = td.swap_figure(None, None, go.Figure(), "labkit-memory-figure")
         self.summary = widgets.HTML()
         super().__init__([self.summary, self.figure])
         self.add_class("labkit-memory")
@@ -89,11 +90,7 @@ class MemoryWidget(widgets.VBox):
                           xaxis_title="engine step" if self.x == "step" else "time (s)",
                           yaxis_title="KV token slots", legend=dict(orientation="h", y=-0.25),
                           margin=dict(l=60, r=20, t=30, b=40))
-        with self.figure.batch_update():
-            self.figure.data = ()
-            self.figure.layout = {}
-            self.figure.add_traces(list(fig.data))
-            self.figure.update_layout(fig.layout)
+        self.figure = td.swap_figure(self, self.figure, fig, "labkit-memory-figure")
         self.summary.value = _summary(s, capacity)
 
 
@@ -101,10 +98,9 @@ def _summary(s: dict, capacity: int) -> str:
     tok, paged, contig = sum(s["tokens"]), sum(s["paged"]), sum(s["contiguous"])
     if not paged:
         return "<div>no KV was allocated in this trace</div>"
-    waste_paged = 1 - tok / paged
-    waste_contig = 1 - tok / contig if contig else float("nan")
     peak = max(s["contiguous"]) if s["contiguous"] else 0
-    return (f"<div>Averaged over steps, <b>{waste_paged:.1%}</b> of paged KV slots are "
-            f"allocated but empty (last-block tails) vs <b>{waste_contig:.1%}</b> with "
-            f"contiguous pre-allocation; contiguous peak {peak} slots = "
+    contig_use = f"{tok / contig:.0%}" if contig else "n/a"
+    return (f"<div>Token KV held per reserved slot, summed over steps: paged <b>{tok / paged:.0%}"
+            f"</b> (the rest are last-block tails; above 100% means prefix blocks are shared) vs "
+            f"contiguous pre-allocation <b>{contig_use}</b>. Contiguous peak: {peak} slots = "
             f"{peak / capacity:.0%} of the pool.</div>")

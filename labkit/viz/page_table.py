@@ -47,9 +47,8 @@ class PageTableWidget(widgets.VBox):
                                               description="colour by")
         self.summary = widgets.HTML()
         self.legend = widgets.HTML()
-        self.figure = go.FigureWidget()
+        self.figure = td.swap_figure(None, None, go.Figure(), "labkit-pagetable-figure")
         self.summary.add_class("labkit-pagetable-summary")
-        self.figure.add_class("labkit-pagetable-figure")
         self.prev_button.on_click(lambda _: self._nudge(-1))
         self.next_button.on_click(lambda _: self._nudge(+1))
         self.slider.observe(lambda ch: self.show_step(ch["new"]), names="value")
@@ -80,15 +79,18 @@ class PageTableWidget(widgets.VBox):
         """Redraw the pool as it was after `step`."""
         state = self.block_state(step)
         grid, table = self._grid_points(state), self._table_points(state)
-        with self.figure.batch_update():
-            g = self.figure.data[0]
-            g.marker.color, g.marker.line.width = grid["color"], grid["line"]
-            g.text, g.hovertext = grid["text"], grid["hover"]
-            t = self.figure.data[1]
-            t.x, t.y, t.text, t.hovertext = table["x"], table["y"], table["text"], table["hover"]
-            t.marker.color, t.marker.line.width = table["color"], table["line"]
-            self.figure.layout.yaxis2.tickvals = list(range(len(table["rows"])))
-            self.figure.layout.yaxis2.ticktext = table["rows"]
+        fig = go.Figure(self._base)
+        g = fig.data[0]
+        g.marker.color, g.marker.line.width = grid["color"], grid["line"]
+        g.text, g.hovertext = grid["text"], grid["hover"]
+        g.textfont.color = ["white" if c not in (td.FREE_COLOR, td.CACHED_COLOR) else "#555"
+                            for c in grid["color"]]
+        t = fig.data[1]
+        t.x, t.y, t.text, t.hovertext = table["x"], table["y"], table["text"], table["hover"]
+        t.marker.color, t.marker.line.width = table["color"], table["line"]
+        fig.layout.yaxis2.tickvals = list(range(len(table["rows"])))
+        fig.layout.yaxis2.ticktext = table["rows"]
+        self.figure = td.swap_figure(self, self.figure, fig, "labkit-pagetable-figure")
         self.summary.value = self._summary_html(step, state)
         self.legend.value = self._legend_html()
 
@@ -142,13 +144,14 @@ class PageTableWidget(widgets.VBox):
         fig.update_yaxes(autorange="reversed", showgrid=False, zeroline=False, row=2, col=1)
         fig.update_xaxes(title_text="logical block", dtick=1, showgrid=False, zeroline=False,
                          row=2, col=1)
-        fig.update_layout(height=grid_h + table_h + 80, width=max(560, cols * (cell + 6) + 140),
+        self._show_ids = cols <= 16
+        width_blocks = max(cols, _max_logical_blocks(self.trace, self.block_size))
+        fig.update_xaxes(range=[-0.6, cols - 0.4], row=1, col=1)
+        fig.update_xaxes(range=[-0.6, width_blocks - 0.4], row=2, col=1)
+        fig.update_layout(height=grid_h + table_h + 80,
+                          width=max(560, width_blocks * (cell + 8) + 140),
                           margin=dict(l=70, r=20, t=40, b=40), plot_bgcolor="white")
-        with self.figure.batch_update():
-            self.figure.data = ()
-            self.figure.layout = {}
-            self.figure.add_traces(list(fig.data))
-            self.figure.update_layout(fig.layout)
+        self._base = fig
 
     def _block_color(self, p: int, state: dict) -> str:
         ref = state["ref"].get(p, 0)
@@ -188,7 +191,7 @@ class PageTableWidget(widgets.VBox):
             ref = state["ref"].get(p, 0)
             color.append(self._block_color(p, state))
             line.append(3 if ref > 1 else 0.5)
-            text.append(f"×{ref}" if ref > 1 else "")
+            text.append(f"{p}×{ref}" if ref > 1 else str(p) if self._show_ids else "")
             hover.append(self._block_hover(p, state))
         return {"color": color, "line": line, "text": text, "hover": hover}
 
@@ -254,6 +257,12 @@ def _max_live_seqs(trace: dict) -> int:
         best = max(best, int(q.get("running", 0)) + int(q.get("swapped", 0)),
                    len(rec.get("scheduled", ())))
     return best
+
+
+def _max_logical_blocks(trace: dict, block_size: int) -> int:
+    longest = max((int(r["prompt_len"]) + int(r.get("max_tokens") or 0)
+                   for r in trace["requests"].values()), default=1)
+    return min(-(-longest // block_size), 64)
 
 
 def _seq_tokens(trace: dict, step: int) -> dict[str, list[int] | None]:

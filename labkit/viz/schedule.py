@@ -26,8 +26,7 @@ class ScheduleWidget(widgets.VBox):
 
     def __init__(self, trace: Any, max_requests: int = 64, max_steps: int = 600) -> None:
         self.max_requests, self.max_steps = max_requests, max_steps
-        self.figure = go.FigureWidget()
-        self.figure.add_class("labkit-schedule-figure")
+        self.figure = td.swap_figure(None, None, go.Figure(), "labkit-schedule-figure")
         self.summary = widgets.HTML()
         self.summary.add_class("labkit-schedule-summary")
         super().__init__([self.summary, self.figure])
@@ -50,8 +49,9 @@ class ScheduleWidget(widgets.VBox):
         for i, name in enumerate(td.STATES):
             scale += [[i / n, td.STATE_COLORS[name]], [(i + 1) / n, td.STATE_COLORS[name]]]
         xs = [rec["step"] for rec in steps]
-        fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.04,
-                            row_heights=[0.25, 0.75])
+        gantt_h = 22 * max(len(rids), 4)
+        fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.06,
+                            row_heights=[120, gantt_h])
         fig.add_trace(go.Bar(x=xs, y=[rec["num_batched_tokens"] for rec in steps],
                              name="batched tokens", marker_color="#4c78a8", showlegend=True),
                       row=1, col=1)
@@ -76,32 +76,32 @@ class ScheduleWidget(widgets.VBox):
             fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name,
                                      marker=dict(symbol="square", size=12,
                                                  color=td.STATE_COLORS[name])), row=2, col=1)
-        fig.update_yaxes(title_text="tokens", row=1, col=1)
+        top = max([rec["token_budget"] for rec in steps] + [rec["num_batched_tokens"]
+                                                            for rec in steps])
+        fig.update_yaxes(title_text="tokens", range=[0, top * 1.15], row=1, col=1)
         fig.update_yaxes(autorange="reversed", type="category", title_text="request",
                          row=2, col=1)
         fig.update_xaxes(title_text="engine step", row=2, col=1)
-        fig.update_layout(height=220 + 18 * len(rids), width=820, plot_bgcolor="white",
-                          margin=dict(l=70, r=20, t=30, b=40), bargap=0.1,
-                          legend=dict(orientation="h", y=1.08))
-        with self.figure.batch_update():
-            self.figure.data = ()
-            self.figure.layout = {}
-            self.figure.add_traces(list(fig.data))
-            self.figure.update_layout(fig.layout)
+        fig.update_layout(height=120 + gantt_h + 110, width=900, plot_bgcolor="white",
+                          margin=dict(l=70, r=20, t=20, b=40), bargap=0.1,
+                          legend=dict(x=1.02, y=1, xanchor="left"))
+        self._base, self._step = fig, None
+        self.figure = td.swap_figure(self, self.figure, fig, "labkit-schedule-figure")
         self.summary.value = self._summary_html(len(steps))
 
     @property
     def step(self) -> int | None:
-        shapes = self.figure.layout.shapes
-        return int(shapes[0].x0 + 0.5) if shapes else None
+        return self._step
 
     @step.setter
     def step(self, step: int) -> None:
-        """Mark `step` with a vertical band (linkable to a slider via `observe`)."""
-        self.figure.layout.shapes = [dict(type="rect", xref="x2", yref="paper",
-                                          x0=step - 0.5, x1=step + 0.5, y0=0, y1=1,
-                                          line=dict(color="black", width=1.5),
-                                          fillcolor="rgba(0,0,0,0.06)")]
+        """Mark `step` with a vertical band (link a slider to it with `observe`)."""
+        fig = go.Figure(self._base)
+        fig.layout.shapes = [dict(type="rect", xref="x2", yref="paper", x0=step - 0.5,
+                                  x1=step + 0.5, y0=0, y1=1, line=dict(color="black", width=1.5),
+                                  fillcolor="rgba(0,0,0,0.06)")]
+        self._step = step
+        self.figure = td.swap_figure(self, self.figure, fig, "labkit-schedule-figure")
 
     def _hover(self, rid: str, i: int, st: str | None) -> str:
         if st is None:

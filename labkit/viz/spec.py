@@ -48,7 +48,7 @@ class SpecWidget(widgets.VBox):
 
     def __init__(self, trace: Any, tokenizer: Any = None) -> None:
         self.tokenizer = tokenizer
-        self.figure = go.FigureWidget()
+        self.figure = td.swap_figure(None, None, go.Figure(), "labkit-spec-figure")
         self.slider = widgets.IntSlider(description="step", min=0, max=0,
                                         layout=widgets.Layout(width="420px"))
         self.tokens = widgets.HTML()
@@ -76,11 +76,7 @@ class SpecWidget(widgets.VBox):
                           margin=dict(l=50, r=50, t=30, b=40))
         fig.update_yaxes(title_text="draft tokens", secondary_y=False)
         fig.update_yaxes(title_text="acceptance rate", range=[0, 1.05], secondary_y=True)
-        with self.figure.batch_update():
-            self.figure.data = ()
-            self.figure.layout = {}
-            self.figure.add_traces(list(fig.data))
-            self.figure.update_layout(fig.layout)
+        self.figure = td.swap_figure(self, self.figure, fig, "labkit-spec-figure")
         self._spec_steps = s["step"]
         rate = s["rate"][-1]
         self.summary.value = (f"<div>{sum(s['proposed'])} draft tokens proposed over "

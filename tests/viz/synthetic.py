@@ -13,9 +13,12 @@ from dataclasses import dataclass, field
 BS = 4
 
 
-def _ev(kind, rid, logical, physical, src=None):
-    return {"type": kind, "request_id": rid, "seq_id": rid, "logical": logical,
-            "physical": physical, "src": src}
+def _ev(kind, rid, logical, physical, src=None, cached=None):
+    ev = {"type": kind, "request_id": rid, "seq_id": rid, "logical": logical,
+          "physical": physical, "src": src}
+    if cached is not None:  # free events say whether the block stays prefix-cached at ref 0
+        ev["cached"] = cached
+    return ev
 
 
 def _sched(rid, phase, n, start, chunked=False):
@@ -33,8 +36,9 @@ class RefSnapshot:
 
 
 def reference_replay(trace: dict, step: int) -> RefSnapshot:
-    """Fold events 0..step. A block whose ref count drops to 0 stays prefix-cached when it was a
-    full prompt block and prefix caching is on; an evict makes it plain free."""
+    """Fold events 0..step, written independently of labkit.engine.trace.replay as a cross-check.
+    A block whose ref count drops to 0 stays prefix-cached when it was a full prompt block and
+    prefix caching is on (the fixture's `cached` flags say the same); an evict frees it."""
     meta, reqs = trace["meta"], trace["requests"]
     snap = RefSnapshot(free=set(range(meta["num_blocks"])))
     for rec in trace["steps"][: step + 1]:
@@ -96,8 +100,8 @@ def build_trace() -> dict:
              finished=[{"request_id": "A", "seq_id": "A", "reason": "length"},
                        {"request_id": "B", "seq_id": "B", "reason": "length"}],
              events=[_ev("alloc", "C", 0, 3), _ev("alloc", "C", 1, 4),
-                     _ev("free", "A", 0, 0), _ev("free", "A", 1, 1),
-                     _ev("free", "B", 0, 0), _ev("free", "B", 1, 2)]),
+                     _ev("free", "A", 0, 0, cached=True), _ev("free", "A", 1, 1, cached=False),
+                     _ev("free", "B", 0, 0, cached=True), _ev("free", "B", 1, 2, cached=False)]),
         dict(scheduled=[_sched("C", "prefill", 4, 5, chunked=True),
                         _sched("D", "prefill", 1, 4)],
              outputs={"C": [40], "D": [51]},
@@ -106,8 +110,9 @@ def build_trace() -> dict:
         dict(scheduled=[_sched("C", "decode", 1, 9)], outputs={"C": [41]},
              preempted=[{"request_id": "D", "seq_id": "D", "mode": "recompute"}],
              finished=[{"request_id": "C", "seq_id": "C", "reason": "length"}],
-             events=[_ev("free", "D", 1, 6), _ev("free", "D", 0, 0),
-                     _ev("free", "C", 0, 3), _ev("free", "C", 1, 4), _ev("free", "C", 2, 5)]),
+             events=[_ev("free", "D", 1, 6, cached=False), _ev("free", "D", 0, 0, cached=True),
+                     _ev("free", "C", 0, 3, cached=True), _ev("free", "C", 1, 4, cached=True),
+                     _ev("free", "C", 2, 5, cached=False)]),
         dict(scheduled=[_sched("D", "prefill", 2, 4)], outputs={"D": [52]},
              events=[_ev("prefix_hit", "D", 0, 0), _ev("evict", "D", 1, 3),
                      _ev("alloc", "D", 1, 3)]),

@@ -1,4 +1,4 @@
-"""Widgets on the synthetic trace (replayed by the reference fold in synthetic.py)."""
+"""Widgets on the synthetic trace, replayed by the engine's own fold (labkit.engine.trace)."""
 
 import pytest
 
@@ -12,8 +12,21 @@ from .synthetic import build_spec_trace, reference_replay
 
 
 @pytest.fixture
-def fold(monkeypatch):
-    monkeypatch.setattr(td, "_engine_replay", lambda: reference_replay)
+def fold():
+    """The widgets use the engine's replay; it must agree with the fixture's own fold."""
+    from labkit.engine.trace import replay
+
+    return replay
+
+
+@pytest.mark.parametrize("step", range(6))
+def test_engine_replay_agrees_with_reference_fold(trace, step):
+    from labkit.engine.trace import replay
+
+    got, want = replay(trace, step), reference_replay(trace, step)
+    assert got.block_tables == want.block_tables
+    assert got.ref_counts == want.ref_counts
+    assert got.cached == want.cached and got.free == want.free
 
 
 def _tables(w):
@@ -29,7 +42,7 @@ def test_page_table_shared_prefix_block(trace, fold):
     w = PageTableWidget(trace, step=1)
     assert _tables(w) == {"A": [(0, 0), (1, 1)], "B": [(0, 0), (1, 2)]}
     grid = w.figure.data[0]
-    assert grid.text[0] == "×2" and grid.marker.line.width[0] == 3
+    assert grid.text[0] == "0×2" and grid.marker.line.width[0] == 3
     assert grid.marker.line.width[1] < 3
     assert "tokens: [1, 2, 3, 4]" in grid.hovertext[0]
     assert "owners: A (logical 0), B (logical 0)" in grid.hovertext[0]

@@ -1,0 +1,130 @@
+"""Real-browser test: Voilà serves a notebook with a PageTableWidget and a ScheduleWidget,
+headless Debian chromium (driven by Playwright) renders it, and moving the step slider must
+change the page table. A screenshot goes to test-artifacts/ for a person to look at.
+
+chromium comes from tests/notebooks/install_browser.sh (Playwright cannot download its own
+browser here); everything listens on loopback only.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = "/usr/bin/chromium"
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOK = Path(__file__).with_name("widgets_voila.ipynb")
+ARTIFACTS = ROOT / "test-artifacts"
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(not os.path.exists(CHROMIUM),
+                       reason=f"{CHROMIUM} missing: run tests/notebooks/install_browser.sh"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def voila_url(tmp_path):
+    port = _free_port()
+    env = dict(os.environ)
+    # The kernelspec runs `python`: make it the interpreter running the tests.
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    log = open(tmp_path / "voila.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "voila", str(NOTEBOOK.relative_to(ROOT)), "--no-browser",
+         f"--port={port}", "--Voila.ip=127.0.0.1", "--show_tracebacks=True"],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("voila did not start:\n"
+                                       + (tmp_path / "voila.log").read_text()) from None
+                time.sleep(0.3)
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+POINT_FILLS = """() => Array.from(document.querySelectorAll(
+    '.labkit-pagetable-figure .subplot.xy .scatterlayer path.point'))
+    .map(e => e.style.fill)"""
+TABLE_TEXT = """() => Array.from(document.querySelectorAll(
+    '.labkit-pagetable-figure .subplot.x2y2 .scatterlayer .textpoint'))
+    .map(e => e.textContent).join(',')"""
+
+
+def test_voila_renders_page_table_and_schedule(voila_url, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS,
+                                     headless=True)
+        try:
+            context = browser.new_context(viewport={"width": 1100, "height": 1400})
+            page = context.new_page()
+            page.goto(voila_url, wait_until="networkidle", timeout=120_000)
+            page.wait_for_selector(".labkit-pagetable .js-plotly-plot .scatterlayer path.point",
+                                   timeout=120_000)
+            page.wait_for_selector(".labkit-schedule .js-plotly-plot .heatmaplayer",
+                                   timeout=60_000)
+            page.wait_for_selector(".labkit-pagetable .noUi-handle", timeout=30_000)
+
+            fills = page.evaluate(POINT_FILLS)
+            assert len(fills) == 40, "physical block grid did not render all 40 blocks"
+            assert len(set(fills)) >= 3, f"blocks are not coloured by owner/state: {set(fills)}"
+            assert page.locator(".labkit-schedule .js-plotly-plot").count() == 1
+            assert page.locator(".labkit-schedule .legendtext").count() >= 5
+            summary = page.inner_text(".labkit-pagetable-summary")
+            assert "step 1" in summary
+            table_before = page.evaluate(TABLE_TEXT)
+            page.screenshot(path=str(ARTIFACTS / "voila_widgets_step1.png"), full_page=True)
+
+            # Drag the step slider's handle to ~60% of its track, as a user would.
+            handle = page.locator(".labkit-pagetable .noUi-handle").bounding_box()
+            track = page.locator(".labkit-pagetable .noUi-target").bounding_box()
+            page.mouse.move(handle["x"] + handle["width"] / 2, handle["y"] + handle["height"] / 2)
+            page.mouse.down()
+            page.mouse.move(track["x"] + 0.62 * track["width"], handle["y"] + handle["height"] / 2,
+                            steps=8)
+            page.mouse.up()
+            page.wait_for_function(
+                "() => document.querySelector('.labkit-pagetable-summary')"
+                ".innerText.startsWith('step 1 ') === false", timeout=30_000)
+            page.wait_for_function(f"() => ({TABLE_TEXT})() !== {table_before!r}",
+                                   timeout=30_000)
+            summary_after = page.inner_text(".labkit-pagetable-summary")
+            assert summary_after.split()[1] not in ("0", "1"), summary_after
+            assert page.evaluate(POINT_FILLS) != fills, "slider moved but blocks did not change"
+            page.screenshot(path=str(ARTIFACTS / "voila_widgets_moved.png"), full_page=True)
+        finally:
+            browser.close()
