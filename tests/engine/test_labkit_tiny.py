@@ -1,0 +1,56 @@
+"""The shipped checkpoint end to end: text in, text out, streaming deltas, stop strings."""
+
+from __future__ import annotations
+
+import pytest
+
+from labkit.model.loader import resolve_model_path
+
+try:
+    resolve_model_path("labkit-tiny")
+    HAVE_TINY = True
+except Exception:  # noqa: BLE001 - any failure to find it means skip
+    HAVE_TINY = False
+
+pytestmark = pytest.mark.skipif(not HAVE_TINY, reason="datasets/models/labkit-tiny not shipped")
+
+
+@pytest.fixture(scope="module")
+def llm():
+    import labkit
+
+    return labkit.LLM(model="labkit-tiny", block_size=16, max_num_seqs=8)
+
+
+def test_text_prompts_match_reference_and_stream(llm):
+    from labkit.engine.sampling_params import SamplingParams
+    from labkit.model.generate import generate
+
+    prompts = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self, x):"]
+    sp = SamplingParams(temperature=0, max_tokens=20)
+    outs = llm.generate(prompts, sp)
+    tok = llm.tokenizer
+    for p, o in zip(prompts, outs):
+        ref = generate(llm.model, tok.encode(p), 20)
+        assert o.prompt == p and o.outputs[0].token_ids == ref
+        assert o.outputs[0].text == tok.decode(ref)
+    eng = llm.llm_engine
+    eng.add_request("stream", prompts[0], sp)
+    text = ""
+    while eng.has_unfinished_requests():
+        for s in eng.step():
+            text += s.text_delta
+    assert text == outs[0].outputs[0].text
+
+
+def test_stop_string_cuts_text(llm):
+    from labkit.engine.sampling_params import SamplingParams
+
+    full = llm.generate(["import os\n"], SamplingParams(temperature=0, max_tokens=20))[0]
+    text = full.outputs[0].text
+    stop = text[6:9]
+    out = llm.generate(["import os\n"], SamplingParams(temperature=0, max_tokens=20,
+                                                      stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text == text[: text.find(stop)]
+    assert len(out.token_ids) < len(full.outputs[0].token_ids)
+    assert llm.llm_engine.block_manager.pool.num_used == 0
