@@ -60,6 +60,7 @@ def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, co
 
 # ---- guarded buffers and the bounds checker -----------------------------------------------------
 GUARD = 64  # elements of guard zone on each side of every tensor
+OUT_FILL = -12345.5  # outputs' guards: finite, so even a stored NaN shows up as a change
 
 
 def guarded(t: torch.Tensor, fill: float = float("nan")) -> torch.Tensor:
@@ -77,9 +78,9 @@ class OutOfBounds(Exception):
 
 
 @contextlib.contextmanager
-def bounds_checked(tensors: dict[str, torch.Tensor]) -> Iterator[None]:
+def bounds_checked(tensors: dict[str, torch.Tensor], enabled: bool = True) -> Iterator[None]:
     """Raise OutOfBounds on any unmasked interpreter load/store outside ``tensors``."""
-    if not INTERPRETED:
+    if not INTERPRETED or not enabled:
         yield
         return
     import numpy as np
@@ -127,6 +128,32 @@ def bounds_checked(tensors: dict[str, torch.Tensor]) -> Iterator[None]:
         builder.create_masked_load, builder.create_masked_store = orig_load, orig_store
 
 
+def _guard_zones(t: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    base = t._base
+    if base is None or base.numel() != t.numel() + 2 * GUARD:
+        return None
+    return {"before the start": base[:GUARD], "past the end": base[GUARD + t.numel():]}
+
+
+def _snapshot(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    return {name: {k: z.clone() for k, z in zones.items()}
+            for name, t in tensors.items() if (zones := _guard_zones(t)) is not None}
+
+
+def _check_guards(tensors: dict[str, torch.Tensor], before: dict, what: str) -> None:
+    """A write past either end lands in a guard zone: the only OOB a real GPU lets us see."""
+    for name, zones in before.items():
+        for side, old in zones.items():
+            now = _guard_zones(tensors[name])[side]
+            same = (now == old) | (torch.isnan(now) & torch.isnan(old)) \
+                if now.is_floating_point() else now == old
+            if not bool(same.all()):
+                raise CheckFailure(f"out-of-bounds access: your kernel wrote {side} of {name}",
+                                   inputs=what, show_values=False,
+                                   hint="mask every tl.store whose offsets can run past the end "
+                                        "(mask=offsets < n).")
+
+
 def _find_oob(e: BaseException) -> str | None:
     """The interpreter wraps exceptions raised inside a kernel; dig ours out."""
     seen = set()
@@ -143,7 +170,7 @@ def _find_oob(e: BaseException) -> str | None:
 
 
 def _launch(kernel: Any, grid: tuple, tensors: dict[str, torch.Tensor], args: list,
-            meta: dict, what: str) -> None:
+            meta: dict, what: str, check_bounds: bool = True) -> None:
     if DEVICE == "cpu" and type(kernel).__name__ == "JITFunction":
         raise CheckFailure(
             "your kernel was compiled for a GPU, but there is none", show_values=False,
@@ -154,9 +181,13 @@ def _launch(kernel: Any, grid: tuple, tensors: dict[str, torch.Tensor], args: li
         raise CheckFailure("expected a @triton.jit function", expected="a triton kernel",
                            actual=kernel, hint="decorate your kernel with @triton.jit.")
     try:
-        with bounds_checked(tensors), warnings.catch_warnings():
+        before = _snapshot(tensors)
+        with bounds_checked(tensors, enabled=check_bounds), warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # numpy NaN noise from the interpreter
             kernel[grid](*args, **meta)
+        if DEVICE != "cpu":
+            torch.cuda.synchronize()
+        _check_guards(tensors, before, what)
     except CheckFailure:
         raise
     except Exception as e:  # noqa: BLE001 - compile or launch errors in learner code
@@ -179,7 +210,7 @@ def check_vector_add(add_kernel: Any) -> object:
         for n, block in [(1024, 256), (100, 64), (1, 128), (4097, 1024)]:
             x = guarded(torch.randn(n, generator=g).to(DEVICE))
             y = guarded(torch.randn(n, generator=g).to(DEVICE))
-            out = guarded(torch.zeros(n, device=DEVICE))
+            out = guarded(torch.zeros(n, device=DEVICE), fill=OUT_FILL)
             grid = ((n + block - 1) // block,)
             what = f"n_elements={n}, BLOCK_SIZE={block}, grid={grid}"
             _launch(add_kernel, grid, {"x_ptr": x, "y_ptr": y, "out_ptr": out},
@@ -255,7 +286,7 @@ def check_paged_attention(paged_attention_kernel: Any) -> object:
             c = _paged_case(seed, lens, bs, d, shuffle)
             t = {k: guarded(v.to(DEVICE)) for k, v in c.items()
                  if isinstance(v, torch.Tensor)}
-            out = guarded(torch.zeros(len(lens), d, device=DEVICE))
+            out = guarded(torch.zeros(len(lens), d, device=DEVICE), fill=OUT_FILL)
             tensors = {"q_ptr": t["q"], "k_cache_ptr": t["k_cache"],
                        "v_cache_ptr": t["v_cache"], "block_tables_ptr": t["block_tables"],
                        "context_lens_ptr": t["context_lens"], "out_ptr": out}

@@ -71,3 +71,20 @@ def test_reference_decode_matches_plain_attention():
         sdpa = torch.nn.functional.scaled_dot_product_attention(
             c["q"][s][None, None, None], k[None, None], v[None, None], scale=c["scale"])
         torch.testing.assert_close(out[s], sdpa.reshape(-1), atol=1e-5, rtol=1e-5)
+
+
+def test_guard_zones_catch_out_of_bounds_store_without_the_interpreter_hooks():
+    """What a real GPU run relies on (no per-access checks there): a write past the end of the
+    output lands in its guard zone and is reported."""
+    x, y = T.guarded(torch.randn(100)), T.guarded(torch.randn(100))
+    out = T.guarded(torch.zeros(100), fill=T.OUT_FILL)
+    tensors = {"x_ptr": x, "y_ptr": y, "out_ptr": out}
+    import pytest
+
+    with pytest.raises(T.CheckFailure, match="wrote past the end of out_ptr"):
+        T._launch(W.add_kernel_no_mask, (2,), tensors, [x, y, out, 100], {"BLOCK_SIZE": 64},
+                  "n=100", check_bounds=False)
+    out2 = T.guarded(torch.zeros(100), fill=T.OUT_FILL)
+    T._launch(S.add_kernel, (2,), {"x_ptr": x, "y_ptr": y, "out_ptr": out2},
+              [x, y, out2, 100], {"BLOCK_SIZE": 64}, "n=100", check_bounds=False)
+    torch.testing.assert_close(out2, x + y)
