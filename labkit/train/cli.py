@@ -111,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         eval_every=args.eval_every or preset.eval_every, eval_max_tokens=args.eval_max_tokens,
         checkpoint_every=args.checkpoint_every, stop_after=args.stop_after, seed=args.seed,
         device=device)
+    if device == "cpu" and preset.name != "smoke" and args.max_steps is None:
+        print(f"note: {preset.name} takes hours on a CPU (it was trained on a GPU); try "
+              "--smoke, or --max-steps N for a shorter run", file=sys.stderr)
     ckpt = args.checkpoint or args.cache_dir / "runs" / preset.name / "checkpoint.pt"
     out = args.out or (args.cache_dir / "runs" / "smoke" / "model" if preset.name == "smoke"
                        else SHIPPED_DIR / preset.name)

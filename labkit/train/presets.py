@@ -46,7 +46,7 @@ PRESETS: dict[str, Preset] = {
     "labkit-tiny-draft": Preset("labkit-tiny-draft", _llama(4096, 128, 512, 2, 4, 2, 1024),
                                 seq_len=1024, batch_size=64, lr=3e-3, warmup_steps=100,
                                 max_epochs=16.0, eval_every=100),
-    # Minutes on a laptop CPU: a slice of the stdlib that contains held-out files.
+    # About a minute on a CPU: a slice of the stdlib (with held-out files) + the help topics.
     "smoke": Preset("smoke", _llama(1024, 64, 128, 2, 4, 2, 256), seq_len=128, batch_size=16,
                     lr=3e-3, warmup_steps=20, max_epochs=None, eval_every=50, vocab_size=1024,
                     include=("json/", "sched.py", "copyreg.py", "textwrap.py", "heapq.py")),
