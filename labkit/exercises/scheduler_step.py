@@ -120,7 +120,58 @@ def check(schedule_step: Callable[..., dict]) -> object:
                                    actual=actual,
                                    hint=_hint(running, waiting, budget, max_seqs, expected,
                                               actual))
-        return (f"{len(cases)} queue states planned right: decode-first with chunked prefill, "
-                "as vLLM's scheduler does.")
+        steps = 0
+        for seed, budget, max_seqs in ENGINE_RUNS:
+            for running, waiting, labkit_plan in engine_states(seed, budget, max_seqs):
+                actual = call(schedule_step, running, waiting, budget, max_seqs)
+                if actual != labkit_plan or list(actual) != list(labkit_plan):
+                    raise CheckFailure(
+                        "on a real engine run, your plan differs from labkit's scheduler",
+                        inputs=f"running={running}\n            waiting={waiting}\n"
+                               f"            token_budget={budget}, max_num_seqs={max_seqs}",
+                        expected=labkit_plan, actual=actual,
+                        hint=_hint(running, waiting, budget, max_seqs, labkit_plan, actual))
+                steps += 1
+        return (f"{len(cases)} queue states planned right, and at all {steps} steps of "
+                f"{len(ENGINE_RUNS)} real engine runs your plan equals labkit's scheduler: "
+                "decode-first with chunked prefill, as vLLM schedules.")
 
     return run_check("schedule_step", body)
+
+
+ENGINE_RUNS = [(0, 16, 4), (3, 5, 2)]  # (seed, token budget, max_num_seqs)
+
+
+def engine_states(seed: int, budget: int, max_seqs: int, num_requests: int = 8
+                  ) -> list[tuple[list[Seq], list[Seq], dict[str, int]]]:
+    """Run labkit's engine (tiny model, ample KV so nothing is preempted) and rebuild, from its
+    trace, the queues before every step and the plan labkit's scheduler made for it."""
+    from labkit.engine.llm_engine import LLMEngine
+    from labkit.engine.sampling_params import SamplingParams
+    from labkit.exercises.allocator_engine import tiny_model
+
+    engine = LLMEngine.from_model(tiny_model(), None, block_size=4, num_blocks=256,
+                                  max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                                  enable_prefix_caching=False)
+    rng = random.Random(seed)
+    prompt_len: dict[str, int] = {}
+    for i in range(num_requests):
+        n = rng.randint(1, 40)
+        prompt_len[f"r{i}"] = n
+        engine.add_request(f"r{i}", [rng.randrange(128) for _ in range(n)],
+                           SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 10),
+                                          ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    computed: dict[str, int] = {}
+    finished: set[str] = set()
+    states = []
+    for step in engine.trace.to_dict()["steps"]:
+        running = [Seq(s, prompt_len[s], c) for s, c in computed.items() if s not in finished]
+        waiting = [Seq(s, n) for s, n in prompt_len.items() if s not in computed]
+        plan = {e["seq_id"]: e["num_tokens"] for e in step["scheduled"]}
+        states.append((running, waiting, plan))
+        for e in step["scheduled"]:
+            computed[e["seq_id"]] = computed.get(e["seq_id"], 0) + e["num_tokens"]
+        finished.update(f["seq_id"] for f in step["finished"])
+    return states

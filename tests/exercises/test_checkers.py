@@ -177,3 +177,13 @@ def test_latency_reference_equals_labkit_metrics_on_engine_run():
         for stat in ("mean", "p50", "p99"):
             assert ours[metric][stat] == pytest.approx(theirs[metric][stat], rel=1e-9)
     assert "real engine run" in latency.check(S.latency_metrics).message
+
+
+@pytest.mark.parametrize("seed,budget,max_seqs", [(0, 16, 4), (1, 8, 3), (2, 64, 8), (3, 5, 2)])
+def test_schedule_reference_equals_labkit_scheduler(seed, budget, max_seqs):
+    """The exercise's contract is labkit's real scheduler (no preemption): replay engine runs."""
+    states = scheduler_step.engine_states(seed, budget, max_seqs)
+    assert len(states) > 5
+    for running, waiting, plan in states:
+        ours = S.schedule_step(running, waiting, budget, max_seqs)
+        assert ours == plan and list(ours) == list(plan)
