@@ -30,9 +30,9 @@ from tqdm.auto import tqdm
 from labkit.bench.common import bench_parser, environment, print_table, write_json
 from labkit.sim.workloads import LengthDist, get_workload, prompt_texts
 
-QUICK = {"num_requests": 48, "batch_size": 16, "output_mean": 64, "output_max": 256,
+QUICK = {"num_requests": 128, "batch_size": 16, "output_mean": 48, "output_max": 256,
          "sweep_requests": 256, "sweep_sigmas": (0.0, 0.5, 1.0, 1.5), "sweep_batch": 64}
-FULL = {"num_requests": 96, "batch_size": 32, "output_mean": 128, "output_max": 512,
+FULL = {"num_requests": 256, "batch_size": 32, "output_mean": 96, "output_max": 512,
         "sweep_requests": 1000, "sweep_sigmas": (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5),
         "sweep_batch": 64}
 
@@ -56,12 +56,13 @@ def run_labkit(model: str | Path, prompts: list[list[int]], max_tokens: list[int
               enable_prefix_caching=False, dtype=dtype)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     llm.generate(prompt_token_ids=prompts[:1], sampling_params=params[:1], use_tqdm=False)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     n = sum(len(t) for t in tokens)
-    return {"tokens_per_s": n / wall, "wall_s": wall, "output_tokens": n, "outputs": tokens,
+    return {"tokens_per_s": n / wall, "wall_s": wall, "cpu_s": cpu, "output_tokens": n,
+            "outputs": tokens,
             "steps": len(llm.llm_engine.trace.to_dict()["steps"])}
 
 
@@ -93,16 +94,16 @@ def run_hf(model: str | Path, prompts: list[list[int]], max_tokens: list[int], b
     run_batch([0])  # warm-up
     outputs: list[list[int]] = [[] for _ in prompts]
     computed = 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for start in range(0, len(prompts), batch_size):
         idx = list(range(start, min(start + batch_size, len(prompts))))
         new_ids, new = run_batch(idx)
         computed += new * len(idx)
         for row, i in enumerate(idx):
             outputs[i] = new_ids[row, : max_tokens[i]].tolist()
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     useful = sum(len(o) for o in outputs)
-    return {"tokens_per_s": useful / wall, "wall_s": wall, "output_tokens": useful,
+    return {"tokens_per_s": useful / wall, "wall_s": wall, "cpu_s": cpu, "output_tokens": useful,
             "computed_tokens": computed, "outputs": outputs}
 
 
@@ -177,6 +178,8 @@ def run(model: str | Path = "labkit-tiny", quick: bool = True, seed: int = 0,
         "static_outputs_match_continuous": static_match,
         "steps": {k: runs[k].get("steps") for k in ("continuous", "static")},
         "wall_s": {k: runs[k]["wall_s"] for k in runs},
+        # CPU seconds of this process: a cross-check when other jobs share the machine.
+        "cpu_s": {k: runs[k]["cpu_s"] for k in runs},
         "hf_computed_tokens": runs["hf"]["computed_tokens"],
         "sim_sweep": sweep, "sweep_batch": cfg["sweep_batch"], "environment": environment(),
     }
@@ -209,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{payload['num_requests']} requests, batch {payload['batch_size']}, max_tokens mean "
           f"{payload['max_tokens_mean']:.0f} (max {payload['max_tokens_max']}), greedy, CPU")
     print_table([{"system": k, "tokens/s": payload[f"{k}_tokens_per_s"],
-                  "wall s": payload["wall_s"][k]} for k in ("continuous", "static", "hf")])
+                  "wall s": payload["wall_s"][k], "cpu s": payload["cpu_s"][k],
+                  "steps": payload["steps"].get(k, "")}
+                 for k in ("continuous", "static", "hf")])
     print(f"continuous / static = {payload['continuous_over_static']:.2f}x   "
           f"continuous / transformers = {payload['continuous_over_hf']:.2f}x   "
           f"outputs_match = {payload['outputs_match']}")

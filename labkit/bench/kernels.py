@@ -58,21 +58,12 @@ SWEEP = {
 }
 
 
-def _timer() -> Callable[[Callable[[], Any]], float]:
-    """Median milliseconds of fn: do_bench on a GPU, a plain wall clock elsewhere (smoke only)."""
-    if torch.cuda.is_available():
-        import triton.testing
-
-        return lambda fn: float(triton.testing.do_bench(fn, warmup=10, rep=40,
-                                                        return_mode="median"))
-
-    def wall(fn: Callable[[], Any]) -> float:
-        fn()
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-
-    return wall
+def _wall_ms(fn: Callable[..., Any], args: tuple = ()) -> float:
+    """CPU stand-in for the GPU timers (the smoke run under the interpreter)."""
+    fn(*args)
+    t = time.perf_counter()
+    fn(*args)
+    return (time.perf_counter() - t) * 1e3
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -121,11 +112,28 @@ class Bench:
     def __init__(self, sizes: dict, device: str, seed: int = 0):
         self.sizes, self.device = sizes, device
         self.gen = torch.Generator(device=device).manual_seed(seed)
-        self.time = _timer()
         self.copy_gbps: float | None = None
         self.checks: list[dict] = []
         self.results: list[dict] = []
         self.errors: list[dict] = []
+
+    def measure(self, fn: Callable[..., Any], *args: Any, eager: bool = True) -> dict[str, Any]:
+        """Device ms per call of fn(*args): a CUDA graph over rotated input copies (see
+        labkit.kernels.timing), with the eager do_bench time beside it."""
+        if not torch.cuda.is_available():
+            return {"ms": _wall_ms(fn, args), "timing": "cpu wall clock"}
+        from labkit.kernels import timing
+
+        out: dict[str, Any] = {}
+        if eager:
+            out["eager_ms"] = timing.eager_time_ms(lambda: fn(*args))
+        try:
+            out["ms"], out["timing"] = timing.graph_time_ms(fn, args), "cuda-graph"
+        except Exception as e:  # noqa: BLE001 - e.g. a baseline that syncs: keep eager time
+            torch.cuda.synchronize()
+            out["ms"] = out.get("eager_ms") or timing.eager_time_ms(lambda: fn(*args))
+            out["timing"] = f"eager (graph capture failed: {repr(e)[:120]})"
+        return out
 
     def guarded(self, name: str, fn: Callable[[], None]) -> None:
         t = time.perf_counter()
@@ -146,9 +154,10 @@ class Bench:
         print(f"  check {kernel:28s} {shape:34s} rel_err {err:.2e} (tol {tol:.0e}) "
               f"{'ok' if ok else 'FAIL'}", flush=True)
 
-    def add(self, kernel: str, shape: str, ms: float, baseline: str | None = None,
-            baseline_ms: float | None = None, nbytes: float | None = None,
+    def add(self, kernel: str, shape: str, t: dict[str, Any], baseline: str | None = None,
+            base: dict[str, Any] | None = None, nbytes: float | None = None,
             flops: float | None = None, **extra: Any) -> None:
+        ms = t["ms"]
         row: dict[str, Any] = {"kernel": kernel, "shape": shape, "ms": ms}
         if nbytes is not None:
             row["achieved_gbps"] = nbytes / ms / 1e6
@@ -156,13 +165,14 @@ class Bench:
                 row["ratio_to_copy_bandwidth"] = row["achieved_gbps"] / self.copy_gbps
         if flops is not None:
             row["tflops"] = flops / ms / 1e9
-        if baseline_ms is not None:
-            row.update(baseline=baseline, baseline_ms=baseline_ms,
-                       speedup_vs_baseline=baseline_ms / ms)
-        row.update(extra)
+        if base is not None:
+            row.update(baseline=baseline, baseline_ms=base["ms"],
+                       speedup_vs_baseline=base["ms"] / ms,
+                       baseline_eager_ms=base.get("eager_ms"))
+        row.update(eager_ms=t.get("eager_ms"), timing=t.get("timing"), **extra)
         self.results.append(row)
         print("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                               for k, v in row.items()), flush=True)
+                               for k, v in row.items() if v is not None), flush=True)
 
     def payload(self) -> dict[str, Any]:
         dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
@@ -191,7 +201,11 @@ def to_markdown(payload: dict[str, Any]) -> str:
     """The report as markdown: targets, checks, then one table of results."""
     lines = [f"# labkit bench kernels — {payload['device']}", "",
              f"Copy bandwidth (device-to-device, read + write): "
-             f"**{(payload['copy_gbps'] or 0):.0f} GB/s**. Times are do_bench medians (ms).", ""]
+             f"**{(payload['copy_gbps'] or 0):.0f} GB/s**.", "",
+             "`ms` is device time per call: the median of CUDA-graph replays that run the call "
+             "over enough copies of its large inputs to stream 256 MB (so L2 holds nothing "
+             "useful), divided by the copies. `eager ms` is `triton.testing.do_bench` calling "
+             "from Python, launch overhead included. Bandwidths and speedups use `ms`.", ""]
     if payload["targets"]:
         lines += ["| target | value | met |", "|---|---|---|"]
         for t in payload["targets"]:
@@ -204,7 +218,8 @@ def to_markdown(payload: dict[str, Any]) -> str:
                      ": FAILED " + ", ".join(f"{c['kernel']} {c['shape']}" for c in bad)
                      if bad else "."))
     lines += ["", "| kernel | shape | ms | GB/s | of copy BW | TFLOP/s | baseline | baseline ms "
-              "| speedup |", "|---|---|---|---|---|---|---|---|---|"]
+              "| speedup | eager ms | baseline eager ms |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(v: Any, fmt: str) -> str:
         return "" if v is None else format(v, fmt)
@@ -214,7 +229,8 @@ def to_markdown(payload: dict[str, Any]) -> str:
             f"| {r['kernel']} | {r['shape']} | {f(r['ms'], '.4f')} | "
             f"{f(r.get('achieved_gbps'), '.0f')} | {f(r.get('ratio_to_copy_bandwidth'), '.0%')} | "
             f"{f(r.get('tflops'), '.1f')} | {r.get('baseline', '')} | "
-            f"{f(r.get('baseline_ms'), '.4f')} | {f(r.get('speedup_vs_baseline'), '.2f')} |")
+            f"{f(r.get('baseline_ms'), '.4f')} | {f(r.get('speedup_vs_baseline'), '.2f')} | "
+            f"{f(r.get('eager_ms'), '.4f')} | {f(r.get('baseline_eager_ms'), '.4f')} |")
     for e in payload["errors"]:
         lines.append(f"\nSection `{e['section']}` failed: `{e['error']}`")
     return "\n".join(lines) + "\n"
@@ -232,10 +248,10 @@ def sec_copy(b: Bench) -> None:
     src = torch.empty(b.sizes["copy_bytes"] // 2, dtype=BF16, device=b.device)
     src.normal_(generator=b.gen)
     dst = torch.empty_like(src)
-    ms = b.time(lambda: dst.copy_(src))
+    t = b.measure(torch.Tensor.copy_, dst, src)
     nbytes = 2 * src.numel() * src.element_size()
-    b.copy_gbps = nbytes / ms / 1e6
-    b.add("copy (torch, d2d)", f"{src.numel() * 2 >> 20} MiB", ms, nbytes=nbytes)
+    b.copy_gbps = nbytes / t["ms"] / 1e6
+    b.add("copy (torch, d2d)", f"{src.numel() * 2 >> 20} MiB", t, nbytes=nbytes)
 
 
 def sec_checks(b: Bench) -> None:
@@ -294,9 +310,8 @@ def sec_checks(b: Bench) -> None:
             max(_rel_err(qq, qr), _rel_err(kk, kr)), 1e-2)
 
     m, k = b.sizes["check"]["dequant"]
-    for name, out, w_ref in _dequant_cases(b, m, k, dq, act_order=True):
-        x = out[0]
-        b.check(name, f"M={m} K=N={k} fp16", _rel_err(out[1](None), x.float() @ w_ref.float()),
+    for name, fn, args, w_ref in _dequant_cases(b, m, k, dq, act_order=True):
+        b.check(name, f"M={m} K=N={k} fp16", _rel_err(fn(*args), args[0].float() @ w_ref.float()),
                 5e-3)
     packed = torch.randint(0, 256, (k * k // 2,), dtype=torch.uint8, device=b.device,
                            generator=b.gen)
@@ -307,65 +322,66 @@ def sec_checks(b: Bench) -> None:
 
 
 def _dequant_cases(b: Bench, m: int, k: int, dq, act_order: bool = False):
-    """(name, (x, run(config)), W reference [K, N]) for GPTQ, AWQ, W8A16 at M x K, N = K."""
+    """(name, fn(*args, config), args, W reference [K, N]) for GPTQ, AWQ, W8A16, N = K."""
     n, gs = k, b.sizes["group_size"]
     g = k // gs
     x = torch.randn(m, k, generator=b.gen, device=b.device).half()
     sc = (torch.rand(g, n, generator=b.gen, device=b.device) * 0.01 + 1e-3).half()
     qw, qz = _randint32(b, k // 8, n), _randint32(b, g, n // 8)
     gidx = (torch.arange(k, device=b.device) // gs).int()
-    cases = [("gptq_matmul", (x, lambda c: dq.gptq_matmul(x, qw, qz, sc, gidx, c)),
+    cases = [("gptq_matmul", dq.gptq_matmul, (x, qw, qz, sc, gidx),
               dq.gptq_dequantize_ref(qw, qz, sc, gidx))]
     if act_order:
         perm = gidx[torch.randperm(k, generator=b.gen, device=b.device)].contiguous()
-        cases.append(("gptq_matmul act-order", (x, lambda c: dq.gptq_matmul(x, qw, qz, sc,
-                                                                              perm, c)),
+        cases.append(("gptq_matmul act-order", dq.gptq_matmul, (x, qw, qz, sc, perm),
                       dq.gptq_dequantize_ref(qw, qz, sc, perm)))
     aw, az = _randint32(b, k, n // 8), _randint32(b, g, n // 8)
-    cases.append(("awq_matmul", (x, lambda c: dq.awq_matmul(x, aw, az, sc, gs, c)),
+    cases.append(("awq_matmul", dq.awq_matmul, (x, aw, az, sc, gs),
                   dq.awq_dequantize_ref(aw, az, sc, gs)))
     w8 = torch.randint(-128, 128, (n, k), dtype=torch.int8, device=b.device, generator=b.gen)
     s8 = (torch.rand(n, generator=b.gen, device=b.device) * 0.01 + 1e-3).half()
-    cases.append(("w8a16_matmul", (x, lambda c: dq.w8a16_matmul(x, w8, s8, c)),
-                  dq.w8a16_dequantize_ref(w8, s8)))
+    cases.append(("w8a16_matmul", dq.w8a16_matmul, (x, w8, s8), dq.w8a16_dequantize_ref(w8, s8)))
     return cases
 
 
 def sec_decode(b: Bench) -> None:
+    for nseq, ctx in b.sizes["decode"]:
+        _decode_case(b, nseq, ctx)
+
+
+def _decode_case(b: Bench, nseq: int, ctx: int) -> None:
     from labkit.kernels.paged_attention import default_num_splits, paged_attention_decode
 
-    for nseq, ctx in b.sizes["decode"]:
-        _decode_case(b, nseq, ctx, paged_attention_decode, default_num_splits)
-
-
-def _decode_case(b: Bench, nseq: int, ctx: int, kernel, default_num_splits) -> None:
     hq, hkv, d = b.sizes["heads"]
     bs, scale = b.sizes["block_size"], d**-0.5
     q, kc, vc, bt, lens = _paged_setup(nseq, ctx, (hq, hkv, d), bs, BF16, b.device, b.gen)
     kg, vg = _gathered(kc, bt, ctx), _gathered(vc, bt, ctx)
     qs = q[:, :, None, :]
     ref = _sdpa(qs, kg, vg, scale=scale)[:, :, 0]
-    base = b.time(lambda: _sdpa(qs, kg, vg, scale=scale))
+    base = b.measure(partial(_sdpa, scale=scale), qs, kg, vg)
+    del kg, vg
     nbytes = 2 * nseq * ctx * hkv * d * 2
     shape = f"B={nseq} ctx={ctx} Hq={hq} Hkv={hkv} D={d} bs={bs}"
-    splits = default_num_splits(nseq, hkv, bt.shape[1] * bs)
     for forced in ((None, 1) if nseq == 1 else (None,)):
-        def fn(f=forced):
-            return kernel(q, kc, vc, bt, lens, scale, f)
-        err = _rel_err(fn(), ref)
+        splits = forced or default_num_splits(nseq, hkv, bt.shape[1] * bs)
+
+        def fn(q, kc, vc, f=forced):
+            return paged_attention_decode(q, kc, vc, bt, lens, scale, f)
+
+        err = _rel_err(fn(q, kc, vc), ref)
         b.add("paged_attention_decode" + (" (no split)" if forced else ""), shape,
-              b.time(fn), "SDPA on gathered KV", base, nbytes=nbytes,
-              num_splits=forced or splits, rel_err_vs_sdpa=err)
+              b.measure(fn, q, kc, vc), "SDPA on gathered KV", base, nbytes=nbytes,
+              num_splits=splits, rel_err_vs_sdpa=err)
 
 
 def sec_prefill(b: Bench) -> None:
+    for nseq, qlen, ctx in b.sizes["prefill"]:
+        _prefill_case(b, nseq, qlen, ctx)
+
+
+def _prefill_case(b: Bench, nseq: int, qlen: int, ctx: int) -> None:
     from labkit.kernels.paged_prefill import paged_prefill_attention
 
-    for nseq, qlen, ctx in b.sizes["prefill"]:
-        _prefill_case(b, nseq, qlen, ctx, paged_prefill_attention)
-
-
-def _prefill_case(b: Bench, nseq: int, qlen: int, ctx: int, kernel) -> None:
     hq, hkv, d = b.sizes["heads"]
     bs, scale = b.sizes["block_size"], d**-0.5
     q, kc, vc, bt, lens = _paged_setup(nseq, ctx, (hq, hkv, d), bs, BF16, b.device, b.gen,
@@ -379,16 +395,17 @@ def _prefill_case(b: Bench, nseq: int, qlen: int, ctx: int, kernel) -> None:
         pos = torch.arange(ctx - qlen, ctx, device=b.device)
         kw = {"attn_mask": torch.arange(ctx, device=b.device)[None, :] <= pos[:, None]}
     ref = _sdpa(qs, kg, vg, scale=scale, **kw).transpose(1, 2).reshape(-1, hq, d)
-    base = b.time(lambda: _sdpa(qs, kg, vg, scale=scale, **kw))
+    base = b.measure(partial(_sdpa, scale=scale, **kw), qs, kg, vg)
+    del kg, vg
 
-    def fn():
-        return kernel(q, kc, vc, bt, qsl, lens, scale, qlen)
+    def fn(q, kc, vc):
+        return paged_prefill_attention(q, kc, vc, bt, qsl, lens, scale, qlen)
 
-    err = _rel_err(fn(), ref)
+    err = _rel_err(fn(q, kc, vc), ref)
     visible = qlen * (ctx - qlen) + qlen * (qlen + 1) // 2
     b.add("paged_prefill_attention", f"{nseq} seqs q_len={qlen} ctx={ctx} Hq={hq} D={d}",
-          b.time(fn), "SDPA contiguous" + (" causal" if qlen == ctx else " +mask"), base,
-          flops=4.0 * nseq * hq * d * visible, rel_err_vs_sdpa=err)
+          b.measure(fn, q, kc, vc), "SDPA contiguous" + (" causal" if qlen == ctx else " +mask"),
+          base, flops=4.0 * nseq * hq * d * visible, rel_err_vs_sdpa=err)
 
 
 def sec_dequant(b: Bench) -> None:
@@ -401,25 +418,28 @@ def sec_dequant(b: Bench) -> None:
 def _dequant_shape(b: Bench, m: int, k: int, dq) -> None:
     w16 = torch.randn(k, k, generator=b.gen, device=b.device).half()
     x0 = torch.randn(m, k, generator=b.gen, device=b.device).half()
-    base = b.time(lambda: F.linear(x0, w16))
+    base = b.measure(F.linear, x0, w16)
+    del w16
     g = k // b.sizes["group_size"]
     nbytes = {"gptq_matmul": k * k // 2 + g * k * 2.5, "awq_matmul": k * k // 2 + g * k * 2.5,
               "w8a16_matmul": k * k + 2 * k}
-    for name, (x, fn), w_ref in _dequant_cases(b, m, k, dq):
-        ref = x.float() @ w_ref.float()
-        timings = []
+    for name, fn, args, w_ref in _dequant_cases(b, m, k, dq):
+        ref = args[0].float() @ w_ref.float()
+        del w_ref
+        tried = []
         for cfg in SWEEP.get(m, [None]) if torch.cuda.is_available() else [None]:
             try:
-                err = _rel_err(fn(cfg), ref)
-                timings.append((b.time(partial(fn, cfg)), cfg, err))
+                err = _rel_err(fn(*args, config=cfg), ref)
+                t = b.measure(partial(fn, config=cfg), *args, eager=cfg is None or m > 1)
+                tried.append((t, cfg, err))
             except Exception as e:  # noqa: BLE001 - one bad tile config must not hide the rest
                 b.errors.append({"section": f"dequant {name} M={m} K={k} {cfg}",
                                  "error": repr(e)[:300]})
-        ms, cfg, err = min(timings, key=lambda t: t[0])
-        b.add(name, f"M={m} K={k} N={k}", ms, "fp16 F.linear", base, nbytes=nbytes[name],
+        t, cfg, err = min(tried, key=lambda r: r[0]["ms"])
+        b.add(name, f"M={m} K={k} N={k}", t, "fp16 F.linear", base, nbytes=nbytes[name],
               flops=2.0 * m * k * k, config=str(cfg or dq.default_config(m, k, k)),
-              default_config_ms=timings[0][0], rel_err=err,
-              worst_rel_err_over_configs=max(t[2] for t in timings))
+              configs_tried={str(c): r["ms"] for r, c, _ in tried}, rel_err=err,
+              worst_rel_err_over_configs=max(r[2] for r in tried))
 
 
 def sec_memory_bound(b: Bench) -> None:
@@ -432,17 +452,18 @@ def sec_memory_bound(b: Bench) -> None:
     packed = torch.randint(0, 256, (numel // 2,), dtype=torch.uint8, device=b.device,
                            generator=b.gen)
     absmax = torch.rand(numel // 64, generator=b.gen, device=b.device)
-    ms = b.time(lambda: nf4.nf4_dequantize(packed, absmax, 64, (rows, cols)))
-    base = b.time(lambda: nf4.nf4_dequantize_ref(packed, absmax, 64, (rows, cols)))
+    t = b.measure(partial(nf4.nf4_dequantize, blocksize=64, shape=(rows, cols)), packed, absmax)
+    base = b.measure(partial(nf4.nf4_dequantize_ref, blocksize=64, shape=(rows, cols)), packed,
+                     absmax)
     nbytes = numel // 2 + 2 * numel + 4 * numel // 64
-    b.add("nf4_dequantize", f"{rows}x{cols} bs=64 ->fp16", ms, "torch lookup", base,
+    b.add("nf4_dequantize", f"{rows}x{cols} bs=64 ->fp16", t, "torch lookup", base,
           nbytes=nbytes)
     try:
         from bitsandbytes.functional import QuantState, dequantize_4bit
         qs = QuantState(absmax=absmax, shape=torch.Size((rows, cols)), blocksize=64,
                         code=nf4._code(packed.device), quant_type="nf4", dtype=torch.float16)
-        bnb_ms = b.time(lambda: dequantize_4bit(packed.view(-1, 1), qs))
-        b.add("nf4_dequantize", f"{rows}x{cols} bs=64 ->fp16", ms, "bitsandbytes", bnb_ms,
+        bnb = b.measure(lambda p: dequantize_4bit(p.view(-1, 1), qs), packed)
+        b.add("nf4_dequantize", f"{rows}x{cols} bs=64 ->fp16", t, "bitsandbytes", bnb,
               nbytes=nbytes)
     except ImportError:
         print("  bitsandbytes not installed: NF4 compared with the torch lookup only")
@@ -454,26 +475,32 @@ def sec_memory_bound(b: Bench) -> None:
     kc = torch.empty(4 * n // bs, bs, hkv, d, dtype=BF16, device=b.device)
     vc = torch.empty_like(kc)
     slots = torch.randperm(kc.shape[0] * bs, generator=b.gen, device=b.device)[:n]
-    ms = b.time(lambda: rc.reshape_and_cache(key, val, kc, vc, slots))
-    base = b.time(lambda: rc.reshape_and_cache_ref(key, val, kc, vc, slots))
-    b.add("reshape_and_cache", f"N={n} Hkv={hkv} D={d} bf16", ms, "torch index_put", base,
+
+    def index_copy(key, val, kc, vc):  # torch's scatter, no -1 slots here
+        kc.view(-1, hkv, d).index_copy_(0, slots, key)
+        vc.view(-1, hkv, d).index_copy_(0, slots, val)
+
+    b.add("reshape_and_cache", f"N={n} Hkv={hkv} D={d} bf16",
+          b.measure(partial(rc.reshape_and_cache, slot_mapping=slots), key, val, kc, vc),
+          "torch index_copy_", b.measure(index_copy, key, val, kc, vc),
           nbytes=2 * 2 * key.numel() * 2)
 
     rows, hidden = b.sizes["norm"]
     x, r = (torch.randn(rows, hidden, generator=b.gen, device=b.device).to(BF16)
             for _ in range(2))
     w = torch.rand(hidden, generator=b.gen, device=b.device).to(BF16)
-    ms = b.time(lambda: rms_norm.rms_norm(x, w, 1e-6, r))
-    base = b.time(lambda: rms_norm.rms_norm_ref(x, w, 1e-6, r))
-    b.add("rms_norm (+residual)", f"{rows}x{hidden} bf16", ms, "torch eager", base,
+    b.add("rms_norm (+residual)", f"{rows}x{hidden} bf16",
+          b.measure(lambda x, r: rms_norm.rms_norm(x, w, 1e-6, r), x, r), "torch eager",
+          b.measure(lambda x, r: rms_norm.rms_norm_ref(x, w, 1e-6, r), x, r),
           nbytes=4 * x.numel() * 2)
     cache = rotary_embedding.build_cos_sin_cache(8192, d, device=b.device)
     pos = torch.randint(0, 8192, (n,), generator=b.gen, device=b.device)
     qq = torch.randn(n, hq, d, generator=b.gen, device=b.device).to(BF16)
     kk = torch.randn(n, hkv, d, generator=b.gen, device=b.device).to(BF16)
-    ms = b.time(lambda: rotary_embedding.rotary_embedding(pos, qq, kk, cache))
-    base = b.time(lambda: rotary_embedding.rotary_embedding_ref(pos, qq, kk, cache))
-    b.add("rotary_embedding", f"N={n} Hq={hq} Hkv={hkv} D={d} bf16", ms, "torch eager", base,
+    b.add("rotary_embedding", f"N={n} Hq={hq} Hkv={hkv} D={d} bf16",
+          b.measure(lambda q, k: rotary_embedding.rotary_embedding(pos, q, k, cache), qq, kk),
+          "torch eager",
+          b.measure(lambda q, k: rotary_embedding.rotary_embedding_ref(pos, q, k, cache), qq, kk),
           nbytes=2 * (qq.numel() + kk.numel()) * 2)
 
 
@@ -489,16 +516,17 @@ def sec_tuning(b: Bench) -> None:
     q, kc, vc, bt, lens = _paged_setup(nseq, ctx, (hq, hkv, d), bs, BF16, b.device, b.gen)
     ref = paged_attention_decode(q, kc, vc, bt, lens, scale, 1)
     for block_n, warps, stages in b.sizes["decode_configs"]:
-        def fn(bn=block_n, w=warps, st=stages):
+        def dec(q, kc, vc, bn=block_n, w=warps, st=stages):
             return paged_attention_decode(q, kc, vc, bt, lens, scale, 1, bn, w, st)
         try:
-            err = _rel_err(fn(), ref)
+            err = _rel_err(dec(q, kc, vc), ref)
+            t = b.measure(dec, q, kc, vc, eager=False)
         except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: skip the variant
             b.errors.append({"section": f"tuning decode {block_n}/{warps}/{stages}",
                              "error": repr(e)[:300]})
             continue
         b.add("paged_attention_decode (variant)", f"B={nseq} ctx={ctx} BLOCK_N={block_n} "
-              f"warps={warps} stages={stages}", b.time(fn), nbytes=2 * nseq * ctx * hkv * d * 2,
+              f"warps={warps} stages={stages}", t, nbytes=2 * nseq * ctx * hkv * d * 2,
               rel_err_vs_default=err)
     del q, kc, vc
     nseq, qlen = b.sizes["tune_prefill"]
@@ -508,16 +536,17 @@ def sec_tuning(b: Bench) -> None:
     ref = paged_prefill_attention(q, kc, vc, bt, qsl, lens, scale, qlen)
     flops = 4.0 * nseq * hq * d * qlen * (qlen + 1) // 2
     for bm, bn, warps, stages in b.sizes["prefill_configs"]:
-        def fn(bm=bm, bn=bn, w=warps, st=stages):
+        def pre(q, kc, vc, bm=bm, bn=bn, w=warps, st=stages):
             return paged_prefill_attention(q, kc, vc, bt, qsl, lens, scale, qlen, bm, bn, w, st)
         try:
-            err = _rel_err(fn(), ref)
+            err = _rel_err(pre(q, kc, vc), ref)
+            t = b.measure(pre, q, kc, vc, eager=False)
         except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: skip the variant
             b.errors.append({"section": f"tuning prefill {bm}/{bn}/{warps}/{stages}",
                              "error": repr(e)[:300]})
             continue
         b.add("paged_prefill_attention (variant)", f"{nseq} seqs q_len={qlen} BLOCK_M={bm} "
-              f"BLOCK_N={bn} warps={warps} stages={stages}", b.time(fn), flops=flops,
+              f"BLOCK_N={bn} warps={warps} stages={stages}", t, flops=flops,
               rel_err_vs_default=err)
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from labkit.bench.common import bench_parser, environment, print_table, write_json
-from labkit.engine.metrics import compute_metrics, kv_summary
+from labkit.engine.metrics import compute_metrics, kv_summary, kv_usage
 
 QUICK = {"sim_requests": 300, "real_requests": 8, "real_max_prompt": 192, "real_max_output": 192}
 FULL = {"sim_requests": 1000, "real_requests": 32, "real_max_prompt": 512, "real_max_output": 512}
@@ -47,6 +47,15 @@ def same_schedule_contiguous(trace: Any, max_len: int) -> float | None:
     return num / den if den else None
 
 
+def usage_series(trace: Any, points: int = 120) -> dict[str, list[float]]:
+    """KV slots reserved vs holding token state over time, thinned to about ``points`` rows."""
+    rows = kv_usage(trace)
+    bs = (trace if isinstance(trace, dict) else trace.to_dict())["meta"]["block_size"]
+    rows = rows[:: max(1, len(rows) // points)]
+    return {"time": [r["time"] for r in rows], "reserved": [r["used"] * bs for r in rows],
+            "tokens": [r["token_slots_used"] for r in rows]}
+
+
 def _summary(trace: Any, metrics: dict[str, Any], label: str) -> dict[str, Any]:
     d = trace if isinstance(trace, dict) else trace.to_dict()
     kv = kv_summary(d)
@@ -62,16 +71,18 @@ def run_sim(num_requests: int, model: str = "llama-2-7b", gpu: str = "a100-80gb"
     """Paged (``block_size``) vs max-length pre-allocation (one ``max_len`` block) in the sim."""
     from labkit.engine.simulate import simulate
 
-    rows = []
+    rows, series = [], {}
     for label, bs in tqdm([("paged", block_size), ("contiguous", max_len)], desc="sim",
                           leave=False):
         res = simulate(model=model, gpu=gpu, workload="chat", num_requests=num_requests,
                        block_size=bs, enable_prefix_caching=False, seed=seed)
         rows.append(_summary(res.trace, res.metrics, label))
+        series[label] = usage_series(res.trace)
         if label == "paged":
             same = same_schedule_contiguous(res.trace, max_len)
     return {"model": model, "gpu": gpu, "workload": "chat", "num_requests": num_requests,
-            "max_len": max_len, "rows": rows, "contiguous_same_schedule": same}
+            "max_len": max_len, "rows": rows, "contiguous_same_schedule": same,
+            "series": series}
 
 
 def run_real(model: str | Path, num_requests: int, max_prompt: int, max_output: int,
@@ -122,18 +133,28 @@ def run(model: str | Path = "labkit-tiny", quick: bool = True, seed: int = 0,
 
 
 def write_chart(payload: dict[str, Any], path: Path) -> None:
-    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
 
-    fig = go.Figure()
-    names = {"sim": f"{payload['sim']['model']} on {payload['sim']['gpu']} (simulated)",
+    sim = payload["sim"]
+    fig = make_subplots(rows=1, cols=3, column_widths=[0.25, 0.375, 0.375], subplot_titles=(
+        "utilization", f"paged (block {sim['rows'][0]['block_size']}), simulated",
+        f"contiguous ({sim['max_len']} slots per sequence), simulated"))
+    names = {"sim": f"{sim['model']} on {sim['gpu']} (simulated)",
              "real": f"{payload['real']['model']} (CPU)"}
     for setting, name in names.items():
         rows = payload[setting]["rows"]
         fig.add_bar(x=[r["allocator"] for r in rows], y=[r["utilization"] for r in rows],
-                    name=name)
+                    name=name, row=1, col=1)
+    for col, label in ((2, "paged"), (3, "contiguous")):
+        s = sim["series"][label]
+        fig.add_scatter(x=s["time"], y=s["reserved"], name=f"{label}: reserved slots",
+                        fill="tozeroy", row=1, col=col)
+        fig.add_scatter(x=s["time"], y=s["tokens"], name=f"{label}: slots holding tokens",
+                        fill="tozeroy", row=1, col=col)
+    fig.update_xaxes(title_text="simulated time (s)", row=1, col=2)
+    fig.update_xaxes(title_text="simulated time (s)", row=1, col=3)
     fig.update_layout(title="KV memory holding token state: paged blocks vs max-length slots",
-                      yaxis_title="utilization (token slots / reserved slots)", barmode="group",
-                      yaxis_range=[0, 1])
+                      barmode="group", yaxis_range=[0, 1])
     fig.write_html(str(path), include_plotlyjs="cdn")
     print(f"wrote {path}")
 
