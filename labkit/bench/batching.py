@@ -181,7 +181,11 @@ def run(model: str | Path = "labkit-tiny", quick: bool = True, seed: int = 0,
         # CPU seconds of this process: a cross-check when other jobs share the machine.
         "cpu_s": {k: runs[k]["cpu_s"] for k in runs},
         "hf_computed_tokens": runs["hf"]["computed_tokens"],
-        "sim_sweep": sweep, "sweep_batch": cfg["sweep_batch"], "environment": environment(),
+        "sim_sweep": sweep, "sweep_batch": cfg["sweep_batch"],
+        # The chat-like spread (sigma 1.0, as datasets/workloads/chat_lengths.json) if swept.
+        "sim_chat_speedup": next((r["speedup"] for r in sweep if r["output_sigma"] == 1.0),
+                                 None),
+        "environment": environment(),
     }
 
 
