@@ -141,7 +141,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_PASSTHROUGH = {"train": "labkit.train.cli", "drill": "labkit.exercises.drills"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # argparse's REMAINDER drops a leading "--flag"; hand these subcommands their argv whole.
+    if argv and argv[0] in _PASSTHROUGH:
+        return _delegate(_PASSTHROUGH[argv[0]], argv[1:])
+    if len(argv) >= 2 and argv[0] == "bench" and not argv[1].startswith("-"):
+        from labkit.bench import BENCHMARKS
+
+        if argv[1] in BENCHMARKS:
+            return _delegate(BENCHMARKS[argv[1]], argv[2:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 
