@@ -60,24 +60,32 @@ class LatencyWidget(widgets.VBox):
 
     def set_source(self, source: Any) -> None:
         """A SimResult, LLMEngine, list of timing dicts, or a trace."""
-        self.samples = latency_samples(_timings_of(source))
+        timings = _timings_of(source)
+        self.samples = latency_samples(timings)
         if not self.samples["TTFT"]:
             raise ValueError("no request produced a token: nothing to plot")
+        from labkit.engine.metrics import compute_metrics
+
+        self.metrics = compute_metrics(timings)
         fig = make_subplots(rows=1, cols=3, subplot_titles=tuple(self.samples))
         rows = []
         for col, (name, xs) in enumerate(self.samples.items(), start=1):
             ms = np.asarray(xs, dtype=float) * 1e3
             fig.add_trace(go.Histogram(x=ms, nbinsx=self.nbins, name=name, showlegend=False,
                                        marker_color="#4c78a8"), row=1, col=col)
-            pct = np.percentile(ms, PERCENTILES) if ms.size else [np.nan] * 3
-            for q, v, dash in zip(PERCENTILES, pct, ("solid", "dash", "dot")):
-                if np.isfinite(v):
-                    fig.add_vline(x=float(v), line=dict(color="#e45756", dash=dash),
-                                  annotation_text=f"p{q}", row=1, col=col)
+            summary = self.metrics[name.lower()]
+            cells = []
+            for key, dash in (("p50", "solid"), ("p90", "dash"), ("p99", "dot")):
+                v = summary.get(key)
+                cells.append("–" if v is None else f"{v * 1e3:.2f}")
+                if v is not None:
+                    fig.add_vline(x=v * 1e3, line=dict(color="#e45756", dash=dash),
+                                  annotation_text=key, row=1, col=col)
             fig.update_xaxes(title_text="ms", row=1, col=col)
-            mean = float(ms.mean()) if ms.size else float("nan")
-            rows.append(f"<tr><td>{name}</td><td>{ms.size}</td><td>{mean:.2f}</td>"
-                        + "".join(f"<td>{v:.2f}</td>" for v in pct) + "</tr>")
+            mean = summary.get("mean")
+            rows.append(f"<tr><td>{name}</td><td>{ms.size}</td>"
+                        f"<td>{'–' if mean is None else f'{mean * 1e3:.2f}'}</td>"
+                        + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
         fig.update_layout(height=320, width=900, plot_bgcolor="white", bargap=0.05,
                           margin=dict(l=50, r=20, t=40, b=40))
         self.figure = td.swap_figure(self, self.figure, fig, "labkit-latency-figure")
