@@ -80,6 +80,6 @@ def nf4_dequantize_ref(packed: torch.Tensor, absmax: torch.Tensor, blocksize: in
     """Plain PyTorch: split nibbles (high first), look up, scale by the flat block's absmax."""
     b = packed.reshape(-1).long()
     codes = torch.stack([b >> 4, b & 0xF], dim=1).reshape(-1)
-    table = torch.tensor(NF4_CODE, dtype=torch.float32, device=packed.device)
+    table = _code(packed.device)  # the same 16 constants; cached so CUDA graphs can capture
     scale = absmax.float().reshape(-1).repeat_interleave(blocksize)[: codes.numel()]
     return (table[codes] * scale).to(dtype).view(*shape)

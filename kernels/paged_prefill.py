@@ -32,6 +32,37 @@ from labkit.kernels.paged_attention import LOG2E, _check_paged_inputs, gather_kv
 
 
 @triton.jit
+def _attend_tile(acc, m_i, l_i, q, q_pos, t0, kv_end, bt_row, k_base, v_base,
+                 stride_kb, stride_ks, stride_vb, stride_vs, sm_scale_log2, offs_d, d_mask,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                 DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """One BLOCK_N tile of keys: gather through the block table, online-softmax update."""
+    offs_t = t0 + tl.arange(0, BLOCK_N)
+    t_mask = offs_t < kv_end
+    phys = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+    in_blk = offs_t % BLOCK_SIZE
+    kv_mask = t_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_base + (phys * stride_kb + in_blk * stride_ks)[:, None] + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(v_base + (phys * stride_vb + in_blk * stride_vs)[:, None] + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
+    if MASKED:
+        visible = (offs_t[None, :] <= q_pos[:, None]) & t_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    # Every row sees key 0 (in the first tile), so m_new is finite from then on.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _paged_prefill_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr,
     context_lens_ptr, sm_scale_log2,
@@ -71,34 +102,21 @@ def _paged_prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
 
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    # Keys before the tile's first query position are visible to every row: no mask there.
+    full_end = ((prefix + tile * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
     kv_end = tl.minimum(ctx_len, prefix + (tile + 1) * BLOCK_M)
-    for t0 in range(0, kv_end, BLOCK_N):
-        offs_t = t0 + tl.arange(0, BLOCK_N)
-        t_mask = offs_t < kv_end
-        phys = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-        in_blk = offs_t % BLOCK_SIZE
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_cache_ptr + (phys * stride_kb + in_blk * stride_ks + kv_head * stride_kh)[:, None]
-            + offs_d[None, :], mask=kv_mask, other=0.0,
-        )
-        v = tl.load(
-            v_cache_ptr + (phys * stride_vb + in_blk * stride_vs + kv_head * stride_vh)[:, None]
-            + offs_d[None, :], mask=kv_mask, other=0.0,
-        )
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
-        visible = (offs_t[None, :] <= q_pos[:, None]) & t_mask[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        # Every row sees key 0 in the first tile, so m_new is finite from then on.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    for t0 in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, t0, kv_end, bt_row, k_base, v_base,
+                                     stride_kb, stride_ks, stride_vb, stride_vs, sm_scale_log2,
+                                     offs_d, d_mask, BLOCK_SIZE, BLOCK_N, False, DOT_FP32,
+                                     PRECISION)
+    for t0 in range(full_end, kv_end, BLOCK_N):  # the diagonal: causal mask
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, t0, kv_end, bt_row, k_base, v_base,
+                                     stride_kb, stride_ks, stride_vb, stride_vs, sm_scale_log2,
+                                     offs_d, d_mask, BLOCK_SIZE, BLOCK_N, True, DOT_FP32,
+                                     PRECISION)
 
     o = acc / l_i[:, None]
     tl.store(out_ptr + rows[:, None] * stride_on + head * stride_oh + offs_d[None, :],

@@ -33,7 +33,18 @@ def test_smoke_run_checks_every_kernel_and_reports():
 def test_targets_are_judged_from_rows():
     b = bench.Bench(bench.SMOKE, "cpu")
     b.copy_gbps = 1000.0
-    b.add("paged_attention_decode", "B=64 ctx=4096 Hq=32", 1.0, nbytes=0.85e9)
-    b.add("gptq_matmul", "M=1 K=8192 N=8192", 1.0, "fp16", 2.0)
+    b.add("paged_attention_decode", "B=64 ctx=4096 Hq=32", {"ms": 1.0}, nbytes=0.85e9)
+    b.add("gptq_matmul", "M=1 K=8192 N=8192", {"ms": 1.0}, "fp16", {"ms": 2.0})
     met = {t["target"].split(" ")[0]: t["met"] for t in bench.targets(b)}
     assert met == {"paged": True, "gptq_matmul": False}
+
+
+def test_rotated_inputs_copy_only_large_tensors():
+    from labkit.kernels.timing import rotated_inputs
+
+    big, small = torch.zeros(1 << 20), torch.zeros(8)  # 4 MiB and 32 bytes
+    sets = rotated_inputs((big, small, 3), rotate_bytes=16 << 20)
+    assert len(sets) == 4  # 16 MiB of rotation / 4 MiB per call
+    assert sets[0][0] is big and all(s[1] is small and s[2] == 3 for s in sets)
+    assert len({s[0].data_ptr() for s in sets}) == 4  # distinct copies of the big one
+    assert len(rotated_inputs((small,), rotate_bytes=16 << 20)) == 1  # nothing worth rotating
