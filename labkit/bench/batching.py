@@ -47,17 +47,25 @@ def make_requests(tokenizer: Any, num_requests: int, output_mean: float, output_
     return prompts, [int(m) for m in max_tokens]
 
 
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def run_labkit(model: str | Path, prompts: list[list[int]], max_tokens: list[int],
-               batching: str, batch_size: int, dtype: str = "float32") -> dict[str, Any]:
+               batching: str, batch_size: int, dtype: str = "float32",
+               device: str = "cpu") -> dict[str, Any]:
     """Greedy generation through ``labkit.LLM``; returns tokens/s, outputs and wall time."""
     from labkit import LLM, SamplingParams
 
     llm = LLM(model=str(model), batching=batching, max_num_seqs=batch_size,
-              enable_prefix_caching=False, dtype=dtype)
+              enable_prefix_caching=False, dtype=dtype, device=device)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     llm.generate(prompt_token_ids=prompts[:1], sampling_params=params[:1], use_tqdm=False)
+    _sync(device)
     t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    _sync(device)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     n = sum(len(t) for t in tokens)
@@ -67,13 +75,14 @@ def run_labkit(model: str | Path, prompts: list[list[int]], max_tokens: list[int
 
 
 def run_hf(model: str | Path, prompts: list[list[int]], max_tokens: list[int], batch_size: int,
-           pad_token_id: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+           pad_token_id: int = 0, dtype: torch.dtype = torch.float32,
+           device: str = "cpu") -> dict[str, Any]:
     """transformers ``generate``, greedy, left-padded static batches of ``batch_size`` in input
     order; each batch runs to its largest ``max_tokens``. Useful tokens/s counts each request's
     own ``max_tokens`` only; the rest of the batch's tokens are padding waste."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype).to(device).eval()
     # Never stop at EOS, like labkit's ignore_eos. It must be unset on the model's own
     # generation_config: generate() fills every None argument from it.
     hf.generation_config.eos_token_id = None
@@ -87,13 +96,14 @@ def run_hf(model: str | Path, prompts: list[list[int]], max_tokens: list[int], b
             mask[row, width - len(prompts[i]):] = 1
         new = max(max_tokens[i] for i in idx)
         with torch.inference_mode():
-            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                              do_sample=False, pad_token_id=pad_token_id)
-        return out[:, width:], new
+            out = hf.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                              max_new_tokens=new, do_sample=False, pad_token_id=pad_token_id)
+        return out[:, width:].cpu(), new
 
     run_batch([0])  # warm-up
     outputs: list[list[int]] = [[] for _ in prompts]
     computed = 0
+    _sync(device)
     t0, c0 = time.perf_counter(), time.process_time()
     for start in range(0, len(prompts), batch_size):
         idx = list(range(start, min(start + batch_size, len(prompts))))
@@ -101,6 +111,7 @@ def run_hf(model: str | Path, prompts: list[list[int]], max_tokens: list[int], b
         computed += new * len(idx)
         for row, i in enumerate(idx):
             outputs[i] = new_ids[row, : max_tokens[i]].tolist()
+    _sync(device)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     useful = sum(len(o) for o in outputs)
     return {"tokens_per_s": useful / wall, "wall_s": wall, "cpu_s": cpu, "output_tokens": useful,
@@ -142,7 +153,7 @@ def sim_sweep(sigmas: tuple[float, ...], num_requests: int, batch_size: int = 64
 
 
 def run(model: str | Path = "labkit-tiny", quick: bool = True, seed: int = 0,
-        sizes: dict[str, Any] | None = None) -> dict[str, Any]:
+        sizes: dict[str, Any] | None = None, device: str = "cpu") -> dict[str, Any]:
     """Everything above; returns the JSON payload (also used by the tests at toy sizes)."""
     from labkit.model.loader import load_pretrained, resolve_model_path
 
@@ -158,9 +169,11 @@ def run(model: str | Path = "labkit-tiny", quick: bool = True, seed: int = 0,
     b = cfg["batch_size"]
     runs = {}
     for name, fn in tqdm([("continuous", lambda: run_labkit(path, prompts, max_tokens,
-                                                            "continuous", b)),
-                          ("static", lambda: run_labkit(path, prompts, max_tokens, "static", b)),
-                          ("hf", lambda: run_hf(path, prompts, max_tokens, b, eos))],
+                                                            "continuous", b, device=device)),
+                          ("static", lambda: run_labkit(path, prompts, max_tokens, "static", b,
+                                                        device=device)),
+                          ("hf", lambda: run_hf(path, prompts, max_tokens, b, eos,
+                                                device=device))],
                          desc="batching", leave=False):
         runs[name] = fn()
     match = [a == h for a, h in zip(runs["continuous"]["outputs"], runs["hf"]["outputs"])]
@@ -169,7 +182,8 @@ def run(model: str | Path = "labkit-tiny", quick: bool = True, seed: int = 0,
                       seed=seed)
     c, s, h = (runs[k]["tokens_per_s"] for k in ("continuous", "static", "hf"))
     return {
-        "benchmark": "batching", "model": str(model), "quick": quick, "batch_size": b,
+        "benchmark": "batching", "model": str(model), "quick": quick, "device": device,
+        "batch_size": b,
         "num_requests": len(prompts), "max_tokens_mean": float(np.mean(max_tokens)),
         "max_tokens_max": int(max(max_tokens)),
         "continuous_tokens_per_s": c, "static_tokens_per_s": s, "hf_tokens_per_s": h,
@@ -210,11 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     p = bench_parser("batching", __doc__.splitlines()[0])
     p.add_argument("--model", default="labkit-tiny", help="shipped model name or folder")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu (the issue's setting) or cuda")
     args = p.parse_args(argv)
     torch.manual_seed(args.seed)
-    payload = run(args.model, quick=args.quick, seed=args.seed)
+    payload = run(args.model, quick=args.quick, seed=args.seed, device=args.device)
     print(f"\n{payload['num_requests']} requests, batch {payload['batch_size']}, max_tokens mean "
-          f"{payload['max_tokens_mean']:.0f} (max {payload['max_tokens_max']}), greedy, CPU")
+          f"{payload['max_tokens_mean']:.0f} (max {payload['max_tokens_max']}), greedy, "
+          f"{payload['device']}")
     print_table([{"system": k, "tokens/s": payload[f"{k}_tokens_per_s"],
                   "wall s": payload["wall_s"][k], "cpu s": payload["cpu_s"][k],
                   "steps": payload["steps"].get(k, "")}
@@ -227,5 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(payload["sim_sweep"])
     write_json(args.json, payload)
     if args.json:
-        write_chart(payload, Path(args.json).with_suffix(".html"))
+        try:
+            write_chart(payload, Path(args.json).with_suffix(".html"))
+        except ImportError:
+            print("plotly is not installed (pip install labkit[lab]); chart skipped")
     return 0

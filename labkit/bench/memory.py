@@ -179,5 +179,8 @@ def main(argv: list[str] | None = None) -> int:
           f"contiguous_utilization = {payload['contiguous_utilization']:.3f}")
     write_json(args.json, payload)
     if args.json:
-        write_chart(payload, Path(args.json).with_suffix(".html"))
+        try:
+            write_chart(payload, Path(args.json).with_suffix(".html"))
+        except ImportError:
+            print("plotly is not installed (pip install labkit[lab]); chart skipped")
     return 0

@@ -161,5 +161,8 @@ def main(argv: list[str] | None = None) -> int:
           f"({payload['ttft_p50_reduction']:.0%} less), hit rate {payload['hit_rate']:.2f}")
     write_json(args.json, payload)
     if args.json:
-        write_chart(payload, Path(args.json).with_suffix(".html"))
+        try:
+            write_chart(payload, Path(args.json).with_suffix(".html"))
+        except ImportError:
+            print("plotly is not installed (pip install labkit[lab]); chart skipped")
     return 0
