@@ -56,7 +56,7 @@ def _dot_accumulate(acc, x_ptr, stride_xm, offs_m, offs_k, M, K, w, DOT_FP32: tl
     """acc[BLOCK_M, BLOCK_N] += x[offs_m, offs_k] @ w[BLOCK_K, BLOCK_N] on the tensor cores."""
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                 mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
-    if DOT_FP32:
+    if DOT_FP32 or x.dtype == tl.float32:  # interpreter, or an fp32 model: exact fp32 dot
         return acc + tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
     return acc + tl.dot(x, w.to(x.dtype))
 
@@ -234,7 +234,8 @@ def _check_x(x: torch.Tensor, k: int) -> None:
     check(x.dim() == 2 and x.shape[1] == k,
           f"x must be [M, K] with K = {k} (from the packed weight), got {tuple(x.shape)}")
     check(x.stride(1) == 1, "x needs a contiguous last dimension")
-    check(x.dtype in (torch.float16, torch.bfloat16), f"x must be fp16 or bf16, got {x.dtype}")
+    check(x.dtype in (torch.float16, torch.bfloat16, torch.float32),
+          f"x must be fp16, bf16 or fp32, got {x.dtype}")
 
 
 _GROUP_CACHE: dict[int, tuple[weakref.ref, int, int]] = {}

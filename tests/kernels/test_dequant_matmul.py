@@ -7,7 +7,7 @@ from labkit.kernels.nf4 import nf4_dequantize, nf4_dequantize_ref
 
 # Relative Frobenius error vs an fp32 matmul on the exactly dequantised weight: the kernel
 # accumulates in fp32, so what remains is the fp16/bf16 rounding of the output (and of x, W).
-REL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+REL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
 
 
 def rel_err(a, b):
@@ -45,11 +45,14 @@ def _gptq(k, n, gs, gen, act_order):
     (1, torch.bfloat16, True, {"SPLIT_K": 1}),            # GEMV, act-order, no split
     (5, torch.float16, True, None),                       # tensor-core path, act-order
     (20, torch.bfloat16, False, {"SPLIT_K": 1}),          # bf16 tl.dot (interpreter pitfall)
+    (3, torch.float32, False, None),                      # an fp32 model: exact fp32 dot
 ])
 def test_gptq_matmul_matches_labkit_quant(m, dtype, act_order, config):
     gen = torch.Generator().manual_seed(m)
     args, w = _gptq(256, 96, 64, gen, act_order)
     x = torch.randn(m, 256, generator=gen).to(dtype)
+    if dtype == torch.float32:  # as labkit.quant's linear calls it: scales in the model dtype
+        args = (args[0], args[1], args[2].float(), args[3])
     y = dq.gptq_matmul(x, *args, config=config)
     assert y.shape == (m, 96) and y.dtype == dtype
     assert rel_err(y, x.float() @ w) < REL[dtype]
@@ -87,8 +90,8 @@ def test_dequant_rejects_bad_input():
     (qw, qz, s, g_idx), _ = _gptq(64, 16, 32, gen, False)
     with pytest.raises(ValueError, match="K = 64"):
         dq.gptq_matmul(torch.randn(2, 32).half(), qw, qz, s, g_idx)
-    with pytest.raises(ValueError, match="fp16 or bf16"):
-        dq.gptq_matmul(torch.randn(2, 64), qw, qz, s, g_idx)
+    with pytest.raises(ValueError, match="fp16, bf16 or fp32"):
+        dq.gptq_matmul(torch.randn(2, 64).double(), qw, qz, s, g_idx)
     with pytest.raises(ValueError, match="group_size"):
         dq.awq_matmul(torch.randn(2, 64).half(), torch.zeros(64, 2, dtype=torch.int32),
                       torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, 16).half(), 24)
