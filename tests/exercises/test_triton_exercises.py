@@ -88,3 +88,12 @@ def test_guard_zones_catch_out_of_bounds_store_without_the_interpreter_hooks():
     T._launch(S.add_kernel, (2,), {"x_ptr": x, "y_ptr": y, "out_ptr": out2},
               [x, y, out2, 100], {"BLOCK_SIZE": 64}, "n=100", check_bounds=False)
     torch.testing.assert_close(out2, x + y)
+
+
+def test_learner_kernel_serves_the_engine():
+    from labkit.exercises import triton_engine
+
+    ok = triton_engine.check_on_engine(S.paged_attention_kernel)
+    assert ok.passed and "decode-attention launches" in ok.message
+    bad = triton_engine.check_on_engine(W.paged_ignores_block_table)
+    assert not bad.passed and "generated different tokens with your kernel" in bad.message
