@@ -79,12 +79,14 @@ class MemoryWidget(widgets.VBox):
         fig.add_trace(go.Scatter(x=xs, y=s["tokens"], name="token slots holding KV",
                                  line=dict(color="#54a24b"), fill="tozeroy"))
         fig.add_hline(y=capacity, line=dict(color="black"), annotation_text="KV pool capacity")
-        for key in ("watermark_low", "watermark_high"):
+        # Watermark admission (labkit.sched): at KV usage >= watermark_high no new request is
+        # admitted until usage falls to watermark_low. 1.0 means off.
+        labels = {"watermark_high": "stop admitting at", "watermark_low": "resume admitting at"}
+        for key, text in labels.items():
             w = meta.get(key)
-            if w:
-                frac = float(w) if float(w) <= 1 else float(w) / int(meta["num_blocks"])
-                fig.add_hline(y=capacity * (1 - frac), line=dict(color="grey", dash="dash"),
-                              annotation_text=f"{key} (free ≥ {frac:.0%})",
+            if w is not None and 0 < float(w) < 1:
+                fig.add_hline(y=capacity * float(w), line=dict(color="grey", dash="dash"),
+                              annotation_text=f"{key}: {text} {float(w):.0%}",
                               annotation_position="bottom right")
         fig.update_layout(height=380, width=820, plot_bgcolor="white",
                           xaxis_title="engine step" if self.x == "step" else "time (s)",
