@@ -49,9 +49,9 @@ class _Captured:
         """The first positional input of every call, flattened to [tokens, features]."""
         return torch.cat([a[0].reshape(-1, a[0].shape[-1]) for a, _ in self.calls]).float()
 
-    def replay(self, module: nn.Module) -> torch.Tensor:
+    def replay(self, module: nn.Module, max_calls: int | None = None) -> torch.Tensor:
         outs = []
-        for a, kw in self.calls:
+        for a, kw in self.calls[:max_calls]:
             out = module(*a, **kw)
             outs.append((out[0] if isinstance(out, tuple) else out).float().reshape(-1))
         return torch.cat(outs)
@@ -64,17 +64,30 @@ def _set_weights(linears: list[nn.Linear], weights: list[torch.Tensor]) -> None:
 
 @torch.no_grad()
 def search_scales(x: torch.Tensor, linears: list[nn.Linear], inspect: Callable[[], torch.Tensor],
-                  group_size: int, n_grid: int = N_GRID) -> tuple[torch.Tensor, dict]:
-    """Grid over α of ``s = mean|x|^α``; returns the best s and {alpha, loss_before, loss_after}."""
+                  group_size: int, n_grid: int = N_GRID, group_fallback: bool = False,
+                  duo_scaling: bool = False) -> tuple[torch.Tensor, dict]:
+    """Grid over α of ``s = mean|x|^α``; returns the best s and {alpha, loss_before, loss_after}.
+
+    ``duo_scaling`` (AutoAWQ's default) divides by ``mean|ŵ|^(1-α)``, ŵ = weights normalised
+    by their group's max, so channels whose weights are already large are scaled less.
+    """
     x_mean = x.abs().mean(dim=0)
     orig = [lin.weight.detach().float().clone() for lin in linears]
+    if duo_scaling:
+        w = torch.cat(orig)
+        gs = resolve_group_size(w.shape[1], group_size, group_fallback)
+        wg = w.abs().view(-1, gs)
+        w_mean = (wg / (wg.amax(dim=1, keepdim=True) + 1e-6)).view_as(w).mean(dim=0)
     ref = inspect()
     losses = []
     for i in range(n_grid):
         alpha = i / n_grid
         s = x_mean.pow(alpha).clamp(min=1e-4)
+        if duo_scaling:
+            s = (x_mean.pow(alpha) / (w_mean.pow(1 - alpha) + 1e-4)).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
-        _set_weights(linears, [fake_quantize(w * s, 4, group_size) / s for w in orig])
+        _set_weights(linears, [fake_quantize(w * s, 4, group_size, False, group_fallback) / s
+                               for w in orig])
         losses.append((float((inspect() - ref).pow(2).mean()), alpha, s))
     _set_weights(linears, orig)
     best = min(losses, key=lambda t: t[0])
@@ -96,10 +109,11 @@ def fold_scales(prev: nn.Module, linears: list[nn.Linear], s: torch.Tensor) -> N
 
 @torch.no_grad()
 def search_clip(w: torch.Tensor, x: torch.Tensor, group_size: int, n_grid: int = 20,
-                max_shrink: float = 0.5, n_tokens: int = 512) -> torch.Tensor:
+                max_shrink: float = 0.5, n_tokens: int = 512, group_fallback: bool = False
+                ) -> torch.Tensor:
     """Per (row, group) max |w| that minimises the group's partial output error after INT4."""
     N, K = w.shape
-    gs = resolve_group_size(K, group_size)
+    gs = resolve_group_size(K, group_size, group_fallback)
     G = K // gs
     x = x[torch.linspace(0, x.shape[0] - 1, min(n_tokens, x.shape[0])).long()]
     xg = x.view(-1, G, gs)
@@ -122,13 +136,18 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, group_size: int, n_grid: int =
 @torch.no_grad()
 def awq_quantize_model(model: nn.Module, calibration: torch.Tensor, *, group_size: int = 128,
                        clip: bool = True, n_grid: int = N_GRID, batch_size: int = 8,
-                       progress: bool = True, inplace: bool = False
-                       ) -> tuple[nn.Module, list[dict]]:
-    """AWQ-scale, clip and INT4-quantize every decoder linear. Returns (model, per-group report)."""
+                       progress: bool = True, group_fallback: bool = False,
+                       duo_scaling: bool = False, search_batches: int | None = 4,
+                       inplace: bool = False) -> tuple[nn.Module, list[dict]]:
+    """AWQ-scale, clip and INT4-quantize every decoder linear. Returns (model, per-group report).
+
+    Activation statistics use every calibration token; the α search's output loss replays only
+    the first ``search_batches`` batches (None = all), which is what makes it affordable on CPU.
+    """
     calibration = check_calibration(calibration)
     model = model if inplace else copy.deepcopy(model)
     for _, lin in decoder_linears(model):
-        resolve_group_size(lin.in_features, group_size)
+        resolve_group_size(lin.in_features, group_size, group_fallback)
     report = []
     for i, layer in enumerate(tqdm(model.model.layers, desc="AWQ", disable=not progress)):
         attn, mlp = layer.self_attn, layer.mlp
@@ -144,16 +163,18 @@ def awq_quantize_model(model: nn.Module, calibration: torch.Tensor, *, group_siz
                     caps["mlp"], mlp),
                    ("down", mlp.up_proj, [mlp.down_proj], caps["down"], mlp.down_proj)]
         for name, prev, linears, cap, module in groups:
-            inspect = partial(cap.replay, module)
+            inspect = partial(cap.replay, module, max_calls=search_batches)
             x = cap.x()
-            s, row = search_scales(x, linears, inspect, group_size, n_grid)
+            s, row = search_scales(x, linears, inspect, group_size, n_grid, group_fallback,
+                                   duo_scaling)
             fold_scales(prev, linears, s)
             report.append({"layer": f"model.layers.{i}.{name}", **row})
             if clip and name != "qkv":  # q/k clipping hurts attention scores (AutoAWQ skips)
                 for lin in linears:
-                    lin.weight.copy_(search_clip(lin.weight, x / s, group_size))
+                    lin.weight.copy_(search_clip(lin.weight, x / s, group_size,
+                                                 group_fallback=group_fallback))
     for name, lin in decoder_linears(model):
-        q = quantize_rtn(lin.weight.detach().float(), 4, group_size)
+        q = quantize_rtn(lin.weight.detach().float(), 4, group_size, False, group_fallback)
         bias = None if lin.bias is None else lin.bias.detach().float()
         set_module(model, name, AWQLinear.from_quant(q, bias).to(lin.weight.device))
     return model, report

@@ -53,7 +53,7 @@ def _hloss(err: torch.Tensor, H: torch.Tensor) -> float:
 @torch.no_grad()
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: int = 128,
                   sym: bool = False, act_order: bool = False, damp: float = 0.01,
-                  block_size: int = 128) -> GPTQResult:
+                  block_size: int = 128, group_fallback: bool = False) -> GPTQResult:
     """Quantize weight ``W`` [N, K] given the Hessian ``H`` [K, K] of its inputs."""
     check_bits(bits)
     if W.dim() != 2 or H.shape != (W.shape[1], W.shape[1]):
@@ -62,7 +62,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
     if not 0 < damp < 1:
         raise QuantizationError(f"damp must be in (0, 1), got {damp}")
     N, K = W.shape
-    gs = resolve_group_size(K, group_size)
+    gs = resolve_group_size(K, group_size, group_fallback)
     W0 = W.detach().double().clone()
     H = H.double().clone()
     dead = torch.diag(H) == 0

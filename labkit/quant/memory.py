@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from labkit.model.config import ModelConfig
-from labkit.quant.errors import QuantizationError
+from labkit.quant.errors import QuantizationError, resolve_group_size
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2,
                "int8": 1, "fp8": 1}
@@ -52,10 +52,12 @@ def linear_shapes(config: ModelConfig) -> list[tuple[int, int, bool]]:
 
 
 def linear_bytes(out_f: int, in_f: int, fmt: str, group_size: int = 128, blocksize: int = 64,
-                 double_quant: bool = False) -> int:
+                 double_quant: bool = False, group_fallback: bool = False) -> int:
     """Bytes of one linear's weight (no bias) in ``fmt``, as labkit's layers store it."""
     n = out_f * in_f
     gs = in_f if group_size == -1 else group_size
+    if fmt in ("int4_rtn", "gptq", "awq"):
+        gs = resolve_group_size(in_f, group_size, group_fallback)
     groups = -(-in_f // gs)
     if fmt in ("fp32", "fp16", "bf16"):
         return n * DTYPE_BYTES[fmt]
@@ -109,7 +111,7 @@ def kv_cache_bytes(model: ModelConfig | str, context_len: int, batch_size: int =
 def estimate_memory(model: ModelConfig | str, fmt: str = "fp16", context_len: int = 0,
                     batch_size: int = 1, kv_dtype: str = "fp16", base_dtype: str = "fp16",
                     group_size: int = 128, blocksize: int = 64,
-                    double_quant: bool = False) -> MemoryEstimate:
+                    double_quant: bool = False, group_fallback: bool = False) -> MemoryEstimate:
     """Weights in ``fmt`` (embeddings/lm_head/norms in ``base_dtype``, or in ``fmt`` itself
     for the float formats) + KV cache bytes.
 
@@ -124,7 +126,7 @@ def estimate_memory(model: ModelConfig | str, fmt: str = "fp16", context_len: in
     base = DTYPE_BYTES[fmt if fmt in ("fp32", "fp16", "bf16") else base_dtype]
     q = bias = 0
     for out_f, in_f, has_bias in linear_shapes(c):
-        q += linear_bytes(out_f, in_f, fmt, group_size, blocksize, double_quant)
+        q += linear_bytes(out_f, in_f, fmt, group_size, blocksize, double_quant, group_fallback)
         bias += out_f if has_bias else 0
     emb = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
     norms = (2 * c.num_hidden_layers + 1) * c.hidden_size

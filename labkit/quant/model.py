@@ -45,8 +45,11 @@ def _bias(m: nn.Linear) -> torch.Tensor | None:
 @torch.no_grad()
 def quantize_model(model: nn.Module, fmt: str, *, bits: int = 4, group_size: int = 128,
                    sym: bool = False, blocksize: int = 64, double_quant: bool = False,
-                   inplace: bool = False) -> nn.Module:
-    """Round-to-nearest formats: "int8" (W8A16), "int4_rtn" (GPTQ layout), "nf4", "fp8"."""
+                   group_fallback: bool = False, inplace: bool = False) -> nn.Module:
+    """Round-to-nearest formats: "int8" (W8A16), "int4_rtn" (GPTQ layout), "nf4", "fp8".
+
+    ``group_fallback``: a layer whose in_features the group size does not divide uses the
+    largest smaller group size that does, instead of raising."""
     if fmt not in WEIGHT_FORMATS:
         raise QuantizationError(f"unknown format {fmt!r}; choose one of {WEIGHT_FORMATS} "
                                 "(GPTQ and AWQ need calibration: gptq_quantize_model, "
@@ -57,7 +60,8 @@ def quantize_model(model: nn.Module, fmt: str, *, bits: int = 4, group_size: int
         if fmt == "int8":
             new = W8A16Linear(*quantize_int8(w), bias=b)
         elif fmt == "int4_rtn":
-            new = GPTQLinear.from_quant(quantize_rtn(w, bits, group_size, sym), b)
+            new = GPTQLinear.from_quant(quantize_rtn(w, bits, group_size, sym, group_fallback),
+                                        b)
         elif fmt == "nf4":
             q = quantize_nf4(w, blocksize)
             new = NF4Linear(q, b, double_quantize(q.absmax) if double_quant else None)
@@ -71,7 +75,8 @@ def quantize_model(model: nn.Module, fmt: str, *, bits: int = 4, group_size: int
 def gptq_quantize_model(model: nn.Module, calibration: torch.Tensor, *, bits: int = 4,
                         group_size: int = 128, sym: bool = False, act_order: bool = False,
                         damp: float = 0.01, batch_size: int = 8, progress: bool = True,
-                        inplace: bool = False) -> tuple[nn.Module, list[dict]]:
+                        group_fallback: bool = False, inplace: bool = False
+                        ) -> tuple[nn.Module, list[dict]]:
     """GPTQ every decoder linear, layer by layer. Returns (model with GPTQLinear, report).
 
     The report has one row per linear: GPTQ's objective and, on the same Hessian, the error
@@ -90,7 +95,8 @@ def gptq_quantize_model(model: nn.Module, calibration: torch.Tensor, *, bits: in
         with hooks(handles):
             run_to_layer(model, calibration, layers[i], batch_size)
         for n, m in linears:
-            r = gptq_quantize(m.weight.float(), acc[n].H, bits, group_size, sym, act_order, damp)
+            r = gptq_quantize(m.weight.float(), acc[n].H, bits, group_size, sym, act_order, damp,
+                              group_fallback=group_fallback)
             m.weight.copy_(r.quant.dequantize().to(m.weight.dtype))  # later layers see this
             results[f"model.layers.{i}.{n}"] = r
             report.append({"layer": f"model.layers.{i}.{n}", "gptq_loss": r.loss,

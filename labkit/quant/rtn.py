@@ -90,13 +90,13 @@ def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     return torch.clamp(torch.round(w / scale[:, None]) + zero[:, None], 0, 2**bits - 1)
 
 
-def quantize_rtn(w: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = False
-                 ) -> GroupQuant:
+def quantize_rtn(w: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = False,
+                 group_fallback: bool = False) -> GroupQuant:
     """Group-wise round-to-nearest: each run of ``group_size`` input columns shares (s, z)."""
     _check_weight(w)
     check_bits(bits)
     N, K = w.shape
-    gs = resolve_group_size(K, group_size)
+    gs = resolve_group_size(K, group_size, group_fallback)
     w = w.float()
     codes = torch.empty(N, K, dtype=torch.uint8)
     scales, zeros = [], []
@@ -111,6 +111,6 @@ def quantize_rtn(w: torch.Tensor, bits: int = 4, group_size: int = 128, sym: boo
 
 
 def fake_quantize(w: torch.Tensor, bits: int = 4, group_size: int = 128,
-                  sym: bool = False) -> torch.Tensor:
+                  sym: bool = False, group_fallback: bool = False) -> torch.Tensor:
     """Quantize then dequantize (same shape and dtype): what the model will actually compute."""
-    return quantize_rtn(w, bits, group_size, sym).dequantize().to(w.dtype)
+    return quantize_rtn(w, bits, group_size, sym, group_fallback).dequantize().to(w.dtype)
