@@ -9,7 +9,6 @@ JSON and a markdown table (default ``datasets/results/kernels.json`` / ``.md``).
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 import traceback
@@ -22,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from labkit.bench.common import bench_parser, environment, print_table, write_json
+from labkit.kernels import selfcheck as sc
 
 DEFAULT_JSON = Path(__file__).resolve().parents[2] / "datasets" / "results" / "kernels.json"
 
@@ -71,30 +71,6 @@ def _wall_ms(fn: Callable[..., Any], args: tuple = ()) -> float:
     t = time.perf_counter()
     fn(*args)
     return (time.perf_counter() - t) * 1e3
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
-def _paged_setup(num_seqs: int, ctx: int, heads: tuple[int, int, int], block_size: int,
-                 dtype: torch.dtype, device: str, gen: torch.Generator,
-                 q_tokens: int | None = None):
-    """Random caches with every sequence's blocks at shuffled physical places."""
-    hq, hkv, d = heads
-    per_seq = math.ceil(ctx / block_size)
-    num_blocks = num_seqs * per_seq + 3
-    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen, device=device,
-                          dtype=torch.float32).to(dtype)
-    v_cache = torch.randn(k_cache.shape, generator=gen, device=device).to(dtype)
-    perm = torch.randperm(num_blocks, generator=gen, device=device)[: num_seqs * per_seq]
-    block_tables = perm.view(num_seqs, per_seq).to(torch.int32)
-    context_lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device=device)
-    q = torch.randn(q_tokens or num_seqs, hq, d, generator=gen, device=device).to(dtype)
-    return q, k_cache, v_cache, block_tables, context_lens
 
 
 def _gathered(cache: torch.Tensor, block_tables: torch.Tensor, ctx: int) -> torch.Tensor:
@@ -246,9 +222,8 @@ def to_markdown(payload: dict[str, Any]) -> str:
 BF16 = torch.bfloat16
 
 
-def _randint32(b: Bench, *shape: int) -> torch.Tensor:
-    return torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, device=b.device,
-                         generator=b.gen)
+def sec_checks(b: Bench) -> None:
+    sc.check_all(b.check, b.sizes, b.device, b.gen)
 
 
 def sec_copy(b: Bench) -> None:
@@ -261,96 +236,6 @@ def sec_copy(b: Bench) -> None:
     b.add("copy (torch, d2d)", f"{src.numel() * 2 >> 20} MiB", t, nbytes=nbytes)
 
 
-def sec_checks(b: Bench) -> None:
-    """Every kernel against its plain-PyTorch reference at one realistic size, fresh inputs."""
-    from labkit.kernels import dequant_matmul as dq
-    from labkit.kernels import nf4, paged_attention, paged_prefill, rms_norm, rotary_embedding
-    from labkit.kernels import reshape_and_cache as rc
-
-    hq, hkv, d = b.sizes["heads"]
-    bs = b.sizes["block_size"]
-    nseq, ctx = b.sizes["check"]["decode"]
-    q, kc, vc, bt, _ = _paged_setup(nseq, ctx, (hq, hkv, d), bs, BF16, b.device, b.gen)
-    lens = torch.randint(1, ctx + 1, (nseq,), generator=b.gen, device=b.device).int()
-    ref = paged_attention.paged_attention_decode_ref(q, kc, vc, bt, lens, d**-0.5)
-    for splits in (1, None):
-        out = paged_attention.paged_attention_decode(q, kc, vc, bt, lens, d**-0.5, splits)
-        b.check(f"paged_attention_decode split={splits or 'auto'}", f"B={nseq} ctx<={ctx} bf16",
-                _rel_err(out, ref), 1e-2)
-    nseq, qlen, ctx = b.sizes["check"]["prefill"]
-    q, kc, vc, bt, _ = _paged_setup(nseq, ctx, (hq, hkv, d), bs, BF16, b.device, b.gen,
-                                    q_tokens=nseq * qlen)
-    qsl = torch.arange(nseq + 1, device=b.device, dtype=torch.int32) * qlen
-    lens = torch.tensor([ctx - i * (ctx - qlen) // max(nseq - 1, 1) for i in range(nseq)],
-                        dtype=torch.int32, device=b.device)
-    out = paged_prefill.paged_prefill_attention(q, kc, vc, bt, qsl, lens, d**-0.5)
-    ref = paged_prefill.paged_prefill_attention_ref(q, kc, vc, bt, qsl, lens, d**-0.5)
-    b.check("paged_prefill_attention", f"{nseq} seqs q_len={qlen} ctx<={ctx} bf16",
-            _rel_err(out, ref), 1e-2)
-
-    n = b.sizes["cache_tokens"]
-    key, val = (torch.randn(n, hkv, d, generator=b.gen, device=b.device).to(BF16)
-                for _ in range(2))
-    kc = torch.zeros(2 * n // bs + 1, bs, hkv, d, dtype=BF16, device=b.device)
-    vc, kc2, vc2 = kc.clone(), kc.clone(), kc.clone()
-    slots = torch.randperm(kc.shape[0] * bs, generator=b.gen, device=b.device)[:n]
-    slots[:: max(n // 7, 1)] = -1
-    rc.reshape_and_cache(key, val, kc, vc, slots)
-    rc.reshape_and_cache_ref(key, val, kc2, vc2, slots)
-    b.check("reshape_and_cache", f"N={n} (with -1 slots)",
-            float(not (torch.equal(kc, kc2) and torch.equal(vc, vc2))), 0.0)
-
-    rows, hidden = b.sizes["norm"]
-    x, r = (torch.randn(rows, hidden, generator=b.gen, device=b.device).to(BF16)
-            for _ in range(2))
-    w = torch.rand(hidden, generator=b.gen, device=b.device).to(BF16) + 0.5
-    (y, h), (y2, h2) = rms_norm.rms_norm(x, w, 1e-6, r), rms_norm.rms_norm_ref(x, w, 1e-6, r)
-    b.check("rms_norm (+residual)", f"{rows}x{hidden} bf16", max(_rel_err(y, y2),
-                                                                  _rel_err(h, h2)), 1e-2)
-    cache = rotary_embedding.build_cos_sin_cache(8192, d, 500000.0, device=b.device)
-    pos = torch.randint(0, 8192, (n,), generator=b.gen, device=b.device)
-    qq = torch.randn(n, hq, d, generator=b.gen, device=b.device).to(BF16)
-    kk = torch.randn(n, hkv, d, generator=b.gen, device=b.device).to(BF16)
-    qr, kr = rotary_embedding.rotary_embedding_ref(pos, qq, kk, cache)
-    rotary_embedding.rotary_embedding(pos, qq, kk, cache)
-    b.check("rotary_embedding", f"N={n} Hq={hq} Hkv={hkv} D={d} bf16",
-            max(_rel_err(qq, qr), _rel_err(kk, kr)), 1e-2)
-
-    m, k = b.sizes["check"]["dequant"]
-    for name, fn, args, w_ref in _dequant_cases(b, m, k, dq, act_order=True):
-        b.check(name, f"M={m} K=N={k} fp16", _rel_err(fn(*args), args[0].float() @ w_ref.float()),
-                5e-3)
-    packed = torch.randint(0, 256, (k * k // 2,), dtype=torch.uint8, device=b.device,
-                           generator=b.gen)
-    absmax = torch.rand(k * k // 64, generator=b.gen, device=b.device)
-    b.check("nf4_dequantize", f"{k}x{k} blocksize 64",
-            _rel_err(nf4.nf4_dequantize(packed, absmax, 64, (k, k)),
-                     nf4.nf4_dequantize_ref(packed, absmax, 64, (k, k))), 1e-3)
-
-
-def _dequant_cases(b: Bench, m: int, k: int, dq, act_order: bool = False):
-    """(name, fn(*args, config), args, W reference [K, N]) for GPTQ, AWQ, W8A16, N = K."""
-    n, gs = k, b.sizes["group_size"]
-    g = k // gs
-    x = torch.randn(m, k, generator=b.gen, device=b.device).half()
-    sc = (torch.rand(g, n, generator=b.gen, device=b.device) * 0.01 + 1e-3).half()
-    qw, qz = _randint32(b, k // 8, n), _randint32(b, g, n // 8)
-    gidx = (torch.arange(k, device=b.device) // gs).int()
-    cases = [("gptq_matmul", dq.gptq_matmul, (x, qw, qz, sc, gidx),
-              dq.gptq_dequantize_ref(qw, qz, sc, gidx))]
-    if act_order:
-        perm = gidx[torch.randperm(k, generator=b.gen, device=b.device)].contiguous()
-        cases.append(("gptq_matmul act-order", dq.gptq_matmul, (x, qw, qz, sc, perm),
-                      dq.gptq_dequantize_ref(qw, qz, sc, perm)))
-    aw, az = _randint32(b, k, n // 8), _randint32(b, g, n // 8)
-    cases.append(("awq_matmul", dq.awq_matmul, (x, aw, az, sc, gs),
-                  dq.awq_dequantize_ref(aw, az, sc, gs)))
-    w8 = torch.randint(-128, 128, (n, k), dtype=torch.int8, device=b.device, generator=b.gen)
-    s8 = (torch.rand(n, generator=b.gen, device=b.device) * 0.01 + 1e-3).half()
-    cases.append(("w8a16_matmul", dq.w8a16_matmul, (x, w8, s8), dq.w8a16_dequantize_ref(w8, s8)))
-    return cases
-
-
 def sec_decode(b: Bench) -> None:
     for nseq, ctx in b.sizes["decode"]:
         _decode_case(b, nseq, ctx)
@@ -361,7 +246,7 @@ def _decode_case(b: Bench, nseq: int, ctx: int) -> None:
 
     hq, hkv, d = b.sizes["heads"]
     bs, scale = b.sizes["block_size"], d**-0.5
-    q, kc, vc, bt, lens = _paged_setup(nseq, ctx, (hq, hkv, d), bs, BF16, b.device, b.gen)
+    q, kc, vc, bt, lens = sc.paged_setup(nseq, ctx, (hq, hkv, d), bs, BF16, b.device, b.gen)
     kg, vg = _gathered(kc, bt, ctx), _gathered(vc, bt, ctx)
     qs = q[:, :, None, :]
     ref = _sdpa(qs, kg, vg, scale=scale)[:, :, 0]
@@ -375,7 +260,7 @@ def _decode_case(b: Bench, nseq: int, ctx: int) -> None:
         def fn(q, kc, vc, f=forced):
             return paged_attention_decode(q, kc, vc, bt, lens, scale, f)
 
-        err = _rel_err(fn(q, kc, vc), ref)
+        err = sc.rel_err(fn(q, kc, vc), ref)
         b.add("paged_attention_decode" + (" (no split)" if forced else ""), shape,
               b.measure(fn, q, kc, vc), "SDPA on gathered KV", base, nbytes=nbytes,
               num_splits=splits, rel_err_vs_sdpa=err)
@@ -391,7 +276,7 @@ def _prefill_case(b: Bench, nseq: int, qlen: int, ctx: int) -> None:
 
     hq, hkv, d = b.sizes["heads"]
     bs, scale = b.sizes["block_size"], d**-0.5
-    q, kc, vc, bt, lens = _paged_setup(nseq, ctx, (hq, hkv, d), bs, BF16, b.device, b.gen,
+    q, kc, vc, bt, lens = sc.paged_setup(nseq, ctx, (hq, hkv, d), bs, BF16, b.device, b.gen,
                                        q_tokens=nseq * qlen)
     qsl = torch.arange(nseq + 1, device=b.device, dtype=torch.int32) * qlen
     kg, vg = _gathered(kc, bt, ctx), _gathered(vc, bt, ctx)
@@ -408,7 +293,7 @@ def _prefill_case(b: Bench, nseq: int, qlen: int, ctx: int) -> None:
     def fn(q, kc, vc):
         return paged_prefill_attention(q, kc, vc, bt, qsl, lens, scale, qlen)
 
-    err = _rel_err(fn(q, kc, vc), ref)
+    err = sc.rel_err(fn(q, kc, vc), ref)
     visible = qlen * (ctx - qlen) + qlen * (qlen + 1) // 2
     b.add("paged_prefill_attention", f"{nseq} seqs q_len={qlen} ctx={ctx} Hq={hq} D={d}",
           b.measure(fn, q, kc, vc), "SDPA contiguous" + (" causal" if qlen == ctx else " +mask"),
@@ -430,13 +315,13 @@ def _dequant_shape(b: Bench, m: int, k: int, dq) -> None:
     g = k // b.sizes["group_size"]
     nbytes = {"gptq_matmul": k * k // 2 + g * k * 2.5, "awq_matmul": k * k // 2 + g * k * 2.5,
               "w8a16_matmul": k * k + 2 * k}
-    for name, fn, args, w_ref in _dequant_cases(b, m, k, dq):
+    for name, fn, args, w_ref in sc.dequant_cases(b.gen, b.device, m, k, b.sizes["group_size"]):
         ref = args[0].float() @ w_ref.float()
         del w_ref
         tried = []
         for cfg in SWEEP.get(m, [None]) if torch.cuda.is_available() else [None]:
             try:
-                err = _rel_err(fn(*args, config=cfg), ref)
+                err = sc.rel_err(fn(*args, config=cfg), ref)
                 t = b.measure(partial(fn, config=cfg), *args, eager=cfg is None or m > 1)
                 tried.append((t, cfg, err))
             except Exception as e:  # noqa: BLE001 - one bad tile config must not hide the rest
@@ -520,13 +405,13 @@ def sec_tuning(b: Bench) -> None:
     hq, hkv, d = b.sizes["heads"]
     bs, scale = b.sizes["block_size"], d**-0.5
     nseq, ctx = b.sizes["tune_decode"]
-    q, kc, vc, bt, lens = _paged_setup(nseq, ctx, (hq, hkv, d), bs, BF16, b.device, b.gen)
+    q, kc, vc, bt, lens = sc.paged_setup(nseq, ctx, (hq, hkv, d), bs, BF16, b.device, b.gen)
     ref = paged_attention_decode(q, kc, vc, bt, lens, scale, 1)
     for block_n, warps, stages in b.sizes["decode_configs"]:
         def dec(q, kc, vc, bn=block_n, w=warps, st=stages):
             return paged_attention_decode(q, kc, vc, bt, lens, scale, 1, bn, w, st)
         try:
-            err = _rel_err(dec(q, kc, vc), ref)
+            err = sc.rel_err(dec(q, kc, vc), ref)
             t = b.measure(dec, q, kc, vc, eager=False)
         except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: skip the variant
             b.errors.append({"section": f"tuning decode {block_n}/{warps}/{stages}",
@@ -537,7 +422,7 @@ def sec_tuning(b: Bench) -> None:
               rel_err_vs_default=err)
     del q, kc, vc
     nseq, qlen = b.sizes["tune_prefill"]
-    q, kc, vc, bt, lens = _paged_setup(nseq, qlen, (hq, hkv, d), bs, BF16, b.device, b.gen,
+    q, kc, vc, bt, lens = sc.paged_setup(nseq, qlen, (hq, hkv, d), bs, BF16, b.device, b.gen,
                                        q_tokens=nseq * qlen)
     qsl = torch.arange(nseq + 1, device=b.device, dtype=torch.int32) * qlen
     ref = paged_prefill_attention(q, kc, vc, bt, qsl, lens, scale, qlen)
@@ -546,7 +431,7 @@ def sec_tuning(b: Bench) -> None:
         def pre(q, kc, vc, bm=bm, bn=bn, w=warps, st=stages):
             return paged_prefill_attention(q, kc, vc, bt, qsl, lens, scale, qlen, bm, bn, w, st)
         try:
-            err = _rel_err(pre(q, kc, vc), ref)
+            err = sc.rel_err(pre(q, kc, vc), ref)
             t = b.measure(pre, q, kc, vc, eager=False)
         except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: skip the variant
             b.errors.append({"section": f"tuning prefill {bm}/{bn}/{warps}/{stages}",

@@ -1,0 +1,140 @@
+"""Every kernel against its plain-PyTorch reference at a given size, on fresh random inputs.
+
+``labkit bench kernels`` runs this first on the GPU at realistic sizes (before timing anything);
+the tests run it at toy sizes under the interpreter. Each check reports a relative error
+``||out - ref|| / ||ref||`` against a tolerance fitting the dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+BF16 = torch.bfloat16
+Report = Callable[[str, str, float, float], None]  # (kernel, shape, rel_err, tol)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; inf when out has NaN/inf."""
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def paged_setup(num_seqs: int, ctx: int, heads: tuple[int, int, int], block_size: int,
+                dtype: torch.dtype, device: str, gen: torch.Generator,
+                q_tokens: int | None = None):
+    """Random caches with every sequence's blocks at shuffled physical places."""
+    hq, hkv, d = heads
+    per_seq = math.ceil(ctx / block_size)
+    num_blocks = num_seqs * per_seq + 3
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen, device=device,
+                          dtype=torch.float32).to(dtype)
+    v_cache = torch.randn(k_cache.shape, generator=gen, device=device).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen, device=device)[: num_seqs * per_seq]
+    block_tables = perm.view(num_seqs, per_seq).to(torch.int32)
+    context_lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device=device)
+    q = torch.randn(q_tokens or num_seqs, hq, d, generator=gen, device=device).to(dtype)
+    return q, k_cache, v_cache, block_tables, context_lens
+
+
+def randint32(gen: torch.Generator, device: str, *shape: int) -> torch.Tensor:
+    """Uniform random int32 words: every nibble pattern is a valid packed 4-bit weight."""
+    return torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, device=device,
+                         generator=gen)
+
+
+def check_all(report: Report, sizes: dict, device: str, gen: torch.Generator) -> None:
+    """Every kernel against its plain-PyTorch reference at one realistic size, fresh inputs."""
+    from labkit.kernels import nf4, paged_attention, paged_prefill, rms_norm, rotary_embedding
+    from labkit.kernels import reshape_and_cache as rc
+
+    hq, hkv, d = sizes["heads"]
+    bs = sizes["block_size"]
+    nseq, ctx = sizes["check"]["decode"]
+    q, kc, vc, bt, _ = paged_setup(nseq, ctx, (hq, hkv, d), bs, BF16, device, gen)
+    lens = torch.randint(1, ctx + 1, (nseq,), generator=gen, device=device).int()
+    ref = paged_attention.paged_attention_decode_ref(q, kc, vc, bt, lens, d**-0.5)
+    for splits in (1, None):
+        out = paged_attention.paged_attention_decode(q, kc, vc, bt, lens, d**-0.5, splits)
+        report(f"paged_attention_decode split={splits or 'auto'}", f"B={nseq} ctx<={ctx} bf16",
+                rel_err(out, ref), 1e-2)
+    nseq, qlen, ctx = sizes["check"]["prefill"]
+    q, kc, vc, bt, _ = paged_setup(nseq, ctx, (hq, hkv, d), bs, BF16, device, gen,
+                                    q_tokens=nseq * qlen)
+    qsl = torch.arange(nseq + 1, device=device, dtype=torch.int32) * qlen
+    lens = torch.tensor([ctx - i * (ctx - qlen) // max(nseq - 1, 1) for i in range(nseq)],
+                        dtype=torch.int32, device=device)
+    out = paged_prefill.paged_prefill_attention(q, kc, vc, bt, qsl, lens, d**-0.5)
+    ref = paged_prefill.paged_prefill_attention_ref(q, kc, vc, bt, qsl, lens, d**-0.5)
+    report("paged_prefill_attention", f"{nseq} seqs q_len={qlen} ctx<={ctx} bf16",
+            rel_err(out, ref), 1e-2)
+
+    n = sizes["cache_tokens"]
+    key, val = (torch.randn(n, hkv, d, generator=gen, device=device).to(BF16)
+                for _ in range(2))
+    kc = torch.zeros(2 * n // bs + 1, bs, hkv, d, dtype=BF16, device=device)
+    vc, kc2, vc2 = kc.clone(), kc.clone(), kc.clone()
+    slots = torch.randperm(kc.shape[0] * bs, generator=gen, device=device)[:n]
+    slots[:: max(n // 7, 1)] = -1
+    rc.reshape_and_cache(key, val, kc, vc, slots)
+    rc.reshape_and_cache_ref(key, val, kc2, vc2, slots)
+    report("reshape_and_cache", f"N={n} (with -1 slots)",
+            float(not (torch.equal(kc, kc2) and torch.equal(vc, vc2))), 0.0)
+
+    rows, hidden = sizes["norm"]
+    x, r = (torch.randn(rows, hidden, generator=gen, device=device).to(BF16)
+            for _ in range(2))
+    w = torch.rand(hidden, generator=gen, device=device).to(BF16) + 0.5
+    (y, h), (y2, h2) = rms_norm.rms_norm(x, w, 1e-6, r), rms_norm.rms_norm_ref(x, w, 1e-6, r)
+    report("rms_norm (+residual)", f"{rows}x{hidden} bf16", max(rel_err(y, y2),
+                                                                  rel_err(h, h2)), 1e-2)
+    cache = rotary_embedding.build_cos_sin_cache(8192, d, 500000.0, device=device)
+    pos = torch.randint(0, 8192, (n,), generator=gen, device=device)
+    qq = torch.randn(n, hq, d, generator=gen, device=device).to(BF16)
+    kk = torch.randn(n, hkv, d, generator=gen, device=device).to(BF16)
+    qr, kr = rotary_embedding.rotary_embedding_ref(pos, qq, kk, cache)
+    rotary_embedding.rotary_embedding(pos, qq, kk, cache)
+    report("rotary_embedding", f"N={n} Hq={hq} Hkv={hkv} D={d} bf16",
+            max(rel_err(qq, qr), rel_err(kk, kr)), 1e-2)
+
+    m, k = sizes["check"]["dequant"]
+    for name, fn, args, w_ref in dequant_cases(gen, device, m, k, sizes["group_size"],
+                                               act_order=True):
+        report(name, f"M={m} K=N={k} fp16", rel_err(fn(*args), args[0].float() @ w_ref.float()),
+                5e-3)
+    packed = torch.randint(0, 256, (k * k // 2,), dtype=torch.uint8, device=device,
+                           generator=gen)
+    absmax = torch.rand(k * k // 64, generator=gen, device=device)
+    report("nf4_dequantize", f"{k}x{k} blocksize 64",
+            rel_err(nf4.nf4_dequantize(packed, absmax, 64, (k, k)),
+                     nf4.nf4_dequantize_ref(packed, absmax, 64, (k, k))), 1e-3)
+
+
+def dequant_cases(gen: torch.Generator, device: str, m: int, k: int, group_size: int,
+                  act_order: bool = False):
+    """(name, fn(*args, config), args, W reference [K, N]) for GPTQ, AWQ, W8A16, N = K."""
+    from labkit.kernels import dequant_matmul as dq
+
+    n, gs = k, group_size
+    g = k // gs
+    x = torch.randn(m, k, generator=gen, device=device).half()
+    sc = (torch.rand(g, n, generator=gen, device=device) * 0.01 + 1e-3).half()
+    qw, qz = randint32(gen, device, k // 8, n), randint32(gen, device, g, n // 8)
+    gidx = (torch.arange(k, device=device) // gs).int()
+    cases = [("gptq_matmul", dq.gptq_matmul, (x, qw, qz, sc, gidx),
+              dq.gptq_dequantize_ref(qw, qz, sc, gidx))]
+    if act_order:
+        perm = gidx[torch.randperm(k, generator=gen, device=device)].contiguous()
+        cases.append(("gptq_matmul act-order", dq.gptq_matmul, (x, qw, qz, sc, perm),
+                      dq.gptq_dequantize_ref(qw, qz, sc, perm)))
+    aw, az = randint32(gen, device, k, n // 8), randint32(gen, device, g, n // 8)
+    cases.append(("awq_matmul", dq.awq_matmul, (x, aw, az, sc, gs),
+                  dq.awq_dequantize_ref(aw, az, sc, gs)))
+    w8 = torch.randint(-128, 128, (n, k), dtype=torch.int8, device=device, generator=gen)
+    s8 = (torch.rand(n, generator=gen, device=device) * 0.01 + 1e-3).half()
+    cases.append(("w8a16_matmul", dq.w8a16_matmul, (x, w8, s8), dq.w8a16_dequantize_ref(w8, s8)))
+    return cases
