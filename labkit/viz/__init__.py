@@ -7,7 +7,11 @@ including one the learner makes. Needs the `lab` extra (ipywidgets 8, plotly, an
 from labkit.viz.latency import LatencyWidget
 from labkit.viz.memory import MemoryWidget
 from labkit.viz.page_table import PageTableWidget
+from labkit.viz.prefix_tree import PrefixTreeWidget
 from labkit.viz.schedule import ScheduleWidget
 from labkit.viz.spec import SpecWidget
 
-__all__ = ["LatencyWidget", "MemoryWidget", "PageTableWidget", "ScheduleWidget", "SpecWidget"]
+__all__ = [
+    "LatencyWidget", "MemoryWidget", "PageTableWidget", "PrefixTreeWidget", "ScheduleWidget",
+    "SpecWidget",
+]

@@ -130,3 +130,31 @@ def test_spec_series_and_widget():
 def test_spec_widget_needs_spec_steps(trace):
     with pytest.raises(ValueError, match="speculative"):
         SpecWidget(trace)
+
+
+def _edges(nodes):
+    by_id = {n["id"]: n for n in nodes}
+    return {(by_id[n["parent"]]["physical"] if n["parent"] else None, n["physical"], n["state"])
+            for n in nodes}
+
+
+def test_prefix_tree_by_hand(trace):
+    from labkit.viz.prefix_tree import PrefixTreeWidget, prefix_tree
+
+    # step 1: A and B share block 0, then branch into their own second blocks
+    assert _edges(prefix_tree(trace, 1)) == {(None, 0, "in use"), (0, 1, "in use"),
+                                             (0, 2, "in use")}
+    # step 2: A and B finished; their full prompt block 0 stays cached, C's two blocks in use
+    assert _edges(prefix_tree(trace, 2)) == {(None, 0, "cached"), (None, 3, "in use"),
+                                             (3, 4, "in use")}
+    # step 4: everyone freed: cached blocks 0 and C's chain 3 -> 4
+    assert _edges(prefix_tree(trace, 4)) == {(None, 0, "cached"), (None, 3, "cached"),
+                                             (3, 4, "cached")}
+    # step 5: block 3 was evicted and reused by D under block 0; C's block 4 lost its parent
+    assert _edges(prefix_tree(trace, 5)) == {(None, 0, "in use"), (0, 3, "in use"),
+                                             (None, 4, "cached")}
+    w = PrefixTreeWidget(trace, step=1)
+    icicle = w.figure.data[0]
+    assert list(icicle.parents).count("root") == 1 and len(icicle.ids) == 4
+    w.slider.value = 4
+    assert "3 live blocks (3 cached" in w.summary.value
