@@ -181,3 +181,64 @@ def _lookup_hint(hashes: list, n: int, bs: int, cached: dict, expected: list, ac
         return ("leave at least one token to compute: reuse at most (num_tokens - 1) // "
                 "block_size blocks.")
     return "take every leading block whose key is cached, in order, as physical block ids."
+
+
+def engine_prefix_hits(num_requests: int = 10, block_size: int = 4, seed: int = 0
+                       ) -> list[dict[str, Any]]:
+    """Serve requests one after another through labkit's engine (prefix caching on, a pool big
+    enough that nothing is evicted) and record what its prefix cache reused for each."""
+    from labkit.engine.llm_engine import LLMEngine
+    from labkit.engine.sampling_params import SamplingParams
+    from labkit.exercises.allocator_engine import tiny_model
+
+    engine = LLMEngine.from_model(tiny_model(), None, block_size=block_size, num_blocks=256,
+                                  max_num_seqs=4, max_num_batched_tokens=64)
+    rng = random.Random(seed)
+    systems = [[rng.randrange(128) for _ in range(13)] for _ in range(2)]
+    rows = []
+    for i in range(num_requests):
+        salt = "tenant-b" if i % 4 == 3 else None
+        system = systems[i % 2] if i % 3 else systems[0][:6]
+        prompt = system + [rng.randrange(128) for _ in range(rng.randint(1, 9))]
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=5,
+                                                           ignore_eos=True), cache_salt=salt)
+        output: list[int] = []
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                output.extend(o.new_token_ids)
+        timing = next(t for t in engine.request_timings() if t["request_id"] == f"r{i}")
+        rows.append({"request_id": f"r{i}", "prompt": prompt, "output": output, "salt": salt,
+                     "cached_tokens": timing["num_cached_tokens"]})
+    return rows
+
+
+def check_on_engine(block_hashes: Callable[..., list],
+                    longest_cached_prefix: Callable[..., list[int]]) -> object:
+    """Your two functions predict, request by request, how many prompt tokens labkit's engine
+    took from its prefix cache. The cache holds every full block whose KV was computed: the
+    prompt and all generated tokens but the last (its KV is never written)."""
+
+    def body() -> str:
+        rows = engine_prefix_hits()
+        cached: dict = {}
+        total = 0
+        for r in rows:
+            prompt, salt = r["prompt"], r["salt"]
+            keys = call(block_hashes, list(prompt), 4, salt)
+            blocks = call(longest_cached_prefix, keys, len(prompt), 4, dict(cached))
+            predicted = 4 * len(blocks)
+            if predicted != r["cached_tokens"]:
+                raise CheckFailure(
+                    f"request {r['request_id']}: your prediction differs from the engine's "
+                    "prefix cache", inputs=f"prompt={prompt}, cache_salt={salt!r}, block_size=4",
+                    expected=f"{r['cached_tokens']} cached prompt tokens",
+                    actual=f"{predicted} ({len(blocks)} blocks)",
+                    hint="salted and unsalted keys of the same tokens must differ; equal "
+                         "prefixes with equal salts must match across requests.")
+            total += predicted
+            for j, key in enumerate(call(block_hashes, prompt + r["output"][:-1], 4, salt)):
+                cached.setdefault(key, j)
+        return (f"your hashes and lookup predict exactly what labkit's engine reused for all "
+                f"{len(rows)} requests ({total} prompt tokens served from the prefix cache).")
+
+    return run_check("longest_cached_prefix", body, record=False)

@@ -187,3 +187,12 @@ def test_schedule_reference_equals_labkit_scheduler(seed, budget, max_seqs):
     for running, waiting, plan in states:
         ours = S.schedule_step(running, waiting, budget, max_seqs)
         assert ours == plan and list(ours) == list(plan)
+
+
+def test_prefix_functions_predict_the_engine_cache():
+    ok = prefix_cache.check_on_engine(S.block_hashes, S.longest_cached_prefix)
+    assert ok.passed, ok.message
+    salt = prefix_cache.check_on_engine(W.hashes_ignore_salt, S.longest_cached_prefix)
+    assert "differs from the engine's prefix cache" in salt.message
+    rows = prefix_cache.engine_prefix_hits()
+    assert sum(r["cached_tokens"] for r in rows) > 0 and any(r["salt"] for r in rows)
