@@ -108,13 +108,18 @@ class _DraftPagedKV:
         self.backend = backend
         # per-forward metadata, set by DraftModelProposer before calling the model
         self.slot_mapping = self.block_tables = self.query_start_loc = self.context_lens = None
+        self.decode_only = False
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
         kc, vc = self.k[layer_idx], self.v[layer_idx]
-        self.backend.reshape_and_cache(k[0], v[0], kc, vc, self.slot_mapping)
-        out = self.backend.prefill(q[0], kc, vc, self.block_tables, self.query_start_loc,
-                                   self.context_lens, self.scale)
+        be = self.backend
+        be.reshape_and_cache(k[0], v[0], kc, vc, self.slot_mapping)
+        if self.decode_only:  # one token per sequence: the cheaper decode kernel
+            out = be.decode(q[0], kc, vc, self.block_tables, self.context_lens, self.scale)
+        else:
+            out = be.prefill(q[0], kc, vc, self.block_tables, self.query_start_loc,
+                             self.context_lens, self.scale)
         return out[None]
 
 
@@ -160,44 +165,50 @@ class DraftModelProposer:
                 raise ValueError(f"sequence {r.seq_id}: block table covers "
                                  f"{len(r.block_table) * bs} positions, drafting needs {need}")
         width = max(len(requests[i].block_table) for i in active)
-        tables = torch.zeros(len(requests), width, dtype=torch.int32)
-        for i in active:
-            tables[i, :len(requests[i].block_table)] = torch.tensor(requests[i].block_table)
+        tables = {i: list(requests[i].block_table) + [0] * (width - len(requests[i].block_table))
+                  for i in active}
         # first step: every token the draft has not seen yet (the whole prompt the first time,
         # one or two tokens afterwards); later steps: the previous draft token
-        feeds = {i: (self._valid_prefix(requests[i]), list(requests[i].token_ids)) for i in active}
-        feeds = {i: (start, toks[start:]) for i, (start, toks) in feeds.items()}
+        feeds = {}
+        for i in active:
+            start = self._valid_prefix(requests[i])
+            feeds[i] = (start, list(requests[i].token_ids[start:]))
         probs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
+        rows: list[int] = []
         for step in range(max(requests[i].num_tokens for i in active)):
-            rows = [i for i in active if requests[i].num_tokens > step]
-            ids, pos, lens = [], [], []
+            now = [i for i in active if requests[i].num_tokens > step]
+            if now != rows:  # the batch shrinks only when a sequence drafts fewer tokens
+                rows = now
+                bt = torch.tensor([tables[i] for i in rows], dtype=torch.int32, device=dev)
+            ids, pos, slots, qsl, ctx = [], [], [], [0], []
             for i in rows:
                 start, toks = feeds[i]
+                table = tables[i]
                 ids += toks
                 pos += range(start, start + len(toks))
-                lens.append(len(toks))
-            pos_t = torch.tensor(pos, dtype=torch.long)
-            table_rows = tables[rows]
-            slots = (table_rows[torch.repeat_interleave(torch.arange(len(rows)),
-                                                        torch.tensor(lens)), pos_t // bs].long()
-                     * bs + pos_t % bs)
-            qsl = torch.zeros(len(rows) + 1, dtype=torch.int32)
-            qsl[1:] = torch.tensor(lens).cumsum(0)
-            ctx = torch.tensor([feeds[i][0] + n for i, n in zip(rows, lens)], dtype=torch.int32)
-            self.kv.slot_mapping, self.kv.block_tables = slots.to(dev), table_rows.to(dev)
-            self.kv.query_start_loc, self.kv.context_lens = qsl.to(dev), ctx.to(dev)
-            logits = self.model(torch.tensor([ids], device=dev), pos_t[None].to(dev), self.kv,
-                                logits_indices=(qsl[1:] - 1).long().to(dev)).float().cpu()
+                slots += [table[p // bs] * bs + p % bs for p in range(start, start + len(toks))]
+                qsl.append(qsl[-1] + len(toks))
+                ctx.append(start + len(toks))
+            kv = self.kv
+            kv.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=dev)
+            kv.block_tables = bt
+            kv.query_start_loc = torch.tensor(qsl, dtype=torch.int32, device=dev)
+            kv.context_lens = torch.tensor(ctx, dtype=torch.int32, device=dev)
+            kv.decode_only = len(ids) == len(rows)
+            last = torch.tensor(qsl[1:], device=dev) - 1
+            logits = self.model(torch.tensor([ids], device=dev), torch.tensor([pos], device=dev),
+                                kv, logits_indices=last).float().cpu()
+            greedy = logits.argmax(-1).tolist()
             for row, i in enumerate(rows):
                 r = requests[i]
                 if r.temperature == 0.0:
-                    tok = int(logits[row].argmax())
+                    tok = greedy[row]
                 else:
                     q = apply_sampling_filters(logits[row], r.temperature, r.top_k, r.top_p)
                     tok = int(torch.multinomial(q, 1, generator=r.generator))
                     probs[i].append(q)
                 out[i].token_ids.append(tok)
-                feeds[i] = (int(ctx[row]), [tok])
+                feeds[i] = (ctx[row], [tok])
         for i in active:
             r = requests[i]
             # positions up to len + γ - 2 now hold draft KV (the last draft token is never fed)

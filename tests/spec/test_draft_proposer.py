@@ -29,6 +29,10 @@ class RefPagedBackend:
                 k_cache[s // bs, s % bs] = key[i]
                 v_cache[s // bs, s % bs] = value[i]
 
+    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale):
+        qsl = torch.arange(len(context_lens) + 1, dtype=torch.int32)
+        return self.prefill(q, k_cache, v_cache, block_tables, qsl, context_lens, scale)
+
     def prefill(self, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale):
         bs = k_cache.shape[1]
         out = torch.empty_like(q)
