@@ -196,3 +196,16 @@ def test_prefix_functions_predict_the_engine_cache():
     assert "differs from the engine's prefix cache" in salt.message
     rows = prefix_cache.engine_prefix_hits()
     assert sum(r["cached_tokens"] for r in rows) > 0 and any(r["salt"] for r in rows)
+
+
+def test_quantizers_run_the_model():
+    from labkit.exercises import quant_model
+
+    assert quant_model.check_int8_on_model(S.quantize_int8_per_channel, S.dequantize_int8).passed
+    bad = quant_model.check_int8_on_model(W.int8_per_tensor, S.dequantize_int8)
+    assert "drifts further from fp32 than labkit's" in bad.message
+    assert quant_model.check_int4_on_model(S.quantize_int4_groupwise,
+                                           S.dequantize_int4_groupwise).passed
+    bad4 = quant_model.check_int4_on_model(S.quantize_int4_groupwise,
+                                           W.dequantize_int4_wrong_group)
+    assert not bad4.passed
