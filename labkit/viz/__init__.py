@@ -8,10 +8,11 @@ from labkit.viz.latency import LatencyWidget
 from labkit.viz.memory import MemoryWidget
 from labkit.viz.page_table import PageTableWidget
 from labkit.viz.prefix_tree import PrefixTreeWidget
+from labkit.viz.quant import QuantWidget
 from labkit.viz.schedule import ScheduleWidget
 from labkit.viz.spec import SpecWidget
 
 __all__ = [
-    "LatencyWidget", "MemoryWidget", "PageTableWidget", "PrefixTreeWidget", "ScheduleWidget",
-    "SpecWidget",
+    "LatencyWidget", "MemoryWidget", "PageTableWidget", "PrefixTreeWidget", "QuantWidget",
+    "ScheduleWidget", "SpecWidget",
 ]
