@@ -1,0 +1,94 @@
+"""Compile every kernel's GPU variants for Hopper (sm_90) with the real Triton compiler.
+
+No GPU is needed: Triton lowers to PTX and runs its bundled ptxas. This catches what the CPU
+interpreter cannot (globals that are not constexpr, layouts the GPU backend rejects, shared
+memory beyond an SM's 227 KB). Run as a script *without* TRITON_INTERPRET (the interpreter
+replaces @triton.jit functions); ``test_compile_sm90.py`` does that in a subprocess.
+Prints one line per variant and exits non-zero if any failed.
+"""
+
+import sys
+
+import triton
+from labkit.kernels import dequant_matmul as dq
+from labkit.kernels import nf4, paged_attention, paged_prefill, rms_norm, rotary_embedding
+from labkit.kernels import reshape_and_cache as rc
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+SMEM_LIMIT = 227 * 1024
+BF16_ATTN = {"out_ptr": "*bf16", "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
+             "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "lse_ptr": "*fp32",
+             "query_start_loc_ptr": "*i32"}
+ATTN = {"QUERY_GROUP": 4, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "BLOCK_SIZE": 16,
+        "DOT_FP32": False, "PRECISION": "tf32"}
+
+
+def variants():
+    yield paged_attention._paged_decode_kernel, BF16_ATTN, {
+        **ATTN, "GROUP_PAD": 16, "BLOCK_N": 64, "SPLIT": False}, 4, 2
+    yield paged_attention._paged_decode_kernel, {**BF16_ATTN, "out_ptr": "*fp32"}, {
+        **ATTN, "GROUP_PAD": 16, "BLOCK_N": 64, "SPLIT": True}, 4, 2
+    yield paged_attention._merge_splits_kernel, {"out_ptr": "*bf16", "part_ptr": "*fp32",
+                                                 "lse_ptr": "*fp32"}, {
+        "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "SPLITS_PAD": 32}, 4, 1
+    for bm, bn, warps in ((64, 64, 4), (16, 64, 4), (128, 128, 8)):
+        yield paged_prefill._paged_prefill_kernel, BF16_ATTN, {
+            **ATTN, "BLOCK_M": bm, "BLOCK_N": bn}, warps, 2
+    yield rc._reshape_and_cache_kernel, {"key_ptr": "*bf16", "value_ptr": "*bf16",
+                                         "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
+                                         "slot_mapping_ptr": "*i64"}, {
+        "NUM_HEADS": 8, "HEAD_DIM": 128, "HEADS_PAD": 8, "DIM_PAD": 128, "BLOCK_SIZE": 16}, 4, 1
+    yield rms_norm._rms_norm_kernel, {"out_ptr": "*bf16", "res_out_ptr": "*bf16",
+                                      "x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16",
+                                      "eps": "fp32"}, {"HAS_RESIDUAL": True, "BLOCK": 4096}, 8, 1
+    yield rotary_embedding._rotary_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16",
+                                            "pos_ptr": "*i64", "cache_ptr": "*fp32"}, {
+        "QH_PAD": 32, "KH_PAD": 8, "HALF": 64, "HALF_PAD": 64}, 4, 1
+    yield nf4._nf4_kernel, {"out_ptr": "*fp16", "packed_ptr": "*u8", "absmax_ptr": "*fp32",
+                            "code_ptr": "*fp32"}, {"BLOCK": 1024}, 4, 1
+    int4 = {"x_ptr": "*fp16", "qw_ptr": "*i32", "qz_ptr": "*i32", "s_ptr": "*fp16",
+            "g_ptr": "*i32", "out_ptr": "*fp32"}
+    for m in (1, 16, 128):
+        cfg = dq.default_config(m, 4096, 4096)
+        tiles = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+        for group in (128, 0):
+            yield dq._gptq_kernel, int4, {**tiles, "GROUP_SIZE": group, "ATOMIC": True,
+                                          "DOT_FP32": False}, cfg["num_warps"], 3
+        yield dq._awq_kernel, {**int4, "out_ptr": "*bf16", "x_ptr": "*bf16"}, {
+            **tiles, "GROUP_SIZE": 128, "ATOMIC": False, "DOT_FP32": False}, cfg["num_warps"], 3
+        yield dq._w8a16_kernel, {**int4, "qw_ptr": "*i8"}, {
+            **tiles, "ATOMIC": True, "DOT_FP32": False}, cfg["num_warps"], 3
+
+
+def compile_one(fn, ptr_types, consts, num_warps, num_stages):
+    sig, constexprs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+            constexprs[(i,)] = consts[name]
+        else:
+            sig[name] = ptr_types.get(name, "i32")
+    src = ASTSource(fn, sig, constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def main() -> int:
+    failed = 0
+    for fn, types, consts, warps, stages in variants():
+        label = f"{fn.__name__} {consts}"
+        try:
+            kernel = compile_one(fn, types, consts, warps, stages)
+            smem = kernel.metadata.shared
+            ok = smem <= SMEM_LIMIT
+            print(f"{'ok' if ok else 'FAIL'} {label} shared={smem}")
+            failed += not ok
+        except Exception as e:  # noqa: BLE001 - report every variant
+            print(f"FAIL {label}: {e!r}"[:400])
+            failed += 1
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
