@@ -63,70 +63,74 @@ def _pairs() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
             ("draft much flatter than target", p_rand ** 3 / (p_rand ** 3).sum(), q_flat)]
 
 
+def _judge(name: str, p: torch.Tensor, q: torch.Tensor, fn: Callable, trials: int,
+           seed: int) -> str:
+    """Draw drafts from q, run the rule, test emitted tokens against p; one report line."""
+    g_draft = torch.Generator().manual_seed(seed)
+    g_fn = torch.Generator().manual_seed(seed + 1)
+    drafts = torch.multinomial(q, trials, replacement=True, generator=g_draft).tolist()
+    counts = [0] * len(p)
+    accepted = 0
+    drawn, kept = [0] * len(p), [0] * len(p)  # per draft token: proposals, acceptances
+    for x in drafts:
+        out = call(fn, p.clone(), q.clone(), x, g_fn,
+                   _label=f"accept_or_resample(p={p.tolist()}, q={q.tolist()}, "
+                          f"draft_token={x}, generator)")
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise CheckFailure("return (accepted, token)", expected="a 2-tuple",
+                               actual=out, inputs=f"p={p.tolist()}, q={q.tolist()}")
+        acc, tok = bool(out[0]), int(out[1])
+        if acc and tok != x:
+            raise CheckFailure("accepted but emitted a different token",
+                               inputs=f"draft_token={x}", expected=x, actual=tok,
+                               hint="an accepted draft is emitted as is.")
+        if not 0 <= tok < len(p):
+            raise CheckFailure("emitted token out of range", expected=f"0..{len(p)-1}",
+                               actual=tok)
+        accepted += acc
+        counts[tok] += 1
+        drawn[x] += 1
+        kept[x] += acc
+    inputs = f"{name}: p={[round(v, 3) for v in p.tolist()]}, " \
+             f"q={[round(v, 3) for v in q.tolist()]}, {trials} seeded trials"
+    support = [i for i in range(len(p)) if p[i] > 0]
+    leaked = {i: counts[i] for i in range(len(p)) if p[i] == 0 and counts[i]}
+    if leaked:
+        raise CheckFailure("emitted tokens the target gives probability 0", inputs=inputs,
+                           expected="never", actual=f"counts {leaked}",
+                           hint="on rejection sample the residual max(0, p - q), "
+                                "never q (or anything with mass outside p).")
+    stat = sum((counts[i] - trials * float(p[i])) ** 2 / (trials * float(p[i]))
+               for i in support)
+    pval = _chi2_sf(stat, len(support) - 1) if len(support) > 1 else 1.0
+    rate = accepted / trials
+    want = float(torch.minimum(p, q).sum())
+    z = (rate - want) / math.sqrt(max(want * (1 - want), 1e-12) / trials)
+    for x in range(len(p)):  # a token with 0 < p/q < 1 must be accepted SOMETIMES
+        ratio = float(p[x]) / float(q[x]) if float(q[x]) > 0 else 1.0
+        if drawn[x] >= 50 and 0.2 < ratio < 0.8 and kept[x] in (0, drawn[x]):
+            raise CheckFailure(
+                f"draft token {x} was {'never' if kept[x] == 0 else 'always'} accepted "
+                f"in {drawn[x]} proposals", inputs=inputs,
+                expected=f"accepted with probability p/q = {ratio:.3f}",
+                actual=f"{kept[x]}/{drawn[x]}",
+                hint="acceptance is random: draw u ~ U(0, 1) from the generator and "
+                     "accept iff u < p[x] / q[x].")
+    if pval < SIGNIFICANCE:
+        freq = [round(c / trials, 3) for c in counts]
+        raise CheckFailure(
+            f"emitted tokens do not follow p (chi-square p-value {pval:.2e} < "
+            f"{SIGNIFICANCE})", inputs=inputs, expected=[round(v, 3) for v in p.tolist()],
+            actual=freq, hint=_accept_hint(rate, want))
+    if abs(z) > 4 and want < 1:
+        raise CheckFailure("wrong acceptance rate", inputs=inputs, expected=round(want, 4),
+                           actual=round(rate, 4), hint=_accept_hint(rate, want))
+    return f"{name}: accepted {rate:.3f} (theory {want:.3f})"
+
+
 def check_accept(accept_or_resample: Callable, *, trials: int = 3000, seed: int = 0) -> object:
     def body() -> str:
-        lines = []
-        for name, p, q in _pairs():
-            g_draft = torch.Generator().manual_seed(seed)
-            g_fn = torch.Generator().manual_seed(seed + 1)
-            drafts = torch.multinomial(q, trials, replacement=True, generator=g_draft).tolist()
-            counts = [0] * len(p)
-            accepted = 0
-            drawn, kept = [0] * len(p), [0] * len(p)  # per draft token: proposals, acceptances
-            for x in drafts:
-                out = call(accept_or_resample, p.clone(), q.clone(), x, g_fn,
-                           _label=f"accept_or_resample(p={p.tolist()}, q={q.tolist()}, "
-                                  f"draft_token={x}, generator)")
-                if not (isinstance(out, tuple) and len(out) == 2):
-                    raise CheckFailure("return (accepted, token)", expected="a 2-tuple",
-                                       actual=out, inputs=f"p={p.tolist()}, q={q.tolist()}")
-                acc, tok = bool(out[0]), int(out[1])
-                if acc and tok != x:
-                    raise CheckFailure("accepted but emitted a different token",
-                                       inputs=f"draft_token={x}", expected=x, actual=tok,
-                                       hint="an accepted draft is emitted as is.")
-                if not 0 <= tok < len(p):
-                    raise CheckFailure("emitted token out of range", expected=f"0..{len(p)-1}",
-                                       actual=tok)
-                accepted += acc
-                counts[tok] += 1
-                drawn[x] += 1
-                kept[x] += acc
-            inputs = f"{name}: p={[round(v, 3) for v in p.tolist()]}, " \
-                     f"q={[round(v, 3) for v in q.tolist()]}, {trials} seeded trials"
-            support = [i for i in range(len(p)) if p[i] > 0]
-            leaked = {i: counts[i] for i in range(len(p)) if p[i] == 0 and counts[i]}
-            if leaked:
-                raise CheckFailure("emitted tokens the target gives probability 0", inputs=inputs,
-                                   expected="never", actual=f"counts {leaked}",
-                                   hint="on rejection sample the residual max(0, p - q), "
-                                        "never q (or anything with mass outside p).")
-            stat = sum((counts[i] - trials * float(p[i])) ** 2 / (trials * float(p[i]))
-                       for i in support)
-            pval = _chi2_sf(stat, len(support) - 1) if len(support) > 1 else 1.0
-            rate = accepted / trials
-            want = float(torch.minimum(p, q).sum())
-            z = (rate - want) / math.sqrt(max(want * (1 - want), 1e-12) / trials)
-            for x in range(len(p)):  # a token with 0 < p/q < 1 must be accepted SOMETIMES
-                ratio = float(p[x]) / float(q[x]) if float(q[x]) > 0 else 1.0
-                if drawn[x] >= 50 and 0.2 < ratio < 0.8 and kept[x] in (0, drawn[x]):
-                    raise CheckFailure(
-                        f"draft token {x} was {'never' if kept[x] == 0 else 'always'} accepted "
-                        f"in {drawn[x]} proposals", inputs=inputs,
-                        expected=f"accepted with probability p/q = {ratio:.3f}",
-                        actual=f"{kept[x]}/{drawn[x]}",
-                        hint="acceptance is random: draw u ~ U(0, 1) from the generator and "
-                             "accept iff u < p[x] / q[x].")
-            if pval < SIGNIFICANCE:
-                freq = [round(c / trials, 3) for c in counts]
-                raise CheckFailure(
-                    f"emitted tokens do not follow p (chi-square p-value {pval:.2e} < "
-                    f"{SIGNIFICANCE})", inputs=inputs, expected=[round(v, 3) for v in p.tolist()],
-                    actual=freq, hint=_accept_hint(rate, want))
-            if abs(z) > 4 and want < 1:
-                raise CheckFailure("wrong acceptance rate", inputs=inputs, expected=round(want, 4),
-                                   actual=round(rate, 4), hint=_accept_hint(rate, want))
-            lines.append(f"{name}: accepted {rate:.3f} (theory {want:.3f})")
+        lines = [_judge(name, p, q, accept_or_resample, trials, seed) for name, p, q in _pairs()]
         return "emitted tokens follow p in every case (chi-square).\n    " + "\n    ".join(lines)
 
     return run_check("spec_accept", body)
@@ -210,3 +214,32 @@ def _theory() -> Callable[[float, int], float] | None:
         return None
     fn = getattr(theory, "expected_tokens_per_step", None)
     return fn if callable(fn) else None
+
+
+def model_pair_distributions(top_k: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token p (labkit-tiny) and q (labkit-tiny-draft) after a code prompt, temperature 1,
+    top-k applied to both as the engine does: their supports differ, as real pairs' do."""
+    from labkit.model.loader import load_pretrained
+    from labkit.model.sampling import apply_sampling_filters
+
+    target, tok = load_pretrained("labkit-tiny", dtype=torch.float32)
+    draft, _ = load_pretrained("labkit-tiny-draft", dtype=torch.float32)
+    ids = torch.tensor([tok.encode("import os\nimport sys\n\ndef main(")])
+    with torch.inference_mode():
+        p = apply_sampling_filters(target(ids)[0, -1].float(), 1.0, top_k, 1.0)
+        q = apply_sampling_filters(draft(ids)[0, -1].float(), 1.0, top_k, 1.0)
+    support = sorted(set((p > 0).nonzero().flatten().tolist()) |
+                     set((q > 0).nonzero().flatten().tolist()))
+    return p[support], q[support]
+
+
+def check_accept_on_models(accept_or_resample: Callable, *, trials: int = 3000) -> object:
+    """The same statistical test on the shipped target/draft pair's real distributions."""
+
+    def body() -> str:
+        p, q = model_pair_distributions()
+        line = _judge("labkit-tiny vs labkit-tiny-draft, top-k 8", p, q, accept_or_resample,
+                      trials, 0)
+        return "on the real model pair emitted tokens follow the target. " + line
+
+    return run_check("spec_accept", body, record=False)

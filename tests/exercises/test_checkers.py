@@ -209,3 +209,10 @@ def test_quantizers_run_the_model():
     bad4 = quant_model.check_int4_on_model(S.quantize_int4_groupwise,
                                            W.dequantize_int4_wrong_group)
     assert not bad4.passed
+
+
+def test_acceptance_rule_on_the_shipped_model_pair():
+    p, q = speculative.model_pair_distributions()
+    assert ((p > 0) != (q > 0)).any()  # supports differ: the residual matters
+    assert speculative.check_accept_on_models(S.accept_or_resample).passed
+    assert "do not follow p" in speculative.check_accept_on_models(W.resample_from_p).message
