@@ -224,7 +224,7 @@ def model_pair_distributions(top_k: int = 8) -> tuple[torch.Tensor, torch.Tensor
 
     target, tok = load_pretrained("labkit-tiny", dtype=torch.float32)
     draft, _ = load_pretrained("labkit-tiny-draft", dtype=torch.float32)
-    ids = torch.tensor([tok.encode("import os\nimport sys\n\ndef main(")])
+    ids = torch.tensor([tok.encode("for i in range(")])
     with torch.inference_mode():
         p = apply_sampling_filters(target(ids)[0, -1].float(), 1.0, top_k, 1.0)
         q = apply_sampling_filters(draft(ids)[0, -1].float(), 1.0, top_k, 1.0)
