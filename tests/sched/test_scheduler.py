@@ -5,6 +5,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from labkit.kv.block_manager import BlockManager
 from labkit.sched.request import Request, SequenceStatus
@@ -147,3 +149,40 @@ def test_abort_waiting_running_swapped_frees_all():
                 s.abort_seq(seq)
     assert not s.has_unfinished()
     assert bm.pool.num_used == 0 and bm.cpu_pool.num_used == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(cfg=st.fixed_dictionaries({
+    "policy": st.sampled_from(["fcfs", "priority", "sjf"]),
+    "batching": st.sampled_from(["continuous", "static"]),
+    "preemption_mode": st.sampled_from(["recompute", "swap"]),
+    "enable_chunked_prefill": st.booleans(),
+    "max_num_seqs": st.integers(1, 6),
+    "max_num_batched_tokens": st.integers(24, 40),
+    "caching": st.booleans(),
+    "watermark_high": st.sampled_from([1.0, 0.7]),
+}), reqs=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 6), st.integers(1, 2),
+                            st.integers(0, 2), st.integers(0, 3)), min_size=1, max_size=8),
+    block_size=st.integers(1, 5))
+def test_scheduler_invariants_random(cfg, reqs, block_size):
+    """Random configs and requests: every step respects the budget and max_num_seqs, no
+    sequence is in two queues, scheduled chunks fit their block tables, all requests finish with
+    their max_tokens and the pools end empty."""
+    cfg = dict(cfg)
+    cfg["watermark_low"] = min(0.5, cfg["watermark_high"])
+    num_blocks = max(-(-(12 + 6) // block_size) * 2, 4)
+    s, bm = make(num_blocks=num_blocks, block_size=block_size, cpu=64, **cfg)
+    made = [add(s, f"r{i}", [t] * plen, max_tokens=mt, n=min(n, cfg["max_num_seqs"]),
+                priority=pr) for i, (plen, mt, n, pr, t) in enumerate(reqs)]
+
+    def check(out, pre):
+        ids = [id(x) for x in s.running]
+        assert len(ids) == len(set(ids))
+        assert not set(ids) & {id(x) for x in s.swapped}
+        for x in out.scheduled:
+            seq = x.seq
+            assert seq.status is SequenceStatus.RUNNING
+            assert x.start_pos == seq.num_computed_tokens
+            assert len(seq.block_table) * block_size >= x.start_pos + x.num_new_tokens
+
+    run(s, bm, made, max_steps=2000, check=check)
