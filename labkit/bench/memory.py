@@ -100,7 +100,8 @@ def run_real(model: str | Path, num_requests: int, max_prompt: int, max_output: 
     specs = get_workload("chat", max_prompt_len=max_prompt,
                          max_output_len=max_output).sample(num_requests, seed=seed)
     prompts = [s.prompt_token_ids(vocab_size=cfg.vocab_size, first_id=1) for s in specs]
-    params = [SamplingParams(temperature=0.0, max_tokens=s.output_len, ignore_eos=True)
+    params = [SamplingParams(temperature=0.0, max_tokens=s.output_len, ignore_eos=True,
+                             detokenize=False)
               for s in specs]
     # One KV budget for both: every request's maximum fits at once in the contiguous layout.
     num_slots = num_requests * max_len

@@ -59,7 +59,8 @@ def run_real(model: str | Path, cache: bool, num_prompts: int, max_tokens: int,
     llm = LLM(model=str(path), enable_prefix_caching=cache, dtype="float32",
               max_num_seqs=max(num_prompts, 1))
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            detokenize=False)
     engine.add_request("warmup", tok.encode(system), params)
     _drain(engine)
 
