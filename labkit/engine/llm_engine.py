@@ -198,13 +198,15 @@ class LLMEngine:
             g.seed()
         seq.generator = g
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request now, wherever it is; all its blocks are released."""
+    def abort(self, request_id: str | list[str]) -> bool:
+        """Stop a request now, wherever it is (waiting, running, swapped); all its blocks are
+        released. Like vLLM, unknown or already finished ids are ignored: returns whether
+        anything was aborted (a list of ids aborts each)."""
+        if isinstance(request_id, (list, tuple, set)):
+            return any([self.abort(r) for r in request_id])
         req = self.requests.get(str(request_id))
-        if req is None:
-            raise ValueError(f"unknown request id {request_id!r}")
-        if req.is_finished:
-            return
+        if req is None or req.is_finished:
+            return False
         now = self.clock.now()
         for seq in req.seqs:
             if not seq.is_finished:
@@ -216,6 +218,7 @@ class LLMEngine:
             self._pending_aborts.extend(
                 {"request_id": req.request_id, "seq_id": s.seq_id, "reason": "abort"}
                 for s in req.seqs if s.finish_reason == "abort")
+        return True
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

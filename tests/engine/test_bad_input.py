@@ -87,3 +87,17 @@ def test_failed_generate_leaves_nothing_queued(tiny_model):
         llm.generate(prompt_token_ids=[[1, 2], []], sampling_params=OK)
     assert not llm.llm_engine.has_unfinished_requests()
     assert llm.llm_engine.block_manager.pool.num_used == 0
+
+
+def test_abort_semantics(engine):
+    engine.add_request("a", [1, 2, 3], OK)
+    engine.add_request("b", [4, 5, 6], OK)
+    engine.step()
+    assert engine.abort(["a", "nope"]) is True
+    assert engine.abort("a") is False and engine.abort("nope") is False
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.abort("b") is False  # finished already
+    assert engine.block_manager.pool.num_used == 0
+    reasons = {f["seq_id"]: f["reason"] for s in engine.trace.steps for f in s["finished"]}
+    assert reasons == {"a": "abort", "b": "length"}
