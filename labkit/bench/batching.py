@@ -222,7 +222,7 @@ def write_chart(payload: dict[str, Any], path: Path) -> None:
     fig.update_layout(title="Where continuous batching's gain comes from: output-length spread",
                       xaxis_title="coefficient of variation of output length",
                       yaxis_title="speedup over static batching")
-    fig.write_html(str(path), include_plotlyjs="cdn")
+    fig.write_html(str(path), include_plotlyjs="directory")
     print(f"wrote {path}")
 
 

@@ -156,7 +156,7 @@ def write_chart(payload: dict[str, Any], path: Path) -> None:
     fig.update_xaxes(title_text="simulated time (s)", row=1, col=3)
     fig.update_layout(title="KV memory holding token state: paged blocks vs max-length slots",
                       barmode="group", yaxis_range=[0, 1])
-    fig.write_html(str(path), include_plotlyjs="cdn")
+    fig.write_html(str(path), include_plotlyjs="directory")
     print(f"wrote {path}")
 
 

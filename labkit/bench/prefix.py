@@ -139,7 +139,7 @@ def write_chart(payload: dict[str, Any], path: Path) -> None:
         fig.add_bar(x=["cache off" if not r["cache"] else "cache on" for r in rows],
                     y=[1e3 * r["ttft_p50"] for r in rows], row=1, col=col, showlegend=False)
     fig.update_layout(title="Prefix caching with a shared system prompt")
-    fig.write_html(str(path), include_plotlyjs="cdn")
+    fig.write_html(str(path), include_plotlyjs="directory")
     print(f"wrote {path}")
 
 
