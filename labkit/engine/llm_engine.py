@@ -247,18 +247,22 @@ class LLMEngine:
             ex.apply_block_ops(copies, swap_out, swap_in)
         results = ex.execute(out)
         t1 = self.clock.now()
-        outputs, finished = self._update(out, results, t1)
+        outputs, finished, appended = self._update(out, results, t1)
         self.num_steps += 1
         if self.record_trace:
-            self._record(out, t0, t1 - t0, results, finished, events)
+            self._record(out, t0, t1 - t0, appended, finished, events)
         return outputs
 
     def _update(self, out: SchedulerOutput, results: dict[str, list[int]],
-                now: float) -> tuple[list[StepOutput], list[dict]]:
+                now: float) -> tuple[list[StepOutput], list[dict], dict[str, list[int]]]:
+        """Append each sequence's new tokens (up to its first stop condition), advance its
+        computed count, publish full blocks, free finished sequences. Returns the step outputs,
+        the finished records and the tokens actually appended per sequence (for the trace)."""
         bm = self.block_manager
         outputs: list[StepOutput] = []
         finished: list[dict] = []
         bs, lookahead = bm.block_size, self.config.num_lookahead_slots
+        appended: dict[str, list[int]] = {}
         for sc in out.scheduled:
             if not sc.samples:
                 sc.seq.num_computed_tokens += sc.num_new_tokens
@@ -267,6 +271,7 @@ class LLMEngine:
             for seq in (sc.seq, *sc.children) if sc.children else (sc.seq,):
                 new = results.get(seq.seq_id, [])
                 added, reason = self._append(seq, new, now)
+                appended[seq.seq_id] = added
                 seq.num_computed_tokens = len(seq.token_ids) - 1
                 bm.cache_full_blocks(seq)
                 if reason is not None:
@@ -286,7 +291,7 @@ class LLMEngine:
                     req.finish_time = now
         if finished:
             self.scheduler.remove_finished()
-        return outputs, finished
+        return outputs, finished, appended
 
     def _append(self, seq: Sequence, new: list[int], now: float) -> tuple[list[int], str | None]:
         p = seq.request.params
@@ -346,7 +351,7 @@ class LLMEngine:
                            "num_tokens": s.num_new_tokens, "start_pos": s.start_pos,
                            "chunked": not s.samples} for s in out.scheduled],
             "num_batched_tokens": out.num_batched_tokens, "token_budget": out.token_budget,
-            "outputs": results,  # fresh dict per step from the executor
+            "outputs": results,  # tokens appended this step (after stop conditions)
             "preempted": [{"request_id": s.request_id, "seq_id": s.seq_id, "mode": m}
                           for s, m in out.preempted],
             "finished": fin, "events": events,
