@@ -150,9 +150,11 @@ def check(allocator_cls: Callable[[int, int], Any], *, num_sequences: int = 60,
                 except NotImplementedError:
                     raise
                 except Exception as e:  # noqa: BLE001
+                    hint = ("when no free block is left, raise MemoryError (and change nothing)."
+                            if out_ref[0] == "oom" else "the reference handles this operation.")
                     raise CheckFailure(f"your {op[0]} raised {type(e).__name__}: {e}",
                                        inputs=_history(history), show_values=False,
-                                       hint="the reference handles this operation.") from e
+                                       hint=hint) from e
                 if out_ref[0] == "ok":
                     if op[0] == "allocate":
                         live.append(op[1])

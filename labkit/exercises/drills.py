@@ -3,7 +3,8 @@
 The bank (``drills_core``, ``drills_models``, ``drills_serving``) covers the topics of the
 interview notes the lab was designed from. ``labkit drill`` lists topics; ``labkit drill TOPIC``
 prints its questions, answers and snippets; ``--run`` executes the snippets; ``--quiz`` hides the
-answers until you press Enter; ``--search WORD`` looks through every question and answer.
+answers until you press Enter; ``--search WORD`` looks through every question and answer;
+``--progress`` shows which exercises pass.
 """
 
 from __future__ import annotations
@@ -95,12 +96,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--search", metavar="WORD", help="search questions and answers")
     p.add_argument("--random", action="store_true", help="one random drill")
     p.add_argument("--seed", type=int, default=None, help="seed for --random")
+    p.add_argument("--progress", action="store_true",
+                   help="show which exercises pass (the local progress file)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.progress:
+        from labkit.exercises.progress import summary
+
+        print(summary())
+        return 0
     if args.search:
         chosen = search(args.search)
         if not chosen:

@@ -216,3 +216,14 @@ def test_acceptance_rule_on_the_shipped_model_pair():
     assert ((p > 0) != (q > 0)).any()  # supports differ: the residual matters
     assert speculative.check_accept_on_models(S.accept_or_resample).passed
     assert "do not follow p" in speculative.check_accept_on_models(W.resample_from_p).message
+
+
+def test_allocator_raising_the_wrong_error_on_oom_gets_a_hint():
+    class WrongError(S.BlockAllocator):
+        def allocate(self, seq_id, num_tokens):
+            if -(-num_tokens // self.block_size) > len(self.free_list):
+                raise ValueError("out of blocks")
+            return super().allocate(seq_id, num_tokens)
+
+    msg = allocator.check(WrongError).message
+    assert "raised ValueError" in msg and "raise MemoryError" in msg

@@ -93,3 +93,12 @@ def test_resolve_topic_errors():
     with pytest.raises(ValueError, match="valid topics"):
         drills.resolve_topic("nope")
     assert drills.resolve_topic("TTFT") == "metrics"
+
+
+def test_cli_progress(capsys):
+    from labkit.exercises import progress
+
+    progress.record("spec_speedup", True)
+    assert main(["--progress"]) == 0
+    out = capsys.readouterr().out
+    assert "1/13 exercises passed" in out and "✓ spec_speedup" in out

@@ -39,3 +39,16 @@ def test_notebook_with_reference_solutions(path, monkeypatch, tmp_path):
 def test_notebook_as_a_learner_first_sees_it(name, monkeypatch, tmp_path):
     monkeypatch.setenv("LABKIT_PROGRESS", str(tmp_path / "progress.json"))
     _run(next(p for p in NOTEBOOKS if p.stem == name))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebooks_committed_without_outputs(path):
+    import nbformat
+
+    nb = nbformat.read(str(path), 4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert not cell.outputs and cell.execution_count is None, path.name
+    # the learner's cells are stubs: solutions are never in the notebooks themselves
+    if path.stem != "drills":
+        assert any("your code here" in c.source for c in nb.cells if c.cell_type == "code")
