@@ -49,6 +49,8 @@ class SamplingParams:
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings are matched on text: they need detokenize=True")
 
     @property
     def greedy(self) -> bool:

@@ -34,7 +34,8 @@ def test_bad_requests(engine, prompt, params, match):
 @pytest.mark.parametrize("kw,match", [
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.1), "temperature"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(n=0), "n must"),
-    (dict(top_k=-2), "top_k"),
+    (dict(top_k=-2), "top_k"), (dict(stop=["x"], detokenize=False), "detokenize"),
+    (dict(stop=[""]), "non-empty"),
 ])
 def test_bad_sampling_params(kw, match):
     with pytest.raises(ValueError, match=match):
