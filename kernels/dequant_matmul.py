@@ -5,7 +5,7 @@ read. Storing W in 4 bits reads 4x fewer bytes than fp16; dequantising inside th
 materialising W in fp16) is what turns that into speed.
 
 Tiling (program (n, m, k-split) owns output tile [BLOCK_M, BLOCK_N]; K is walked in BLOCK_K
-steps, every SPLIT_K-th step by this program, and split partials are summed with atomics)::
+steps, every SPLIT_K-th step by this program; split partials are summed by a second pass)::
 
     GPTQ qweight [K/8, N] int32           AWQ qweight [K, N/8] int32
     ┌────────┐ one int32 = 8 rows of K      ┌──┬──┐ one int32 = 8 columns of N,
@@ -83,18 +83,31 @@ def _dot_accumulate(acc, x_ptr, stride_xm, offs_m, offs_k, M, K, w, DOT_FP32: tl
 
 
 @triton.jit
-def _write(out_ptr, offs, y, mask, ATOMIC: tl.constexpr):
-    if ATOMIC:
-        tl.atomic_add(out_ptr + offs, y, mask=mask)
+def _write(out_ptr, offs, y, mask, split_stride, SPLIT: tl.constexpr):
+    """Store the tile; with split-K, as this split's fp32 partial (summed by _sum_splits:
+    one small deterministic pass instead of atomics on a zeroed buffer plus a cast)."""
+    if SPLIT:
+        tl.store(out_ptr + tl.program_id(2).to(tl.int64) * split_stride + offs, y, mask=mask)
     else:
         tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
+def _sum_splits(out_ptr, ws_ptr, numel, split_k, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    total = tl.zeros([BLOCK], tl.float32)
+    for s in range(split_k):
+        total += tl.load(ws_ptr + s * numel + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _gptq_kernel(
     x_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, out_ptr, M, N, K, split_k, stride_xm, stride_om,
+    split_stride,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     pid_m = tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -141,18 +154,20 @@ def _gptq_kernel(
                                   M, K, tl.reshape(w.to(s_ptr.dtype.element_ty),
                                                    [BLOCK_K, BLOCK_N]), DOT_FP32)
     if BLOCK_M == 1:
-        _write(out_ptr, pid_m * stride_om + offs_n, tl.sum(tl.sum(acc, 0), 0), n_mask, ATOMIC)
+        _write(out_ptr, pid_m * stride_om + offs_n, tl.sum(tl.sum(acc, 0), 0), n_mask,
+               split_stride, SPLIT)
     else:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         _write(out_ptr, offs_m[:, None] * stride_om + offs_n[None, :], acc,
-               (offs_m[:, None] < M) & n_mask[None, :], ATOMIC)
+               (offs_m[:, None] < M) & n_mask[None, :], split_stride, SPLIT)
 
 
 @triton.jit
 def _awq_kernel(
     x_ptr, qw_ptr, qz_ptr, s_ptr, out_ptr, M, N, K, split_k, stride_xm, stride_om,
+    split_stride,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     pid_m = tl.program_id(1)
     offs_np = tl.program_id(0) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
@@ -184,19 +199,21 @@ def _awq_kernel(
                                   tl.reshape(w.to(s_ptr.dtype.element_ty), [BLOCK_K, BLOCK_N]),
                                   DOT_FP32)
     if BLOCK_M == 1:
-        _write(out_ptr, pid_m * stride_om + offs_n2, tl.sum(acc, 0), n_mask2, ATOMIC)
+        _write(out_ptr, pid_m * stride_om + offs_n2, tl.sum(acc, 0), n_mask2, split_stride,
+               SPLIT)
     else:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         _write(out_ptr, offs_m[:, None] * stride_om + offs_n[None, :], acc,
-               (offs_m[:, None] < M) & (offs_n[None, :] < N), ATOMIC)
+               (offs_m[:, None] < M) & (offs_n[None, :] < N), split_stride, SPLIT)
 
 
 @triton.jit
 def _w8a16_kernel(
     x_ptr, qw_ptr, s_ptr, out_ptr, M, N, K, split_k, stride_xm, stride_om,
+    split_stride,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ATOMIC: tl.constexpr, DOT_FP32: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     pid_m = tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -219,11 +236,12 @@ def _w8a16_kernel(
                                   w.to(tl.float16), DOT_FP32)
     s = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     if BLOCK_M == 1:
-        _write(out_ptr, pid_m * stride_om + offs_n, tl.sum(acc, 0) * s, n_mask, ATOMIC)
+        _write(out_ptr, pid_m * stride_om + offs_n, tl.sum(acc, 0) * s, n_mask, split_stride,
+               SPLIT)
     else:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         _write(out_ptr, offs_m[:, None] * stride_om + offs_n[None, :], acc * s[None, :],
-               (offs_m[:, None] < M) & n_mask[None, :], ATOMIC)
+               (offs_m[:, None] < M) & n_mask[None, :], split_stride, SPLIT)
 
 
 def default_config(m: int, n: int, k: int) -> dict[str, int]:
@@ -243,17 +261,18 @@ def _launch(kernel, x: torch.Tensor, n: int, args: tuple, config: dict | None,
     cfg = {**default_config(m, n, k), **(config or {})}
     block_k = min(cfg["BLOCK_K"], k_align) if k_align > 1 else cfg["BLOCK_K"]
     split_k = max(1, min(cfg["SPLIT_K"], triton.cdiv(k, block_k)))
-    out_dtype = x.dtype
-    out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if split_k > 1
-           else torch.empty(m, n, dtype=out_dtype, device=x.device))
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    dst = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split_k)
     kernel[grid](
-        x, *args, out, m, n, k, split_k, x.stride(0), out.stride(0),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, ATOMIC=split_k > 1,
+        x, *args, dst, m, n, k, split_k, x.stride(0), n, m * n,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, SPLIT=split_k > 1,
         DOT_FP32=interpreting(), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
         **constexprs,
     )
-    return out.to(out_dtype) if split_k > 1 else out
+    if split_k > 1:
+        _sum_splits[(triton.cdiv(m * n, 1024),)](out, dst, m * n, split_k, BLOCK=1024)
+    return out
 
 
 def _check_x(x: torch.Tensor, k: int) -> None:

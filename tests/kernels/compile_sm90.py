@@ -53,12 +53,13 @@ def variants():
         cfg = dq.default_config(m, 4096, 4096)
         tiles = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
         for group in (128, 0):
-            yield dq._gptq_kernel, int4, {**tiles, "GROUP_SIZE": group, "ATOMIC": True,
+            yield dq._gptq_kernel, int4, {**tiles, "GROUP_SIZE": group, "SPLIT": True,
                                           "DOT_FP32": False}, cfg["num_warps"], 3
         yield dq._awq_kernel, {**int4, "out_ptr": "*bf16", "x_ptr": "*bf16"}, {
-            **tiles, "GROUP_SIZE": 128, "ATOMIC": False, "DOT_FP32": False}, cfg["num_warps"], 3
+            **tiles, "GROUP_SIZE": 128, "SPLIT": False, "DOT_FP32": False}, cfg["num_warps"], 3
         yield dq._w8a16_kernel, {**int4, "qw_ptr": "*i8"}, {
-            **tiles, "ATOMIC": True, "DOT_FP32": False}, cfg["num_warps"], 3
+            **tiles, "SPLIT": True, "DOT_FP32": False}, cfg["num_warps"], 3
+    yield dq._sum_splits, {"out_ptr": "*fp16", "ws_ptr": "*fp32"}, {"BLOCK": 1024}, 4, 1
 
 
 def compile_one(fn, ptr_types, consts, num_warps, num_stages):
