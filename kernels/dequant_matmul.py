@@ -13,12 +13,16 @@ steps, every SPLIT_K-th step by this program; split partials are summed by a sec
     └────────┘    ─► [BLOCK_K, BLOCK_N]     └──┴──┘ ─► [BLOCK_K, BLOCK_N/8, 8] ─► [BLOCK_K, BLOCK_N]
              w = (q - zero) * scale[group]   then   acc += x_tile @ w   (tensor cores, fp32 acc)
 
-M = 1 takes a GEMV path: acc2d[BLOCK_K, BLOCK_N] += x[:, None] * w, reduced over K once at the end,
-which avoids padding one row to 16 for ``tl.dot``.
+M = 1 takes a GEMV path: acc[BLOCK_K, BLOCK_N] += x[:, None] * w (kept 3-D as unpacked), reduced
+over K once at the end, which avoids padding one row to 16 for ``tl.dot``.
 
 What bounds it: for small M, memory. FLOPs 2*M*K*N over bytes K*N/2 (4-bit): intensity 4*M
 FLOP/byte, so up to M ~ 50 the H200 (ridge ~200 FLOP/byte) waits on weights; larger M turns
 compute-bound and the in-loop dequantisation becomes overhead against a plain fp16 GEMM.
+At M = 1 the *instruction* budget is the catch: every weight costs ~4 instructions (and-or into
+a float's mantissa, subtract zero, scale, fma; see ``_nibbles_as_floats``), 8 per byte of int4,
+while an H200 issues ~33 T lane-instructions/s: that alone caps the GEMV near 4 TB/s, the same
+as its memory. A plain int->float conversion per weight (quarter rate) would cap it far lower.
 
 Layouts (see interfaces.md):
 - GPTQ: qweight int32 [K/8, N] (lowest nibble = first row); qzeros int32 [G, N/8] storing zero-1,
