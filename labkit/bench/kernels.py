@@ -38,6 +38,9 @@ FULL = {
     "prefill_configs": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 128, 4, 2), (128, 128, 8, 2),
                         (64, 64, 4, 3)],
 }
+# --quick: the headline shapes only (the two targets plus one of each kernel), ~1 minute.
+QUICK = {**FULL, "decode": [(1, 16384), (64, 4096)], "prefill": [(1, 4096, 4096)],
+         "dequant": [(1, 8192)], "decode_configs": [], "prefill_configs": []}
 # Tiny sizes: lets the tests drive every code path on CPU under the interpreter.
 SMOKE = {
     "copy_bytes": 1 << 16, "decode": [(2, 40)], "heads": (4, 2, 16), "block_size": 16,
@@ -470,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0 = time.perf_counter()
     json_path = Path(args.json) if args.json else DEFAULT_JSON
-    payload = run(FULL, "cuda", partial_json=json_path)
+    payload = run(QUICK if args.quick else FULL, "cuda", partial_json=json_path)
     payload["wall_s"] = time.perf_counter() - t0
     write_json(json_path, payload)
     md = to_markdown(payload)
