@@ -472,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
               "(TRITON_INTERPRET=1).", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    json_path = Path(args.json) if args.json else DEFAULT_JSON
+    default = DEFAULT_JSON.with_name("kernels-quick.json") if args.quick else DEFAULT_JSON
+    json_path = Path(args.json) if args.json else default
     payload = run(QUICK if args.quick else FULL, "cuda", partial_json=json_path)
     payload["wall_s"] = time.perf_counter() - t0
     write_json(json_path, payload)
