@@ -40,7 +40,8 @@ def test_hf_padded_batches_equal_reference_generate(tiny_ckpt):
 
 def test_quick_run_toy_sizes(tiny_ckpt):
     sizes = {"num_requests": 6, "batch_size": 3, "output_mean": 6, "output_max": 16,
-             "sweep_requests": 24, "sweep_sigmas": (0.0, 1.0), "sweep_batch": 4}
+             "sweep_requests": 24, "sweep_sigmas": (0.0, 1.0), "sweep_batch": 4,
+             "repeats": 1}
     out = batching.run(tiny_ckpt, quick=True, sizes=sizes)
     for key in ("continuous_tokens_per_s", "static_tokens_per_s", "hf_tokens_per_s",
                 "outputs_match"):
