@@ -1,5 +1,17 @@
 """Triton kernels for labkit, importable as ``labkit.kernels``.
 
-One kernel per file, each with a plain-PyTorch reference beside it. On a machine without a GPU
-set ``TRITON_INTERPRET=1`` before importing triton and the kernels run on CPU tensors.
+One kernel per file, each with a plain-PyTorch reference beside it (``*_ref``) and a docstring
+with its tiling, what bounds it and its arithmetic intensity:
+
+- ``paged_attention``: decode attention over a paged KV cache, split-KV (flash-decoding) merge;
+- ``paged_prefill``: causal varlen attention of new tokens over their cached blocks;
+- ``reshape_and_cache``: scatter new K/V into their slots;
+- ``rms_norm`` (optional fused residual add), ``rotary_embedding`` (in place);
+- ``dequant_matmul``: W4A16 GPTQ / AWQ and W8A16 matmuls; ``nf4``: NF4 dequantisation;
+- ``backend``: ``TritonBackend``, the engine's attention backend built from the above;
+- ``selfcheck`` (each kernel vs its reference) and ``timing`` (device time without launch
+  overhead or a warm L2), used by ``labkit bench kernels``.
+
+On a machine without a GPU set ``TRITON_INTERPRET=1`` before importing triton and the kernels run
+on CPU tensors (slowly; the tests do this).
 """

@@ -29,7 +29,7 @@ _CODE_CACHE: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
-def _nf4_kernel(out_ptr, packed_ptr, absmax_ptr, code_ptr, n_bytes, blocksize,
+def _nf4_kernel(out_ptr, packed_ptr, absmax_ptr, code_ptr, n_bytes, numel, blocksize,
                 BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_bytes
@@ -40,7 +40,8 @@ def _nf4_kernel(out_ptr, packed_ptr, absmax_ptr, code_ptr, n_bytes, blocksize,
     scale = tl.load(absmax_ptr + (2 * offs) // blocksize, mask=mask, other=0.0)
     dtype = out_ptr.dtype.element_ty
     tl.store(out_ptr + 2 * offs, (hi * scale).to(dtype), mask=mask)
-    tl.store(out_ptr + 2 * offs + 1, (lo * scale).to(dtype), mask=mask)
+    # An odd numel leaves the last byte's low nibble as padding.
+    tl.store(out_ptr + 2 * offs + 1, (lo * scale).to(dtype), mask=mask & (2 * offs + 1 < numel))
 
 
 def _code(device: torch.device) -> torch.Tensor:
@@ -57,19 +58,19 @@ def nf4_dequantize(packed: torch.Tensor, absmax: torch.Tensor, blocksize: int,
     for s in shape:
         numel *= int(s)
     check(packed.dtype == torch.uint8, f"packed must be uint8, got {packed.dtype}")
-    check(numel % 2 == 0 and packed.numel() == numel // 2,
-          f"packed has {packed.numel()} bytes, shape {tuple(shape)} needs {numel // 2}")
+    check(packed.numel() == (numel + 1) // 2,
+          f"packed has {packed.numel()} bytes, shape {tuple(shape)} needs {(numel + 1) // 2}")
     check(blocksize > 0 and blocksize % 2 == 0, f"blocksize must be even, got {blocksize}")
     check(absmax.numel() == triton.cdiv(numel, blocksize),
           f"absmax must have ceil(numel / blocksize) = {triton.cdiv(numel, blocksize)} "
           f"entries, got {absmax.numel()}")
     out = torch.empty(numel, dtype=dtype, device=packed.device)
-    n_bytes = numel // 2
+    n_bytes = (numel + 1) // 2
     if n_bytes:
         block = 1024
         _nf4_kernel[(triton.cdiv(n_bytes, block),)](
             out, packed.reshape(-1), absmax.float().reshape(-1).contiguous(),
-            _code(packed.device), n_bytes, blocksize, BLOCK=block,
+            _code(packed.device), n_bytes, numel, blocksize, BLOCK=block,
         )
     return out.view(*shape)
 
@@ -81,5 +82,9 @@ def nf4_dequantize_ref(packed: torch.Tensor, absmax: torch.Tensor, blocksize: in
     b = packed.reshape(-1).long()
     codes = torch.stack([b >> 4, b & 0xF], dim=1).reshape(-1)
     table = _code(packed.device)  # the same 16 constants; cached so CUDA graphs can capture
-    scale = absmax.float().reshape(-1).repeat_interleave(blocksize)[: codes.numel()]
+    numel = 1
+    for s in shape:
+        numel *= int(s)
+    codes = codes[:numel]
+    scale = absmax.float().reshape(-1).repeat_interleave(blocksize)[:numel]
     return (table[codes] * scale).to(dtype).view(*shape)

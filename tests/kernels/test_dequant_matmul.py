@@ -112,10 +112,11 @@ def test_nf4_matches_bitsandbytes():
         <= 0.5 * w.abs().max()  # NF4's widest gap is (1 - 0.723) of absmax
 
 
-def test_nf4_matches_labkit_quant_and_odd_tail():
+@pytest.mark.parametrize("shape", [(5, 40), (3, 7, 9)])  # 200 = 3 blocks + tail; 189: odd
+def test_nf4_matches_labkit_quant_and_odd_tail(shape):
     from labkit.quant.nf4 import quantize_nf4
 
-    w = torch.randn(5, 40, generator=torch.Generator().manual_seed(2))  # 200 = 3 blocks + tail
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
     qt = quantize_nf4(w, blocksize=64)
     ours = nf4_dequantize(qt.packed(), qt.absmax, 64, w.shape, torch.float32)
     torch.testing.assert_close(ours, qt.dequantize(torch.float32), atol=0, rtol=0)
