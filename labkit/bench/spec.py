@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -213,6 +214,30 @@ def run(quick: bool = True, target_name: str = "labkit-tiny",
             "results": rows + sim, "sim_config": SIM, "environment": environment()}
 
 
+def write_chart(payload: dict[str, Any], path: str | Path) -> None:
+    """Measured speed-up against γ beside both predictions, and the roofline panel."""
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=2, subplot_titles=(
+        f"{payload['target']} on CPU: speed-up vs plain decoding",
+        f"roofline: {SIM['draft']} -> {SIM['target']} on {SIM['gpu']}"))
+    for prop, color in (("ngram", "#1f77b4"), ("draft_model", "#d62728")):
+        rows = [r for r in payload["results"] if r["proposer"] == prop]
+        g = [r["gamma"] for r in rows]
+        for key, dash, label in (("speedup", None, "measured"),
+                                 ("predicted_speedup_cpu", "dash", "predicted (CPU costs)"),
+                                 ("predicted_speedup", "dot", "predicted (textbook)")):
+            fig.add_scatter(x=g, y=[r[key] for r in rows], name=f"{prop} {label}", row=1, col=1,
+                            line={"color": color, "dash": dash}, mode="lines+markers")
+    sim = [r for r in payload["results"] if not r["measured"]]
+    fig.add_scatter(x=[r["gamma"] for r in sim], y=[r["speedup"] for r in sim], row=1, col=2,
+                    name="7B/1B predicted", mode="lines+markers")
+    fig.update_xaxes(title_text="γ (num_speculative_tokens)")
+    fig.update_yaxes(title_text="speed-up", row=1, col=1)
+    fig.update_layout(title="Speculative decoding: measured and predicted")
+    fig.write_html(str(path), include_plotlyjs="directory")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = bench_parser("spec", __doc__.splitlines()[0])
     p.add_argument("--prompt-set", default="code_prompts",
@@ -244,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                 ["gamma", "acceptance_rate", "draft_cost_c", "verify_over_decode",
                  "baseline_tokens_per_s", "tokens_per_s", "speedup"])
     write_json(args.json, payload)
+    if args.json:
+        write_chart(payload, Path(args.json).with_suffix(".html"))
     ok = all(r["outputs_match"] for r in payload["results"] if r["measured"])
     if not ok:
         print("MISMATCH: a speculative output differs from the plain output")

@@ -169,3 +169,13 @@ def test_construction_errors(target, drafts, build_model):
         "method": "draft_model", "model": build(3, max_position_embeddings=128),
         "num_speculative_tokens": 2})
     assert torch.is_grad_enabled()
+
+
+def test_greedy_with_triton_backend(target, drafts, references):
+    """The Triton paged kernels (interpreted on CPU) serve both the verify and the draft KV."""
+    llm = LLM(target, block_size=4, attention_backend="triton",
+              speculative_config=_cfg("draft_model", drafts, 3))
+    outs = llm.generate(prompt_token_ids=PROMPTS[:2], sampling_params=_greedy(10))
+    assert [o.outputs[0].token_ids for o in outs] == [r[:10] for r in references[:2]]
+    assert llm.llm_engine.executor.num_accepted_tokens > 0
+    _assert_all_blocks_returned(llm)
