@@ -54,13 +54,12 @@ def unpack_rows(words: torch.Tensor, bits: int, order: tuple[int, ...] | None = 
                 ) -> torch.Tensor:
     """Inverse of :func:`pack_rows`: int32 [R/per, C] -> int codes [R, C] (int32)."""
     per = 32 // bits
-    mask = 2**bits - 1
-    order = order or tuple(range(per))
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    out = torch.empty(words.shape[0], per, words.shape[1], dtype=torch.int32)
-    for j, dst in enumerate(order):
-        out[:, dst, :] = ((w >> (bits * j)) & mask).to(torch.int32)
-    return out.reshape(-1, words.shape[1])
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)
+    # arithmetic shift of a negative int32 drags the sign bit in; the mask removes it
+    nib = (words.to(torch.int32)[:, None, :] >> shifts[None, :, None]) & (2**bits - 1)
+    if order is not None:  # nibble j holds element order[j]
+        nib = nib[:, torch.argsort(torch.tensor(order)), :]
+    return nib.reshape(-1, words.shape[1])
 
 
 # ---- GPTQ -----------------------------------------------------------------------------------
