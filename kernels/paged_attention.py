@@ -195,11 +195,15 @@ def paged_attention_decode(
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
-    if block_n is None:
-        block_n = max(block_size, 64 if head_dim <= 128 else 32)
+    if block_n is None:  # tokens are gathered one by one, so any power of two works
+        block_n = max(next_pow2(block_size), 64 if head_dim <= 128 else 32)
+    check(block_n >= 16 and block_n == next_pow2(block_n),
+          f"block_n must be a power of two >= 16, got {block_n}")
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:
-        num_splits = default_num_splits(num_seqs, num_kv_heads, max_context, block_n)
+        num_sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
+                   if q.is_cuda else None)
+        num_splits = default_num_splits(num_seqs, num_kv_heads, max_context, block_n, num_sms)
     check(num_splits >= 1, f"num_splits must be >= 1, got {num_splits}")
     tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
     num_splits = triton.cdiv(max_context, tokens_per_split) if max_context else 1
