@@ -53,6 +53,11 @@ def test_quick_run_toy_sizes(tiny_ckpt):
     # Static batching never needs fewer engine steps than continuous batching.
     assert out["steps"]["static"] >= out["steps"]["continuous"]
     sweep = out["sim_sweep"]
-    assert sweep[0]["step_bound"] == pytest.approx(1.0)  # sigma 0: equal lengths
-    assert sweep[1]["step_bound"] > 1.0
-    assert all(r["speedup"] > 0 for r in sweep)
+    assert {r["model"] for r in sweep} == set(batching.SWEEP_MODELS)
+    for r in sweep:
+        if r["output_sigma"] == 0.0:
+            assert r["step_bound"] == pytest.approx(1.0)  # equal lengths: nothing to gain
+            assert r["speedup"] == pytest.approx(1.0, abs=0.05)
+        else:
+            assert r["step_bound"] > 1.0
+        assert r["speedup"] > 0
