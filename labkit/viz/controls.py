@@ -56,7 +56,7 @@ class SimulatorControls(widgets.VBox):
         from labkit.sim.workloads import WORKLOADS
 
         self.simulate_kw, self.seed = simulate_kw, seed
-        style = {"description_width": "150px"}
+        style = {"description_width": "170px"}
         wide = widgets.Layout(width="420px")
         self.model = widgets.Dropdown(options=list(MODELS), value=model, description="model",
                                       style=style, layout=wide)
@@ -67,14 +67,14 @@ class SimulatorControls(widgets.VBox):
         self.num_requests = widgets.IntSlider(value=num_requests, min=1, max=1000,
                                               description="requests", style=style, layout=wide)
         self.arrival_rate = widgets.FloatSlider(value=arrival_rate, min=0.0, max=50.0, step=0.5,
-                                                description="arrival rate (req/s, 0 = burst)",
+                                                description="arrivals/s (0 = burst)",
                                                 style=style, layout=wide)
         self.block_size = widgets.Dropdown(options=[8, 16, 32, 64, 128], value=block_size,
                                            description="block size", style=style, layout=wide)
         self.chunk = widgets.Dropdown(options=sorted({256, 512, 1024, 2048, 4096, 8192,
                                                       max_num_batched_tokens}),
                                       value=max_num_batched_tokens,
-                                      description="token budget (chunk size)", style=style,
+                                      description="token budget / step", style=style,
                                       layout=wide)
         self.policy = widgets.Dropdown(options=list(POLICIES), value=policy,
                                        description="policy", style=style, layout=wide)

@@ -62,7 +62,7 @@ class ScheduleWidget(widgets.VBox):
         fig.add_trace(go.Heatmap(z=z, x=xs, y=rids, zmin=-0.5, zmax=n - 0.5,
                                  colorscale=scale,
                                  showscale=False, text=hover, hoverinfo="text",
-                                 xgap=1, ygap=1), row=2, col=1)
+                                 xgap=1 if len(xs) <= 120 else 0, ygap=1), row=2, col=1)
         fin_x, fin_y = [], []
         for i, rec in enumerate(steps):
             for f in rec.get("finished", ()):

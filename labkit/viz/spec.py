@@ -49,8 +49,8 @@ class SpecWidget(widgets.VBox):
     def __init__(self, trace: Any, tokenizer: Any = None) -> None:
         self.tokenizer = tokenizer
         self.figure = td.swap_figure(None, None, go.Figure(), "labkit-spec-figure")
-        self.slider = widgets.IntSlider(description="step", min=0, max=0,
-                                        layout=widgets.Layout(width="420px"))
+        self.slider = widgets.SelectionSlider(description="step", options=[0],
+                                              layout=widgets.Layout(width="420px"))
         self.tokens = widgets.HTML()
         self.summary = widgets.HTML()
         self.slider.observe(lambda ch: self.show_step(ch["new"]), names="value")
@@ -75,21 +75,19 @@ class SpecWidget(widgets.VBox):
                           xaxis_title="engine step", legend=dict(orientation="h", y=1.12),
                           margin=dict(l=50, r=50, t=30, b=40))
         fig.update_yaxes(title_text="draft tokens", secondary_y=False)
-        fig.update_yaxes(title_text="acceptance rate", range=[0, 1.05], secondary_y=True)
+        fig.update_yaxes(title_text="acceptance rate", range=[0, 1.05], dtick=0.2,
+                         tickformat=".0%", showgrid=False, secondary_y=True)
         self.figure = td.swap_figure(self, self.figure, fig, "labkit-spec-figure")
         self._spec_steps = s["step"]
         rate = s["rate"][-1]
         self.summary.value = (f"<div>{sum(s['proposed'])} draft tokens proposed over "
-                              f"{len(s['step'])} steps, {sum(s['accepted'])} accepted: "
+                              f"{len(s['step'])} steps, {sum(s['accepted'])} accepted: draft "
                               f"acceptance rate <b>{rate:.1%}</b></div>")
-        with self.slider.hold_trait_notifications():
-            self.slider.max = len(self._spec_steps) - 1
-            self.slider.value = 0
-        self.show_step(0)
+        self.slider.options = self._spec_steps  # resets the value to the first option
+        self.show_step(self._spec_steps[0])
 
-    def show_step(self, index: int) -> None:
-        """Show the draft tokens of the index-th speculative step."""
-        step = self._spec_steps[index]
+    def show_step(self, step: int) -> None:
+        """Show the draft tokens of engine step `step` (one that speculated)."""
         rec = next(r for r in self.trace["steps"] if r["step"] == step)
         lines = []
         for e in rec["spec"]:
