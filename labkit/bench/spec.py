@@ -24,6 +24,8 @@ Beside each measurement, two predictions:
   tokens_per_step · (t_decode + O) / (d · c · t_decode + t_verify(γ) + O).
   What is left between this and the measurement is engine cost the raw forwards do not see (the
   paged verify path, the draft's forwards inside the engine): ``engine_ms`` itemises it.
+  Both predictions (and ``engine_ms``) model one request at a time; with ``--concurrency N`` the
+  measured columns show how the gain shrinks as batching already fills each target step.
 
 Finally the roofline cost model (``labkit.sim.cost``) predicts the same for Llama-2-7B verified on
 an A100 with TinyLlama-1.1B drafting (same 32k vocabulary), at the α measured here for the tiny
@@ -56,11 +58,12 @@ def _sampling(max_tokens: int):
 
 
 def run_engine(target: torch.nn.Module, prompts: list[list[int]], max_tokens: int,
-               spec: dict[str, Any] | None) -> dict[str, Any]:
-    """Generate every prompt (one at a time); wall and process CPU time. A warm-up runs first."""
+               spec: dict[str, Any] | None, concurrency: int = 1) -> dict[str, Any]:
+    """Generate every prompt, ``concurrency`` at a time; wall and process CPU time.
+    A warm-up request runs first."""
     from labkit import LLM
 
-    llm = LLM(target, max_num_seqs=1, speculative_config=spec)
+    llm = LLM(target, max_num_seqs=concurrency, speculative_config=spec)
     llm.generate(prompt_token_ids=prompts[:1], sampling_params=_sampling(8))
     eng = llm.llm_engine
     steps0 = len(eng.trace.steps)
@@ -142,7 +145,7 @@ def _best(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run(quick: bool = True, target_name: str = "labkit-tiny",
         draft_name: str = "labkit-tiny-draft", prompt_set: str = "code_prompts",
-        sizes: dict[str, Any] | None = None) -> dict[str, Any]:
+        sizes: dict[str, Any] | None = None, concurrency: int = 1) -> dict[str, Any]:
     from labkit.model.loader import load_pretrained
     from labkit.sim.workloads import prompt_texts
 
@@ -161,7 +164,7 @@ def run(quick: bool = True, target_name: str = "labkit-tiny",
     raw: dict[tuple[str, int], list[dict]] = {(n, g): [] for n, g, _ in configs}
     todo = [(n, g, spec) for _ in range(cfg["rounds"]) for n, g, spec in configs]
     for name, g, spec in tqdm(todo, desc="bench spec", leave=False):
-        raw[(name, g)].append(run_engine(target, prompts, cfg["max_tokens"], spec))
+        raw[(name, g)].append(run_engine(target, prompts, cfg["max_tokens"], spec, concurrency))
     base = _best(raw[("baseline", 0)])
     n_tok = base["num_tokens"]
     base_wall, base_cpu = n_tok / base["wall_s"], n_tok / base["cpu_s"]
@@ -203,7 +206,7 @@ def run(quick: bool = True, target_name: str = "labkit-tiny",
     sim = sim_rows(alpha_by_gamma)
     return {"benchmark": "spec", "quick": quick, "target": target_name, "draft": draft_name,
             "prompt_set": prompt_set, "num_prompts": len(prompts),
-            "max_tokens": cfg["max_tokens"], "concurrency": 1, "rounds": cfg["rounds"],
+            "max_tokens": cfg["max_tokens"], "concurrency": concurrency, "rounds": cfg["rounds"],
             "baseline_runs": [{"wall_s": b["wall_s"], "cpu_s": b["cpu_s"]}
                               for b in raw[("baseline", 0)]],
             "costs_ms": {**costs, "engine_overhead_per_step": overhead_ms,
@@ -244,15 +247,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="datasets/workloads/<name>.jsonl (e.g. spec_code_prompts)")
     p.add_argument("--target", default="labkit-tiny")
     p.add_argument("--draft", default="labkit-tiny-draft")
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="requests decoding together (max_num_seqs); speculation pays most at 1")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1: a 5M-parameter model gains nothing from more)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    payload = run(args.quick, args.target, args.draft, args.prompt_set)
+    payload = run(args.quick, args.target, args.draft, args.prompt_set,
+                  concurrency=args.concurrency)
     c = payload["costs_ms"]
     print(f"\n{payload['target']} (+ {payload['draft']}) on CPU, {payload['num_prompts']} "
-          f"{payload['prompt_set']} prompts x {payload['max_tokens']} greedy tokens, one request "
-          f"at a time, best of {payload['rounds']} round(s)")
+          f"{payload['prompt_set']} prompts x {payload['max_tokens']} greedy tokens, "
+          f"{payload['concurrency']} request(s) at a time, best of {payload['rounds']} round(s)")
     print(f"CPU ms per forward: target decode {c['target_decode_ms']:.2f}, draft decode "
           f"{c['draft_decode_ms']:.2f}, target verify "
           + ", ".join(f"γ={g}: {v:.2f}" for g, v in c["target_verify_ms"].items())
