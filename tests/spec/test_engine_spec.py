@@ -54,24 +54,26 @@ def test_greedy_equals_reference_concurrent(target, drafts, references, method, 
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_greedy_under_preemption(target, drafts, references, method, mode):
+@pytest.mark.parametrize("mode,gamma", [("recompute", 1), ("recompute", 5), ("swap", 3)])
+def test_greedy_under_preemption(target, drafts, references, method, mode, gamma):
     """A pool too small for all five sequences forces preemption while speculating."""
     llm = LLM(target, block_size=4, num_blocks=24, num_cpu_blocks=64 if mode == "swap" else 0,
-              preemption_mode=mode, speculative_config=_cfg(method, drafts, 3))
+              preemption_mode=mode, speculative_config=_cfg(method, drafts, gamma))
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=_greedy(40))
     assert [o.outputs[0].token_ids for o in outs] == references
     assert llm.llm_engine.stats()["num_preemptions"] > 0
     _assert_all_blocks_returned(llm)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_greedy_with_prefix_cache_hits(target, drafts, method):
+@pytest.mark.parametrize("method,gamma,draft", [("ngram", 1, None), ("ngram", 5, None),
+                                                ("draft_model", 3, "noisy"),
+                                                ("draft_model", 5, "self")])
+def test_greedy_with_prefix_cache_hits(target, drafts, method, gamma, draft):
     shared = list(range(50, 70))  # 5 full blocks of 4
     prompts = [shared + [1, 2], shared + [3], shared + [4, 4, 4]]
     want = [generate(target, p, 24, ignore_eos=True) for p in prompts]
     llm = LLM(target, block_size=4, enable_prefix_caching=True,
-              speculative_config=_cfg(method, drafts, 4, draft="self"))
+              speculative_config=_cfg(method, drafts, gamma, draft=draft))
     first = llm.generate(prompt_token_ids=prompts[:1], sampling_params=_greedy(24))
     rest = llm.generate(prompt_token_ids=prompts, sampling_params=_greedy(24))
     assert first[0].outputs[0].token_ids == want[0]
