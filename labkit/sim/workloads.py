@@ -177,6 +177,8 @@ class LengthDist:
         """The distribution with this spread whose clipped mean is ``mean``; sigma 0 = fixed."""
         if sigma < 0:
             raise ValueError(f"sigma must be >= 0, got {sigma}")
+        if not lo <= mean <= hi:
+            raise ValueError(f"mean length {mean} must lie in [{lo}, {hi}]")
         mu = math.log(mean) if sigma == 0 else fit_lognormal_mu(mean, sigma, lo, hi)
         return cls(mean, sigma, mu, lo, hi)
 

@@ -148,3 +148,7 @@ def test_parametric_lognormal_mean_and_spread():
     assert 1.0 < o.std() / o.mean() < 1.35
     with pytest.raises(ValueError, match="sigma"):
         get_workload("lognormal", output_sigma=-1)
+    with pytest.raises(ValueError, match="mean length"):
+        get_workload("lognormal", output_mean=0, output_sigma=0.0)
+    with pytest.raises(ValueError, match="strictly inside"):
+        get_workload("lognormal", output_mean=5000, max_output_len=1024)
