@@ -8,7 +8,9 @@ search that minimises the group's real output error after INT4 fake-quantization
 RTN, so the search can only help). Where the scale is folded:
 
   q/k/v_proj   <- input_layernorm weight          (loss on the whole self_attn output)
-  o_proj       <- v_proj rows, only if shapes match (with GQA they do not: skipped, as AutoAWQ)
+  o_proj       <- v_proj rows. With GQA one v channel feeds the same channel of every query
+                  head in its group, so those o_proj columns must share one scale: labkit ties
+                  their statistics (AutoAWQ instead skips o_proj when the shapes differ)
   gate/up_proj <- post_attention_layernorm weight (loss on the mlp output)
   down_proj    <- up_proj rows                    (silu(gate)·up is linear in up)
 
@@ -65,19 +67,24 @@ def _set_weights(linears: list[nn.Linear], weights: list[torch.Tensor]) -> None:
 @torch.no_grad()
 def search_scales(x: torch.Tensor, linears: list[nn.Linear], inspect: Callable[[], torch.Tensor],
                   group_size: int, n_grid: int = N_GRID, group_fallback: bool = False,
-                  duo_scaling: bool = False) -> tuple[torch.Tensor, dict]:
+                  duo_scaling: bool = False,
+                  tie: Callable[[torch.Tensor], torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, dict]:
     """Grid over α of ``s = mean|x|^α``; returns the best s and {alpha, loss_before, loss_after}.
 
     ``duo_scaling`` (AutoAWQ's default) divides by ``mean|ŵ|^(1-α)``, ŵ = weights normalised
     by their group's max, so channels whose weights are already large are scaled less.
+    ``tie`` makes channels that must share one scale (GQA's o_proj) share their statistics.
     """
     x_mean = x.abs().mean(dim=0)
+    tie = tie or (lambda t: t)
+    x_mean = tie(x_mean)
     orig = [lin.weight.detach().float().clone() for lin in linears]
     if duo_scaling:
         w = torch.cat(orig)
         gs = resolve_group_size(w.shape[1], group_size, group_fallback)
         wg = w.abs().view(-1, gs)
-        w_mean = (wg / (wg.amax(dim=1, keepdim=True) + 1e-6)).view_as(w).mean(dim=0)
+        w_mean = tie((wg / (wg.amax(dim=1, keepdim=True) + 1e-6)).view_as(w).mean(dim=0))
     ref = inspect()
     losses = []
     for i in range(n_grid):
@@ -95,16 +102,27 @@ def search_scales(x: torch.Tensor, linears: list[nn.Linear], inspect: Callable[[
 
 
 @torch.no_grad()
-def fold_scales(prev: nn.Module, linears: list[nn.Linear], s: torch.Tensor) -> None:
-    """prev's output channel j /= s_j; each linear's input column j *= s_j (output unchanged)."""
+def fold_scales(prev: nn.Module, linears: list[nn.Linear], s: torch.Tensor,
+                prev_s: torch.Tensor | None = None) -> None:
+    """prev's output channel j /= s_j; each linear's input column j *= s_j (output unchanged).
+
+    ``prev_s``: the scale on prev's outputs when it differs in length from ``s`` (GQA: one
+    v_proj channel feeds the same o_proj channel of every query head in its group).
+    """
     if isinstance(prev, nn.Linear):
-        prev.weight.div_(s[:, None].to(prev.weight.dtype))
+        ps = s if prev_s is None else prev_s
+        prev.weight.div_(ps[:, None].to(prev.weight.dtype))
         if prev.bias is not None:
-            prev.bias.div_(s.to(prev.bias.dtype))
+            prev.bias.div_(ps.to(prev.bias.dtype))
     else:  # RMSNorm: y = weight * normalized(x)
         prev.weight.div_(s.to(prev.weight.dtype))
     for lin in linears:
         lin.weight.mul_(s[None, :].to(lin.weight.dtype))
+
+
+def _tie_gqa(t: torch.Tensor, kv: int, rep: int, d: int) -> torch.Tensor:
+    """Average over the ``rep`` query heads that read the same kv head, then broadcast back."""
+    return t.view(kv, rep, d).mean(dim=1, keepdim=True).expand(kv, rep, d).reshape(-1)
 
 
 @torch.no_grad()
@@ -157,17 +175,18 @@ def awq_quantize_model(model: nn.Module, calibration: torch.Tensor, *, group_siz
             run_to_layer(model, calibration, layer, batch_size)
         groups = [("qkv", layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj],
                    caps["attn"], attn)]
-        if attn.v_proj.out_features == attn.o_proj.in_features:
-            groups.append(("o", attn.v_proj, [attn.o_proj], caps["o"], attn.o_proj))
+        groups.append(("o", attn.v_proj, [attn.o_proj], caps["o"], attn.o_proj))
         groups += [("gate_up", layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj],
                     caps["mlp"], mlp),
                    ("down", mlp.up_proj, [mlp.down_proj], caps["down"], mlp.down_proj)]
+        kv, rep, d = attn.num_kv_heads, attn.num_heads // attn.num_kv_heads, attn.head_dim
         for name, prev, linears, cap, module in groups:
             inspect = partial(cap.replay, module, max_calls=search_batches)
+            tie = partial(_tie_gqa, kv=kv, rep=rep, d=d) if name == "o" and rep > 1 else None
             x = cap.x()
             s, row = search_scales(x, linears, inspect, group_size, n_grid, group_fallback,
-                                   duo_scaling)
-            fold_scales(prev, linears, s)
+                                   duo_scaling, tie)
+            fold_scales(prev, linears, s, s.view(kv, rep, d)[:, 0].reshape(-1) if tie else None)
             report.append({"layer": f"model.layers.{i}.{name}", **row})
             if clip and name != "qkv":  # q/k clipping hurts attention scores (AutoAWQ skips)
                 for lin in linears:

@@ -53,7 +53,6 @@ def pack_rows(codes: torch.Tensor, bits: int, order: tuple[int, ...] | None = No
 def unpack_rows(words: torch.Tensor, bits: int, order: tuple[int, ...] | None = None
                 ) -> torch.Tensor:
     """Inverse of :func:`pack_rows`: int32 [R/per, C] -> int codes [R, C] (int32)."""
-    per = 32 // bits
     shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)
     # arithmetic shift of a negative int32 drags the sign bit in; the mask removes it
     nib = (words.to(torch.int32)[:, None, :] >> shifts[None, :, None]) & (2**bits - 1)

@@ -20,6 +20,10 @@ def test_fold_scales_preserves_the_full_precision_model(tiny):
         fold_scales(layer.post_attention_layernorm, [m.gate_proj, m.up_proj],
                     torch.rand(64, generator=g) + 0.5)
         fold_scales(m.up_proj, [m.down_proj], torch.rand(128, generator=g) + 0.5)
+        # GQA (4 query heads, 2 kv heads, dim 16): o_proj columns of query heads 0,1 share
+        # v_proj channels of kv head 0, so their scales are tied
+        t = torch.rand(2, 1, 16, generator=g) + 0.5
+        fold_scales(a.v_proj, [a.o_proj], t.expand(2, 2, 16).reshape(-1), t.reshape(-1))
     torch.testing.assert_close(tiny(x), ref, atol=1e-5, rtol=1e-4)
 
 
@@ -50,7 +54,7 @@ def _loud_model(make_tiny):
 def test_awq_beats_rtn_and_reports_losses(calib_tokens, make_tiny_model):
     m = _loud_model(make_tiny_model)
     qm, report = awq_quantize_model(m, calib_tokens, group_size=32, n_grid=10, progress=False)
-    assert {r["layer"].split(".")[-1] for r in report} == {"qkv", "gate_up", "down"}  # GQA: no o
+    assert {r["layer"].split(".")[-1] for r in report} == {"qkv", "o", "gate_up", "down"}
     assert all(r["loss_after"] <= r["loss_before"] for r in report)
     assert any(r["alpha"] > 0 for r in report)
     rtn = quantize_model(m, "int4_rtn", group_size=32)
@@ -63,11 +67,15 @@ def test_awq_beats_rtn_and_reports_losses(calib_tokens, make_tiny_model):
     assert kl(qm) < kl(rtn)
 
 
-def test_awq_scales_o_proj_without_gqa(calib_tokens, make_tiny_model):
+def test_awq_without_gqa_and_tied_gqa_scales(calib_tokens, make_tiny_model):
     m = make_tiny_model(num_key_value_heads=4)
     _, report = awq_quantize_model(m, calib_tokens, group_size=32, n_grid=4, clip=False,
                                    progress=False)
     assert sum(r["layer"].endswith(".o") for r in report) == 2
+    from labkit.quant.awq import _tie_gqa
+
+    t = _tie_gqa(torch.arange(8.0), kv=2, rep=2, d=2)  # heads (0,1) and (2,3) share
+    assert t.tolist() == [1.0, 2.0, 1.0, 2.0, 5.0, 6.0, 5.0, 6.0]
 
 
 def test_awq_rejects_bad_group_size(tiny, calib_tokens):
