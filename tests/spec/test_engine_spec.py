@@ -181,3 +181,30 @@ def test_greedy_with_triton_backend(target, drafts, references):
     assert [o.outputs[0].token_ids for o in outs] == [r[:10] for r in references[:2]]
     assert llm.llm_engine.executor.num_accepted_tokens > 0
     _assert_all_blocks_returned(llm)
+
+
+def test_trace_replay_matches_live_block_tables(target, drafts):
+    """Replaying the trace rebuilds every block table and the output tokens, step by step,
+    while sequences speculate and get rolled back; and rejected drafts never pile up blocks:
+    a sequence holds at most the blocks for its tokens plus the γ-slot lookahead reservation
+    (a block emptied by a rollback is reused by the next step's drafts, or freed at the end)."""
+    from labkit.engine.trace import replay
+
+    llm = LLM(target, block_size=4, num_blocks=40,
+              speculative_config=_cfg("draft_model", drafts, 5, draft="small"))
+    eng = llm.llm_engine
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(f"r{i}", p, _greedy(30))
+    while eng.has_unfinished_requests():
+        eng.step()
+        snap = replay(eng.trace, -1)
+        live = {s.seq_id: s for s in eng.block_manager.seqs.values()}
+        assert {k: v for k, v in snap.block_tables.items() if v} == \
+            {k: list(s.block_table) for k, s in live.items() if s.block_table}
+        for sid, s in live.items():
+            if sid in snap.seq_tokens:
+                assert snap.seq_tokens[sid] == s.token_ids
+            assert len(s.block_table) <= -(-(s.num_tokens + 5) // 4)
+    assert eng.executor.num_draft_tokens > 2 * eng.executor.num_accepted_tokens  # rejections
+    snap = replay(eng.trace, -1)
+    assert not any(snap.block_tables.values()) and not snap.ref_counts
