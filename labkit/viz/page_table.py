@@ -229,6 +229,10 @@ class PageTableWidget(widgets.VBox):
             f"; preempted {p['seq_id']} ({p['mode']})" for p in rec.get("preempted", ()))
         extra += "".join(
             f"; finished {f['seq_id']} ({f['reason']})" for f in rec.get("finished", ()))
+        cpu = getattr(state["snapshot"], "cpu_block_tables", None) or {}
+        if cpu:  # swap preemption parks a sequence's KV in CPU blocks (not drawn in the grid)
+            extra += "; swapped to CPU: " + ", ".join(f"{sq} ({len(b)} blocks)"
+                                                     for sq, b in cpu.items())
         return (f"<div><b>step {step}</b> (t = {rec['time']:.4f} s) — scheduled: {sched}{extra}"
                 f"<br>block events: {events}<br>KV blocks used {kv.get('used', '?')}"
                 f" / {kv.get('total', self.num_blocks)}, shared {shared}, prefix-cached free "

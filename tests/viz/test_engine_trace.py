@@ -82,3 +82,24 @@ def test_latency_from_trace_equals_engine_timings(engine):
         assert sorted(from_trace[key]) == pytest.approx(sorted(from_engine[key]))
     assert len(from_engine["ITL"]) == 5 + 4 + 3
     LatencyWidget(engine)
+
+
+def test_page_table_reports_swapped_sequences():
+    import labkit
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(ModelConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256))
+    llm = labkit.LLM.from_model(model, None, block_size=4, num_blocks=12, num_cpu_blocks=16,
+                                preemption_mode="swap", enable_prefix_caching=False)
+    llm.generate(prompt_token_ids=[[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12]],
+                 sampling_params=SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    trace = td.as_trace_dict(llm.llm_engine)
+    out = [i for i, r in enumerate(trace["steps"])
+           if any(e["type"] == "swap_out" for e in r["events"])]
+    assert out, "the pool was meant to be too small: no swap happened"
+    w = PageTableWidget(trace, step=out[0])
+    assert "swapped to CPU" in w.summary.value
+    seq = next(e["seq_id"] for e in trace["steps"][out[0]]["events"] if e["type"] == "swap_out")
+    assert seq not in list(w.figure.layout.yaxis2.ticktext)  # no GPU blocks while swapped
