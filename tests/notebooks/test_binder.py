@@ -53,3 +53,8 @@ def test_postbuild_installs_labkit_and_start_sets_interpreter(tmp_path):
                           "import os; print(os.environ['TRITON_INTERPRET'])"],
                          env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "1"
+
+
+def test_runtime_pins_the_python_the_pins_need():
+    # numpy 2.3+ and scipy 1.17 need Python >= 3.11; repo2docker's default is older.
+    assert (BINDER / "runtime.txt").read_text().strip() == "python-3.11"
