@@ -107,6 +107,17 @@ def test_voila_renders_page_table_and_schedule(voila_url, tmp_path):
             summary = page.inner_text(".labkit-pagetable-summary")
             assert "step 1" in summary
             table_before = page.evaluate(TABLE_TEXT)
+            # Hovering a shared block shows its owners and its tokens.
+            first_block = ".labkit-pagetable-figure .subplot.xy .scatterlayer path.point"
+            box = page.locator(first_block).first.bounding_box()
+            # plotly's drag layer sits on top of the points: move the mouse, don't click
+            page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+            page.wait_for_selector(".labkit-pagetable-figure .hoverlayer .hovertext",
+                                   timeout=15_000)
+            hover = page.evaluate("() => document.querySelector("
+                                  "'.labkit-pagetable-figure .hoverlayer').textContent")
+            assert "physical block 0" in hover and "tokens:" in hover, hover
+            assert "r0 (logical 0), r1 (logical 0)" in hover, hover
             page.screenshot(path=str(ARTIFACTS / "voila_widgets_step1.png"), full_page=True)
 
             # Drag the step slider's handle to ~60% of its track, as a user would.
