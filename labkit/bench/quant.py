@@ -23,7 +23,7 @@ from labkit.bench.common import bench_parser, environment, print_table, write_js
 
 QUICK = {"eval": (8, 128), "calib": (16, 128), "n_grid": 10, "search_batches": 2,
          "decode_tokens": 16}
-FULL = {"eval": (32, 256), "calib": (64, 256), "n_grid": 20, "search_batches": 4,
+FULL = {"eval": (64, 256), "calib": (128, 256), "n_grid": 20, "search_batches": 4,
         "decode_tokens": 32}
 GROUP_SIZE = 128
 
