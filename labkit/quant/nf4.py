@@ -95,8 +95,9 @@ def _quantize_blockwise_4bit(w: torch.Tensor, blocksize: int, quant_type: str) -
     inv = 1.0 / absmax.clamp(min=1e-38)
     full = n // blocksize
     scaled = (blocks * inv[:, None]).clamp(-1, 1)
-    if full < nblocks:  # bitsandbytes divides the ragged last block instead of multiplying
-        scaled[full] = (blocks[full] / absmax[full].clamp(min=1e-38)).clamp(-1, 1)
+    if full < nblocks:  # bitsandbytes divides the ragged last block instead of multiplying,
+        absmax[full] = absmax[full].clamp(min=1e-38)  # and stores its absmax clamped
+        scaled[full] = (blocks[full] / absmax[full]).clamp(-1, 1)
     code = NF4_CODE if quant_type == "nf4" else FP4_CODE
     codes = _nearest_code(scaled.reshape(-1)[:n], code).to(torch.uint8)
     return Blockwise4bit(codes, absmax, tuple(w.shape), blocksize, quant_type)

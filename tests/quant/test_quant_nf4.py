@@ -26,6 +26,8 @@ def _tensors():
     mids = (NF4_CODE[:-1] + NF4_CODE[1:]) / 2
     yield torch.cat([mids, torch.tensor([1.0]), -mids.flip(0), torch.tensor([-1.0])]).repeat(2)
     yield torch.randn(128, 64, generator=g).half() * 0.02
+    yield torch.zeros(40)  # all zeros, shorter than one block (absmax stored clamped)
+    yield torch.randn(300, 200, generator=g).T  # non-contiguous: row-major logical order
 
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
@@ -100,3 +102,23 @@ def test_bitsandbytes_linear4bit_backend_matches_labkit_nf4(tiny):
     assert type(theirs.model.layers[0].mlp.up_proj).__name__ == "Linear4bit"
     torch.testing.assert_close(theirs(x), ours(x), atol=1e-5, rtol=1e-5)
     assert not torch.allclose(ours(x), tiny(x), atol=1e-5)  # it did quantize
+
+
+def test_random_shapes_scales_and_dtypes_equal_bitsandbytes():
+    import random
+
+    rng = random.Random(0)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(80):
+        shape = tuple(rng.randint(1, 70) for _ in range(rng.randint(1, 3)))
+        scale = 10 ** rng.uniform(-30, 30)
+        w = torch.randn(shape, generator=g) * scale
+        if rng.random() < 0.3:  # coarse values: many exact ties and duplicates
+            w = torch.round(w / scale * 4) * scale / 4
+        if rng.random() < 0.3:
+            w = w.to(rng.choice([torch.float16, torch.bfloat16]))
+        bs, qt = rng.choice([32, 64, 128, 256, 512]), rng.choice(["nf4", "fp4"])
+        packed, state = bnb_f.quantize_4bit(w, blocksize=bs, quant_type=qt)
+        mine = FNS[qt](w, bs)
+        assert torch.equal(mine.codes, unpack_4bit(packed, w.numel())), (shape, bs, qt)
+        assert torch.equal(mine.absmax, state.absmax)
