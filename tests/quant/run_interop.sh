@@ -2,8 +2,8 @@
 # Optional job: labkit.quant against transformers + gptqmodel + autoawq, in an isolated venv
 # (these pin their own transformers/accelerate/triton and must not touch the dev venv).
 #   bash tests/quant/run_interop.sh            # creates $VENV once, then runs the tests
-# Verified on 2 CPU cores, torch 2.13.0+cpu: 5 tests pass in about 5.5 minutes (gptqmodel
-# quantization ~75 s, autoawq ~2.5 min, each transformers+gptqmodel load ~7-12 s).
+# Verified on 2 CPU cores, torch 2.13.0+cpu: 5 tests pass in 87 s on an otherwise idle
+# machine (324 s while other jobs shared the cores); creating the venv takes a few minutes more.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VENV=${VENV:-/work/venv-quant-interop}

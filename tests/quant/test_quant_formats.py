@@ -138,3 +138,19 @@ def test_quantized_model_greedy_generation_matches_its_own_full_forward(tiny):
 def test_unknown_format(tiny):
     with pytest.raises(QuantizationError, match="unknown format"):
         quantize_model(tiny, "int3")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4_rtn", "nf4"])
+def test_quantized_model_runs_in_the_paged_engine_token_for_token(tiny, fmt):
+    """Quantized linears plug into the engine: greedy output == reference generate."""
+    from labkit.engine.llm import LLM
+    from labkit.engine.sampling_params import SamplingParams
+    from labkit.model.generate import generate
+
+    qm = quantize_model(tiny, fmt, group_size=32)
+    prompts = [[1, 5, 9, 3], [7, 7, 2, 11, 40, 3, 9], [100]]
+    llm = LLM.from_model(qm, None, block_size=4)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
+        temperature=0.0, max_tokens=10, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == \
+        [generate(qm, p, 10, ignore_eos=True) for p in prompts]
