@@ -40,16 +40,16 @@ def _chart(rows: list[dict], path: str) -> None:
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("held-out perplexity", "mean KL vs fp32"))
-    for r in rows:
-        x = r["weight_bytes"] / 1e6
-        fig.add_trace(go.Scatter(x=[x], y=[r["perplexity"]], mode="markers+text",
-                                 text=[r["format"]], textposition="top center",
-                                 name=r["format"], legendgroup=r["format"]), 1, 1)
-        fig.add_trace(go.Scatter(x=[x], y=[max(r["kl"], 1e-6)], mode="markers+text",
-                                 text=[r["format"]], textposition="top center",
-                                 name=r["format"], legendgroup=r["format"],
-                                 showlegend=False), 1, 2)
+    fig = make_subplots(rows=1, cols=2, subplot_titles=(
+        "held-out perplexity (lower is better)", "mean KL vs fp32 (log; fp32 = 0 not shown)"))
+    positions = ["top center", "bottom center", "middle right", "middle left"]
+    for i, r in enumerate(sorted(rows, key=lambda r: (r["weight_bytes"], r["perplexity"]))):
+        x, pos = r["weight_bytes"] / 1e6, positions[i % len(positions)]
+        kw = {"mode": "markers+text", "text": [r["format"]], "textposition": pos,
+              "name": r["format"], "legendgroup": r["format"]}
+        fig.add_trace(go.Scatter(x=[x], y=[r["perplexity"]], **kw), 1, 1)
+        if r["kl"] > 0:
+            fig.add_trace(go.Scatter(x=[x], y=[r["kl"]], showlegend=False, **kw), 1, 2)
     fig.update_xaxes(title_text="weight bytes (MB)")
     fig.update_yaxes(type="log", row=1, col=2)
     fig.update_layout(title="labkit-tiny: accuracy vs weight bytes", height=450, width=1000)
