@@ -106,7 +106,7 @@ def run(model_name: str = "labkit-tiny", quick: bool = False,
                                group_fallback=True).weight_bytes
         rows.append({"format": name, "bits": bits, "group_size": group, **metrics,
                      "weight_bytes": model_bytes(qm), "calculator_bytes": calc,
-                     "kv_dtype": "fp32", "kv_bytes_per_token": kv_cache_bytes(cfg, 1, 1, "fp32"),
+                     "kv_dtype": base, "kv_bytes_per_token": kv_cache_bytes(cfg, 1, 1, base),
                      "tokens_per_s": decode_tokens_per_s(qm, prompt, s["decode_tokens"]),
                      "quantize_s": qtime})
         print(f"{name}: ppl {metrics['perplexity']:.4f} kl {metrics['kl']:.5f}", flush=True)
