@@ -37,7 +37,7 @@ class PageTableWidget(widgets.VBox):
             raise ValueError(f"color_by must be one of {COLOR_MODES}, got {color_by!r}")
         self.tokenizer = tokenizer
         self.max_blocks, self.max_seqs, self._columns = max_blocks, max_seqs, columns
-        self.slider = widgets.IntSlider(description="step", min=0, max=0, continuous_update=True,
+        self.slider = widgets.IntSlider(description="step", min=0, max=0, continuous_update=False,
                                         layout=widgets.Layout(width="420px"))
         self.prev_button = widgets.Button(description="◀", layout=widgets.Layout(width="40px"),
                                           tooltip="previous step")

@@ -133,9 +133,16 @@ def test_voila_renders_page_table_and_schedule(voila_url, tmp_path):
                 ".innerText.startsWith('step 1 ') === false", timeout=30_000)
             page.wait_for_function(f"() => ({TABLE_TEXT})() !== {table_before!r}",
                                    timeout=30_000)
+            # wait until the drawing has caught up with the slider's final value
+            readout = ".labkit-pagetable .widget-readout"
+            page.wait_for_function(
+                "() => document.querySelector('.labkit-pagetable-summary').innerText"
+                f".startsWith('step ' + document.querySelector('{readout}').innerText.trim()"
+                " + ' ')", timeout=30_000)
             summary_after = page.inner_text(".labkit-pagetable-summary")
             assert summary_after.split()[1] not in ("0", "1"), summary_after
             assert page.evaluate(POINT_FILLS) != fills, "slider moved but blocks did not change"
+            page.wait_for_timeout(2000)  # let the linked schedule redraw its step marker too
             page.screenshot(path=str(ARTIFACTS / "voila_widgets_moved.png"), full_page=True)
         finally:
             browser.close()
