@@ -21,6 +21,9 @@ CASES = {
                                   rope_theta=1000000.0, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=1,
                                       sliding_window=None)),
+    # a window shorter than the test prompts, so the sliding-window mask is exercised
+    "mistral-window8": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                                              sliding_window=8)),
 }
 
 
@@ -53,7 +56,7 @@ def test_logits_match_transformers(tmp_path, name):
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["llama-gqa2-tied", "qwen2"])
+@pytest.mark.parametrize("name", ["llama-gqa2-tied", "qwen2", "mistral-window8"])
 def test_greedy_generation_matches_transformers(tmp_path, name):
     hf, path = make_checkpoint(tmp_path, name, seed=1)
     ours = load_model(path)
@@ -100,3 +103,16 @@ def test_bad_checkpoints(tmp_path):
         load_model(path)
     with pytest.raises(CheckpointError, match="tokenizer|no tokenizer|neither"):
         load_pretrained(path)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_load_in_low_precision(tmp_path, dtype):
+    hf, path = make_checkpoint(tmp_path, "llama-gqa2-tied")
+    low = load_model(path, dtype=dtype)
+    assert low.dtype == getattr(torch, dtype)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        ref = hf(ids).logits
+    assert (low(ids).float() - ref).abs().max() < 0.05
+    with pytest.raises(ValueError, match="dtype"):
+        load_model(path, dtype="int8")
