@@ -17,18 +17,22 @@ class TritonBackend:
     """Paged attention through Triton kernels; same methods and shapes as the torch backend."""
 
     name = "triton"
+    accepts_metadata = True  # the engine passes its per-step AttentionMetadata as ``meta``
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                          meta: object = None) -> None:
         reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_tables: torch.Tensor, context_lens: torch.Tensor,
-               scale: float) -> torch.Tensor:
+               scale: float, meta: object = None) -> torch.Tensor:
         return paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                context_lens: torch.Tensor, scale: float, meta: object = None) -> torch.Tensor:
+        # the step's metadata knows the longest chunk on the host: no device read per layer
+        max_q = getattr(meta, "max_query_len", None)
         return paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc,
-                                       context_lens, scale)
+                                       context_lens, scale, max_query_len=max_q)

@@ -30,7 +30,7 @@ class LLM:
                  watermark_high: float = 1.0, watermark_low: float = 1.0,
                  attention_backend: str | None = None, speculative_config: Any = None,
                  device: str | torch.device | None = None, dtype: Any = None,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, kv_cache_dtype: str = "auto") -> None:
         name = ""
         if isinstance(model, (tuple, list)):
             model, tokenizer = model
@@ -50,7 +50,8 @@ class LLM:
             model, tokenizer, block_size=block_size, num_blocks=num_blocks,
             kv_cache_bytes=kv_cache_bytes, num_cpu_blocks=num_cpu_blocks,
             attention_backend=attention_backend, max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
+            max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype,
+            enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill, policy=policy,
             max_num_batched_tokens=max_num_batched_tokens, batching=batching,
             preemption_mode=preemption_mode, watermark_high=watermark_high,

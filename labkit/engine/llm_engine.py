@@ -84,6 +84,7 @@ class LLMEngine:
             "enable_chunked_prefill": enable_chunked_prefill, "preemption_mode": preemption_mode,
             "watermark_low": watermark_low, "watermark_high": watermark_high})
         self.record_trace = True
+        self.kv_info: dict[str, Any] = {}  # KV dtype and bytes, set by from_model
         self._pending_aborts: list[dict] = []  # aborted between steps: logged with the next step
         self._late_finished: list[dict] = []  # finished by a stop string while detokenizing
         if speculative_config is not None:
@@ -100,33 +101,32 @@ class LLMEngine:
                    num_blocks: int | None = None, kv_cache_bytes: int | None = None,
                    num_cpu_blocks: int = 0, attention_backend: str | None = None,
                    max_num_seqs: int = 64, max_model_len: int | None = None,
-                   **kw: Any) -> LLMEngine:
+                   kv_cache_dtype: str = "auto", **kw: Any) -> LLMEngine:
         """An engine on a real model; the KV pool is ``num_blocks`` or sized from
         ``kv_cache_bytes`` (default: enough for max_num_seqs full-length sequences, capped at
-        256 MiB)."""
+        256 MiB). ``kv_cache_dtype="int8"`` stores K/V as int8 with per-(token, head) scales
+        (labkit.kv.cache), so the same bytes hold ~2-4x more blocks."""
         from labkit.engine.model_runner import ModelExecutor
         from labkit.kv.attention import get_attention_backend
-        from labkit.kv.cache import kv_bytes_per_block
+        from labkit.kv.cache import check_kv_cache_dtype, kv_bytes_per_block, num_blocks_for
 
         c = model.config
         max_model_len = max_model_len or c.max_position_embeddings
+        check_kv_cache_dtype(kv_cache_dtype)
         per_block = kv_bytes_per_block(c.num_hidden_layers, block_size, c.num_key_value_heads,
-                                       c.head_dim, model.dtype)
+                                       c.head_dim, model.dtype, kv_cache_dtype)
         if num_blocks is None:
-            if kv_cache_bytes is None:
-                want = cdiv(max_num_seqs * max_model_len, block_size)
-                num_blocks = max(1, min(want, (256 << 20) // per_block))
-            else:
-                num_blocks = int(kv_cache_bytes // per_block)
-                if num_blocks < 1:
-                    raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no block of "
-                                     f"{per_block} bytes")
+            num_blocks = num_blocks_for(per_block, kv_cache_bytes, max_num_seqs, max_model_len,
+                                        block_size)
         backend = get_attention_backend(attention_backend)
-        ex = ModelExecutor(model, block_size, num_blocks, num_cpu_blocks, backend)
-        return cls(ex, num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
-                   vocab_size=c.vocab_size, eos_token_ids=tuple(c.eos_token_ids),
-                   tokenizer=tokenizer, num_cpu_blocks=num_cpu_blocks,
-                   max_num_seqs=max_num_seqs, **kw)
+        ex = ModelExecutor(model, block_size, num_blocks, num_cpu_blocks, backend, kv_cache_dtype)
+        eng = cls(ex, num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
+                  vocab_size=c.vocab_size, eos_token_ids=tuple(c.eos_token_ids),
+                  tokenizer=tokenizer, num_cpu_blocks=num_cpu_blocks,
+                  max_num_seqs=max_num_seqs, **kw)
+        eng.kv_info = {"kv_cache_dtype": kv_cache_dtype, "kv_bytes_per_block": per_block,
+                       "kv_cache_bytes": per_block * num_blocks}
+        return eng
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | None,
@@ -369,7 +369,7 @@ class LLMEngine:
         s.update({"num_running": len(sched.running), "num_waiting": sched.num_waiting,
                   "num_pending": len(sched.pending), "num_swapped": len(sched.swapped),
                   "num_preemptions": sched.num_preemptions, "num_steps": self.num_steps,
-                  "num_requests": len(self.requests)})
+                  "num_requests": len(self.requests), **self.kv_info})
         return s
 
     def request_timings(self) -> list[dict[str, Any]]:

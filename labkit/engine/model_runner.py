@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from labkit.kv.attention import AttentionBackend
-from labkit.kv.cache import AttentionMetadata, PagedKVCache
+from labkit.kv.cache import PagedKVCache
+from labkit.kv.metadata import build_attention_metadata
 from labkit.model.sampling import sample_token
 from labkit.sched.request import Sequence
 from labkit.sched.scheduler import SchedulerOutput
@@ -29,14 +30,15 @@ class ModelExecutor:
     kind = "model"
 
     def __init__(self, model: torch.nn.Module, block_size: int, num_blocks: int,
-                 num_cpu_blocks: int = 0, backend: AttentionBackend | None = None) -> None:
+                 num_cpu_blocks: int = 0, backend: AttentionBackend | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         c = model.config
         self.model = model
         self.device = model.device
         self.block_size = block_size
         self.kv_cache = PagedKVCache(c.num_hidden_layers, num_blocks, block_size,
                                      c.num_key_value_heads, c.head_dim, model.dtype, self.device,
-                                     backend, num_cpu_blocks, c.sliding_window)
+                                     backend, num_cpu_blocks, c.sliding_window, kv_cache_dtype)
 
     def apply_block_ops(self, copies, swap_out, swap_in) -> None:
         kv = self.kv_cache
@@ -54,7 +56,7 @@ class ModelExecutor:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        qsl = [0]
+        qlens: list[int] = []
         ctx: list[int] = []
         tables: list[list[int]] = []
         out_idx: list[int] = []
@@ -63,24 +65,14 @@ class ModelExecutor:
             base = len(ids)
             ids.extend(toks)
             table = seq.block_table
-            for p in range(start, start + n):
-                slots.append(table[p // bs] * bs + p % bs)
+            slots.extend([table[p // bs] * bs + p % bs for p in range(start, start + n)])
             pos.extend(range(start, start + n))
-            qsl.append(base + n)
+            qlens.append(n)
             ctx.append(start + n)
             tables.append(table)
             out_idx.extend(base + r for r in rows)
-        width = max(len(t) for t in tables)
         dev = self.device
-        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
-                          device=dev)
-        self.kv_cache.meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=bt,
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
-            decode_only=len(ids) == len(chunks),
-        )
+        self.kv_cache.meta = build_attention_metadata(slots, tables, qlens, ctx, dev)
         logits = self.model(torch.tensor([ids], device=dev), torch.tensor([pos], device=dev),
                             self.kv_cache, torch.tensor(out_idx, dtype=torch.long, device=dev))
         self.kv_cache.meta = None

@@ -19,110 +19,224 @@ read blocks in place instead of gathering them.
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
+from labkit.kv.metadata import AttentionMetadata
+
 
 class AttentionBackend(Protocol):
+    """``meta`` is the step's AttentionMetadata (built once per step). The engine passes it only
+    to backends whose class sets ``accepts_metadata = True``; others get the plain arguments."""
+
     name: str
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                          meta: AttentionMetadata | None = None) -> None: ...
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_tables: torch.Tensor, context_lens: torch.Tensor,
-               scale: float) -> torch.Tensor: ...
-
-    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                context_lens: torch.Tensor, scale: float) -> torch.Tensor: ...
-
-
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, bs, H, D] x [B, M] -> each sequence's keys in order, [B, M*bs, H, D]."""
-    B, M = block_tables.shape
-    g = cache[block_tables.long()]
-    return g.reshape(B, M * cache.shape[1], cache.shape[2], cache.shape[3])
-
-
-class TorchBackend:
-    name = "torch"
-
-    def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        slots = slot_mapping.long()
-        keep = slots >= 0
-        if not bool(keep.all()):  # slot -1 = padding token, not stored
-            slots, key, value = slots[keep], key[keep], value[keep]
-        H, D = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, H, D).index_copy_(0, slots, key.to(k_cache.dtype))
-        v_cache.view(-1, H, D).index_copy_(0, slots, value.to(v_cache.dtype))
-
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-               sliding_window: int | None = None) -> torch.Tensor:
-        B, Hq, D = q.shape
-        Hkv = k_cache.shape[2]
-        k, v = _gather(k_cache, block_tables), _gather(v_cache, block_tables)  # [B,S,Hkv,D]
-        pos = torch.arange(k.shape[1], device=q.device)
-        ctx = context_lens.to(q.device).long()[:, None]
-        mask = pos[None, :] < ctx  # [B,S]
-        if sliding_window is not None:
-            mask &= pos[None, :] >= ctx - sliding_window
-        qg = q.float().view(B, Hkv, Hq // Hkv, D)
-        scores = torch.einsum("bhgd,bshd->bhgs", qg, k.float()) * scale
-        scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
-        p = scores.softmax(-1)
-        out = torch.einsum("bhgs,bshd->bhgd", p, v.float())
-        return out.reshape(B, Hq, D).to(q.dtype)
+               scale: float, meta: AttentionMetadata | None = None) -> torch.Tensor: ...
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                 context_lens: torch.Tensor, scale: float,
-                sliding_window: int | None = None) -> torch.Tensor:
+                meta: AttentionMetadata | None = None) -> torch.Tensor: ...
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, scale: torch.Tensor | None = None,
+            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[num_blocks, bs, H, D] x [B, M] -> each sequence's keys in order, [B, M*bs, H, D].
+    An INT8 cache comes with per-(slot, head) scales [num_blocks, bs, H] and is dequantized to
+    ``dtype`` on the way (only the blocks read this step)."""
+    B, M = block_tables.shape
+    g = cache[block_tables]
+    if scale is not None:
+        g = (g.float() * scale[block_tables].float()[..., None]).to(dtype)
+    return g.reshape(B, M * cache.shape[1], cache.shape[2], cache.shape[3])
+
+
+def _decode_mask(context_lens: torch.Tensor, num_keys: int,
+                 sliding_window: int | None) -> torch.Tensor:
+    """[B, S] bool: key position s is visible to sequence b's single query."""
+    pos = torch.arange(num_keys, device=context_lens.device)
+    ctx = context_lens.long()[:, None]
+    mask = pos[None, :] < ctx
+    if sliding_window is not None:
+        mask &= pos[None, :] >= ctx - sliding_window
+    return mask
+
+
+@dataclass
+class _PrefillPlan:
+    """How a varlen step maps onto the padded tensors; the same for every layer of the step."""
+
+    single_tok: torch.Tensor | None  # packed index of each 1-token chunk's query
+    single_bt: torch.Tensor | None
+    single_mask: torch.Tensor | None  # [Bs, S]
+    multi_bt: torch.Tensor | None  # block tables of the multi-token chunks [Bm, M]
+    tok: torch.Tensor | None  # packed index of each multi-chunk query, in padded order
+    flat: torch.Tensor | None  # its index in the flattened padded [Bm * Tq] rows
+    dense: bool  # no single chunks and all chunks equally long: packed == padded, no copies
+    num_multi: int
+    max_q: int
+    mask: torch.Tensor | None  # [Bm, Tq, S] causal (+ window), padded rows see key 0
+
+
+def _prefill_plan(block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                  context_lens: torch.Tensor, block_size: int, sliding_window: int | None,
+                  meta: AttentionMetadata | None) -> _PrefillPlan:
+    dev = block_tables.device
+    if meta is not None and meta.query_lens_host is not None:
+        q_lens = meta.query_lens_host
+    else:
+        qsl = query_start_loc.tolist()
+        q_lens = [qsl[b + 1] - qsl[b] for b in range(len(qsl) - 1)]
+    starts = [0]
+    for n in q_lens[:-1]:
+        starts.append(starts[-1] + n)
+    single = [b for b, n in enumerate(q_lens) if n == 1]
+    multi = [b for b, n in enumerate(q_lens) if n > 1]
+    S = block_tables.shape[1] * block_size
+    s_tok = s_bt = s_mask = None
+    if single:
+        sel = torch.tensor(single, device=dev)
+        s_tok = torch.tensor([starts[b] for b in single], device=dev)
+        s_bt = block_tables[sel].long()
+        s_mask = _decode_mask(context_lens[sel], S, sliding_window)
+    if not multi:
+        return _PrefillPlan(s_tok, s_bt, s_mask, None, None, None, False, 0, 0, None)
+    sel = torch.tensor(multi, device=dev)
+    Tq = max(q_lens[b] for b in multi)
+    dense = not single and all(q_lens[b] == Tq for b in multi)
+    tok = torch.tensor([starts[b] + j for b in multi for j in range(q_lens[b])], device=dev)
+    flat = torch.tensor([i * Tq + j for i, b in enumerate(multi) for j in range(q_lens[b])],
+                        device=dev)
+    ctx = context_lens[sel].long()
+    qlen = torch.tensor([q_lens[b] for b in multi], device=dev)
+    qpos = ctx[:, None] - qlen[:, None] + torch.arange(Tq, device=dev)[None, :]  # [B,Tq]
+    kpos = torch.arange(S, device=dev)
+    mask = kpos[None, None, :] <= qpos[:, :, None]  # causal, implies < ctx for real rows
+    if sliding_window is not None:
+        mask &= kpos[None, None, :] > qpos[:, :, None] - sliding_window
+    pad_rows = torch.arange(Tq, device=dev)[None, :] >= qlen[:, None]
+    mask[:, :, 0] |= pad_rows  # padded query rows: keep softmax finite, result discarded
+    return _PrefillPlan(s_tok, s_bt, s_mask, block_tables[sel].long(), tok, flat, dense,
+                        len(multi), Tq, mask)
+
+
+def _cached(meta: AttentionMetadata | None, key: tuple, build: Any) -> Any:
+    """Build once per step (first layer), reuse in the others; no metadata: build every call."""
+    if meta is None:
+        return build()
+    val = meta.scratch.get(key)
+    if val is None:
+        val = meta.scratch[key] = build()
+    return val
+
+
+class TorchBackend:
+    """Readable reference: gather the blocks a step reads, mask, softmax, all in fp32.
+
+    ``meta`` (optional) is the step's AttentionMetadata: index tensors and masks are then built
+    by the first layer and reused by the rest. ``k_scale``/``v_scale`` (optional) mark an INT8
+    cache: ``reshape_and_cache`` quantizes each new (token, head) vector at its slot and the
+    attention paths dequantize what they gather."""
+
+    name = "torch"
+    accepts_metadata = True
+
+    def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                          k_scale: torch.Tensor | None = None,
+                          v_scale: torch.Tensor | None = None,
+                          meta: AttentionMetadata | None = None) -> None:
+        slots = slot_mapping.long()
+        padded = _cached(meta, ("padded",), lambda: not bool((slots >= 0).all()))
+        if padded:  # slot -1 = padding token, not stored
+            keep = slots >= 0
+            slots, key, value = slots[keep], key[keep], value[keep]
+        H, D = k_cache.shape[2], k_cache.shape[3]
+        if k_scale is not None:
+            from labkit.quant.kv_int8 import quantize_kv_per_head  # lazy: labkit.quant is big
+
+            key, ks = quantize_kv_per_head(key)
+            value, vs = quantize_kv_per_head(value)
+            k_scale.view(-1, H).index_copy_(0, slots, ks.to(k_scale.dtype))
+            v_scale.view(-1, H).index_copy_(0, slots, vs.to(v_scale.dtype))
+        k_cache.view(-1, H, D).index_copy_(0, slots, key.to(k_cache.dtype))
+        v_cache.view(-1, H, D).index_copy_(0, slots, value.to(v_cache.dtype))
+
+    @staticmethod
+    def _attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, mask: torch.Tensor, scale: float,
+                    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor:
+        B, Hq, D = q.shape
+        Hkv = k_cache.shape[2]
+        k = _gather(k_cache, block_tables, k_scale, q.dtype)  # [B,S,Hkv,D]
+        v = _gather(v_cache, block_tables, v_scale, q.dtype)
+        qg = q.float().view(B, Hkv, Hq // Hkv, D)
+        scores = torch.einsum("bhgd,bshd->bhgs", qg, k.float()) * scale
+        scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
+        out = torch.einsum("bhgs,bshd->bhgd", scores.softmax(-1), v.float())
+        return out.reshape(B, Hq, D).to(q.dtype)
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+               sliding_window: int | None = None, meta: AttentionMetadata | None = None,
+               k_scale: torch.Tensor | None = None,
+               v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        S = block_tables.shape[1] * k_cache.shape[1]
+        mask = _cached(meta, ("decode_mask", sliding_window),
+                       lambda: _decode_mask(context_lens, S, sliding_window))
+        bt = _cached(meta, ("bt_long",), block_tables.long)
+        return self._attend_one(q, k_cache, v_cache, bt, mask, scale, k_scale, v_scale)
+
+    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                context_lens: torch.Tensor, scale: float,
+                sliding_window: int | None = None, meta: AttentionMetadata | None = None,
+                k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Varlen causal attention over the cache. Single-token queries take the decode path;
         the multi-token chunks are padded to the longest one and masked."""
         N, Hq, D = q.shape
-        Hkv = k_cache.shape[2]
-        qsl = query_start_loc.tolist()
-        q_lens = [qsl[b + 1] - qsl[b] for b in range(len(qsl) - 1)]
+        plan = _cached(meta, ("prefill_plan", sliding_window), lambda: _prefill_plan(
+            block_tables, query_start_loc, context_lens, k_cache.shape[1], sliding_window, meta))
+        if plan.dense:  # e.g. a verify pass where every sequence scores γ+1 tokens
+            qp = q.view(plan.num_multi, plan.max_q, Hq, D)
+            return self._attend_multi(qp, k_cache, v_cache, plan, scale, k_scale,
+                                      v_scale).reshape(N, Hq, D)
         out = torch.empty_like(q)
-        single = [b for b, n in enumerate(q_lens) if n == 1]
-        multi = [b for b, n in enumerate(q_lens) if n > 1]
-        dev = q.device
-        if single:
-            idx = torch.tensor([qsl[b] for b in single], device=dev)
-            sel = torch.tensor(single, device=dev)
-            out[idx] = self.decode(q[idx], k_cache, v_cache, block_tables[sel],
-                                   context_lens[sel], scale, sliding_window)
-        if not multi:
-            return out
-        sel = torch.tensor(multi, device=dev)
-        k, v = _gather(k_cache, block_tables[sel]), _gather(v_cache, block_tables[sel])
-        B, S, Tq = len(multi), k.shape[1], max(q_lens[b] for b in multi)
-        # packed token -> (row in the padded batch, index within its chunk)
-        rows = torch.cat([torch.full((q_lens[b],), i, dtype=torch.long)
-                          for i, b in enumerate(multi)]).to(dev)
-        tok = torch.cat([torch.arange(qsl[b], qsl[b + 1]) for b in multi]).to(dev)
-        within = torch.cat([torch.arange(q_lens[b]) for b in multi]).to(dev)
-        qp = q.new_zeros(B, Tq, Hq, D)
-        qp[rows, within] = q[tok]
-        ctx = context_lens[sel].to(dev).long()
-        qlen = torch.tensor([q_lens[b] for b in multi], device=dev)
-        qpos = ctx[:, None] - qlen[:, None] + torch.arange(Tq, device=dev)[None, :]  # [B,Tq]
-        kpos = torch.arange(S, device=dev)
-        mask = kpos[None, None, :] <= qpos[:, :, None]  # causal, implies < ctx for real rows
-        if sliding_window is not None:
-            mask &= kpos[None, None, :] > qpos[:, :, None] - sliding_window
-        pad_rows = torch.arange(Tq, device=dev)[None, :] >= qlen[:, None]
-        mask[:, :, 0] |= pad_rows  # padded query rows: keep softmax finite, result discarded
+        if plan.single_tok is not None:
+            out[plan.single_tok] = self._attend_one(q[plan.single_tok], k_cache, v_cache,
+                                                    plan.single_bt, plan.single_mask, scale,
+                                                    k_scale, v_scale)
+        if plan.num_multi:
+            B, Tq = plan.num_multi, plan.max_q
+            qp = q.new_zeros(B * Tq, Hq, D)
+            qp[plan.flat] = q[plan.tok]
+            o = self._attend_multi(qp.view(B, Tq, Hq, D), k_cache, v_cache, plan, scale,
+                                   k_scale, v_scale)
+            out[plan.tok] = o.reshape(B * Tq, Hq, D)[plan.flat]
+        return out
+
+    @staticmethod
+    def _attend_multi(qp: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      plan: _PrefillPlan, scale: float, k_scale: torch.Tensor | None,
+                      v_scale: torch.Tensor | None) -> torch.Tensor:
+        B, Tq, Hq, D = qp.shape
+        Hkv = k_cache.shape[2]
+        k = _gather(k_cache, plan.multi_bt, k_scale, qp.dtype)
+        v = _gather(v_cache, plan.multi_bt, v_scale, qp.dtype)
         qg = qp.float().view(B, Tq, Hkv, Hq // Hkv, D)
         scores = torch.einsum("bthgd,bshd->bhgts", qg, k.float()) * scale
-        scores.masked_fill_(~mask[:, None, None, :, :], float("-inf"))
+        scores.masked_fill_(~plan.mask[:, None, None, :, :], float("-inf"))
         o = torch.einsum("bhgts,bshd->bthgd", scores.softmax(-1), v.float())
-        out[tok] = o.reshape(B, Tq, Hq, D)[rows, within].to(q.dtype)
-        return out
+        return o.reshape(B, Tq, Hq, D).to(qp.dtype)
 
 
 def get_attention_backend(name: str | None = "torch") -> AttentionBackend:

@@ -8,57 +8,112 @@ the metadata once per step (not per layer) is what keeps the per-layer cost to t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from labkit.kv.attention import AttentionBackend, TorchBackend
+from labkit.kv.metadata import AttentionMetadata
+
+__all__ = ["AttentionMetadata", "KV_CACHE_DTYPES", "PagedKVCache", "kv_bytes_per_block"]
+
+KV_CACHE_DTYPES = ("auto", "int8")
+KV_SCALE_DTYPE = torch.float16  # one scale per (token, head), as labkit.quant.kv_int8
 
 
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [N] int64
-    block_tables: torch.Tensor  # [B, max_blocks] int32, 0-padded
-    query_start_loc: torch.Tensor  # [B+1] int32
-    context_lens: torch.Tensor  # [B] int32
-    decode_only: bool  # every sequence has exactly one new token
+def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}; choose 'auto' (the model's dtype) "
+                         "or 'int8' (per-token, per-head scales)")
+    return kv_cache_dtype
 
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                       dtype: torch.dtype) -> int:
-    """K and V, every layer: 2 * L * block_size * Hkv * D * bytes."""
+                       dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """K and V, every layer: 2 * L * block_size * Hkv * D * bytes; an INT8 cache stores one
+    byte per element plus a 2-byte scale per (token, head): 2 * L * block_size * Hkv * (D + 2)."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype == "int8":
+        scale = torch.empty((), dtype=KV_SCALE_DTYPE).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * (head_dim + scale)
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
 
 
+def num_blocks_for(per_block: int, kv_cache_bytes: int | None, max_num_seqs: int,
+                   max_model_len: int, block_size: int, default_cap: int = 256 << 20) -> int:
+    """Pool size: ``kv_cache_bytes // per_block`` blocks, or (no budget given) enough for
+    max_num_seqs full-length sequences, capped at ``default_cap`` bytes. A smaller per-block
+    size (an INT8 cache) turns the same byte budget into more blocks."""
+    if kv_cache_bytes is None:
+        want = -(-max_num_seqs * max_model_len // block_size)
+        return max(1, min(want, default_cap // per_block))
+    num_blocks = int(kv_cache_bytes // per_block)
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no block of {per_block} bytes")
+    return num_blocks
+
+
 class PagedKVCache:
+    """Per layer ``k_caches[i], v_caches[i]: [num_blocks, block_size, Hkv, D]``. With
+    ``kv_cache_dtype="int8"`` those hold int8 and ``k_scales[i], v_scales[i]: [num_blocks,
+    block_size, Hkv]`` fp16 hold each (token, head)'s scale; block copies and swaps move both."""
+
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str,
                  backend: AttentionBackend | None = None, num_cpu_blocks: int = 0,
-                 sliding_window: int | None = None) -> None:
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        cpu_shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)
-        self.cpu_k = [torch.zeros(cpu_shape, dtype=dtype) for _ in range(num_layers if
-                                                                          num_cpu_blocks else 0)]
-        self.cpu_v = [torch.zeros(cpu_shape, dtype=dtype) for _ in range(len(self.cpu_k))]
+                 sliding_window: int | None = None, kv_cache_dtype: str = "auto") -> None:
         self.backend = backend or TorchBackend()
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
+        quant = kv_cache_dtype == "int8"
+        if quant and not isinstance(self.backend, TorchBackend):
+            raise ValueError(f"kv_cache_dtype='int8' is implemented by the torch attention "
+                             f"backend only, not {self.backend.name!r}; use "
+                             "attention_backend='torch' or kv_cache_dtype='auto'")
+        store = torch.int8 if quant else dtype
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        cpu_shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)
+        n_cpu = num_layers if num_cpu_blocks else 0
+
+        def make(shp: tuple, dt: torch.dtype, dev: torch.device | str, n: int) -> list:
+            return [torch.zeros(shp, dtype=dt, device=dev) for _ in range(n)]
+
+        self.k_caches = make(shape, store, device, num_layers)
+        self.v_caches = make(shape, store, device, num_layers)
+        self.cpu_k = make(cpu_shape, store, "cpu", n_cpu)
+        self.cpu_v = make(cpu_shape, store, "cpu", n_cpu)
+        n_scale = num_layers if quant else 0
+        self.k_scales = make(shape[:3], KV_SCALE_DTYPE, device, n_scale)
+        self.v_scales = make(shape[:3], KV_SCALE_DTYPE, device, n_scale)
+        self.cpu_k_scales = make(cpu_shape[:3], KV_SCALE_DTYPE, "cpu", n_cpu if quant else 0)
+        self.cpu_v_scales = make(cpu_shape[:3], KV_SCALE_DTYPE, "cpu", n_cpu if quant else 0)
         self.scale = head_dim ** -0.5
         self.block_size = block_size
         self.sliding_window = sliding_window
         if sliding_window is not None and not isinstance(self.backend, TorchBackend):
             raise ValueError(f"sliding-window attention is only implemented by the torch backend, "
                              f"not {self.backend.name!r}")
+        # backends that take the per-step metadata (torch, triton) get it; others the plain args
+        self._pass_meta = bool(getattr(self.backend, "accepts_metadata", False))
         self.meta: AttentionMetadata | None = None
+
+    def nbytes(self) -> int:
+        """Device bytes of the KV pool (values and, for INT8, scales)."""
+        return sum(t.numel() * t.element_size() for ts in (self.k_caches, self.v_caches,
+                                                           self.k_scales, self.v_scales)
+                   for t in ts)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
         m = self.meta
         kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
         be = self.backend
-        be.reshape_and_cache(k[0], v[0], kc, vc, m.slot_mapping)
-        kw = {"sliding_window": self.sliding_window} if self.sliding_window is not None else {}
+        kw: dict = {}
+        if self._pass_meta:
+            kw["meta"] = m
+        if self.k_scales:
+            kw["k_scale"], kw["v_scale"] = self.k_scales[layer_idx], self.v_scales[layer_idx]
+        be.reshape_and_cache(k[0], v[0], kc, vc, m.slot_mapping, **kw)
+        if self.sliding_window is not None:
+            kw["sliding_window"] = self.sliding_window
         if m.decode_only:
             out = be.decode(q[0], kc, vc, m.block_tables, m.context_lens, self.scale, **kw)
         else:
@@ -67,6 +122,11 @@ class PagedKVCache:
         return out[None]
 
     # ---- block copies the block manager queued ------------------------------------------------
+    def _device_lists(self) -> list[tuple[list, list]]:
+        """(device tensors per layer, their CPU swap pool) for values and scales."""
+        return [(self.k_caches, self.cpu_k), (self.v_caches, self.cpu_v),
+                (self.k_scales, self.cpu_k_scales), (self.v_scales, self.cpu_v_scales)]
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: dst <- src in every layer."""
         if not pairs:
@@ -74,9 +134,9 @@ class PagedKVCache:
         dev = self.k_caches[0].device
         src = torch.tensor([s for s, _ in pairs], device=dev)
         dst = torch.tensor([d for _, d in pairs], device=dev)
-        for kc, vc in zip(self.k_caches, self.v_caches):
-            kc[dst] = kc[src]
-            vc[dst] = vc[src]
+        for tensors, _ in self._device_lists():
+            for t in tensors:
+                t[dst] = t[src]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(gpu block, cpu block): copy to host memory."""
@@ -84,9 +144,9 @@ class PagedKVCache:
             return
         g = torch.tensor([a for a, _ in pairs], device=self.k_caches[0].device)
         c = torch.tensor([b for _, b in pairs])
-        for i in range(len(self.k_caches)):
-            self.cpu_k[i][c] = self.k_caches[i][g].cpu()
-            self.cpu_v[i][c] = self.v_caches[i][g].cpu()
+        for dev_ts, cpu_ts in self._device_lists():
+            for d, h in zip(dev_ts, cpu_ts):
+                h[c] = d[g].cpu()
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """(cpu block, gpu block): copy back to device memory."""
@@ -95,6 +155,6 @@ class PagedKVCache:
         dev = self.k_caches[0].device
         c = torch.tensor([a for a, _ in pairs])
         g = torch.tensor([b for _, b in pairs], device=dev)
-        for i in range(len(self.k_caches)):
-            self.k_caches[i][g] = self.cpu_k[i][c].to(dev)
-            self.v_caches[i][g] = self.cpu_v[i][c].to(dev)
+        for dev_ts, cpu_ts in self._device_lists():
+            for d, h in zip(dev_ts, cpu_ts):
+                d[g] = h[c].to(dev)

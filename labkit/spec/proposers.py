@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from labkit.kv.metadata import build_attention_metadata
 from labkit.model.sampling import apply_sampling_filters
 
 
@@ -106,20 +107,20 @@ class _DraftPagedKV:
         self.v = [torch.zeros(shape, **kw) for _ in range(c.num_hidden_layers)]
         self.scale = c.head_dim ** -0.5
         self.backend = backend
-        # per-forward metadata, set by DraftModelProposer before calling the model
-        self.slot_mapping = self.block_tables = self.query_start_loc = self.context_lens = None
-        self.decode_only = False
+        self._pass_meta = bool(getattr(backend, "accepts_metadata", False))
+        self.meta = None  # per-forward AttentionMetadata, set by DraftModelProposer
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
         kc, vc = self.k[layer_idx], self.v[layer_idx]
-        be = self.backend
-        be.reshape_and_cache(k[0], v[0], kc, vc, self.slot_mapping)
-        if self.decode_only:  # one token per sequence: the cheaper decode kernel
-            out = be.decode(q[0], kc, vc, self.block_tables, self.context_lens, self.scale)
+        be, m = self.backend, self.meta
+        kw = {"meta": m} if self._pass_meta else {}
+        be.reshape_and_cache(k[0], v[0], kc, vc, m.slot_mapping, **kw)
+        if m.decode_only:  # one token per sequence: the cheaper decode kernel
+            out = be.decode(q[0], kc, vc, m.block_tables, m.context_lens, self.scale, **kw)
         else:
-            out = be.prefill(q[0], kc, vc, self.block_tables, self.query_start_loc,
-                             self.context_lens, self.scale)
+            out = be.prefill(q[0], kc, vc, m.block_tables, m.query_start_loc, m.context_lens,
+                             self.scale, **kw)
         return out[None]
 
 
@@ -174,28 +175,21 @@ class DraftModelProposer:
             start = self._valid_prefix(requests[i])
             feeds[i] = (start, list(requests[i].token_ids[start:]))
         probs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
-        rows: list[int] = []
         for step in range(max(requests[i].num_tokens for i in active)):
-            now = [i for i in active if requests[i].num_tokens > step]
-            if now != rows:  # the batch shrinks only when a sequence drafts fewer tokens
-                rows = now
-                bt = torch.tensor([tables[i] for i in rows], dtype=torch.int32, device=dev)
-            ids, pos, slots, qsl, ctx = [], [], [], [0], []
+            # the batch shrinks only when a sequence drafts fewer tokens
+            rows = [i for i in active if requests[i].num_tokens > step]
+            ids, pos, slots, qlens, ctx = [], [], [], [], []
             for i in rows:
                 start, toks = feeds[i]
                 table = tables[i]
                 ids += toks
                 pos += range(start, start + len(toks))
                 slots += [table[p // bs] * bs + p % bs for p in range(start, start + len(toks))]
-                qsl.append(qsl[-1] + len(toks))
+                qlens.append(len(toks))
                 ctx.append(start + len(toks))
             kv = self.kv
-            kv.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=dev)
-            kv.block_tables = bt
-            kv.query_start_loc = torch.tensor(qsl, dtype=torch.int32, device=dev)
-            kv.context_lens = torch.tensor(ctx, dtype=torch.int32, device=dev)
-            kv.decode_only = len(ids) == len(rows)
-            last = torch.tensor(qsl[1:], device=dev) - 1
+            kv.meta = build_attention_metadata(slots, [tables[i] for i in rows], qlens, ctx, dev)
+            last = torch.tensor(qlens, device=dev).cumsum(0) - 1
             logits = self.model(torch.tensor([ids], device=dev), torch.tensor([pos], device=dev),
                                 kv, logits_indices=last).float().cpu()
             greedy = logits.argmax(-1).tolist()
