@@ -66,15 +66,21 @@ def save_quantized(model: nn.Module, out_dir: str | Path, tokenizer_dir: str | P
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, t in model.state_dict().items():
-        if name == "lm_head.weight" and model.config.tie_word_embeddings:
-            continue
+        # lm_head is written even when tied to the embedding: AutoGPTQ loads into empty
+        # tensors and never re-ties, so a missing lm_head would be uninitialised memory there.
         if t.is_floating_point() and not name.endswith("scales"):
             t = t.to(dtype)
-        tensors[name] = t.detach().cpu().contiguous()
+        tensors[name] = t.detach().cpu().contiguous().clone()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = model.config.to_hf_dict()
     cfg.update({"quantization_config": qc, "dtype": str(dtype).removeprefix("torch.")})
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    if qc["quant_method"] == "gptq":
+        # AutoGPTQ (archived) reads its settings from this file rather than config.json
+        (out / "quantize_config.json").write_text(json.dumps(
+            {k: qc[k] for k in ("bits", "group_size", "desc_act", "sym", "true_sequential",
+                                "static_groups", "damp_percent")}
+            | {"model_file_base_name": "model"}, indent=2) + "\n")
     if tokenizer_dir is not None:
         for f in TOKENIZER_FILES:
             if (Path(tokenizer_dir) / f).is_file():
