@@ -12,5 +12,6 @@ if [ ! -x "$VENV/bin/python" ]; then
     peft==0.10.0 pytest scipy safetensors tokenizers tqdm numpy
 fi
 "$VENV/bin/pip" install -q --no-deps -e .
+[ "${1:-}" = "--install-only" ] && exit 0
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 exec "$VENV/bin/python" -m pytest tests/quant/test_quant_autogptq.py -q -rs -p no:cacheprovider "$@"

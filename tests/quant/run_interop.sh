@@ -6,7 +6,7 @@
 # machine (324 s while other jobs shared the cores); creating the venv takes a few minutes more.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-VENV=${VENV:-/work/venv-quant-interop}
+VENV=${VENV:-.venv-interop}
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q torch==2.13.0  # first, so no CUDA build of torch is pulled in
@@ -15,5 +15,6 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/pip" install -q autoawq==0.2.9  # archived upstream; quantizes on CPU
 fi
 "$VENV/bin/pip" install -q --no-deps -e .
+[ "${1:-}" = "--install-only" ] && exit 0
 export GPTQMODEL_CPU_WORKERS=${GPTQMODEL_CPU_WORKERS:-2} OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 exec "$VENV/bin/python" -m pytest tests/quant/test_quant_interop.py -m interop -q -rs -s "$@"
