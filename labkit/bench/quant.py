@@ -10,6 +10,10 @@ here; the speed-up needs the fused GPU kernel, see ``labkit bench kernels``).
 Calibration windows come from the corpus's train split, evaluation windows from its held-out
 split. labkit-tiny's FFN width 704 = 11 x 64 is not divisible by 128, so its down_proj falls back
 to group 64 (recorded in the JSON); every other layer uses group 128.
+
+The INT8 KV row's accuracy comes from the contiguous reference cache; ``engine_int8_kv`` runs the
+same INT8 cache inside the paged engine (``kv_cache_dtype="int8"``) against fp32 KV with the same
+byte budget: blocks, concurrency and throughput (labkit.bench.kv_int8_engine).
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ import torch
 from labkit.bench.common import bench_parser, environment, print_table, write_json
 
 QUICK = {"eval": (8, 128), "calib": (16, 128), "n_grid": 10, "search_batches": 2,
-         "decode_tokens": 16}
+         "decode_tokens": 16, "engine_kv": {"prompts": 8, "prompt_len": 32, "max_tokens": 32,
+                                            "auto_blocks": 8}}
 FULL = {"eval": (64, 256), "calib": (128, 256), "n_grid": 20, "search_batches": 4,
-        "decode_tokens": 32}
+        "decode_tokens": 32, "engine_kv": {"prompts": 16, "prompt_len": 64, "max_tokens": 64,
+                                           "auto_blocks": 32}}
 GROUP_SIZE = 128
 
 
@@ -115,6 +121,12 @@ def run(model_name: str = "labkit-tiny", quick: bool = False,
     rows.append({**rows[0], **kv, "format": "int8_kv", "kv_dtype": "int8",
                  "kv_bytes_per_token": kv_cache_bytes(cfg, 1, 1, "int8"),
                  "tokens_per_s": None, "quantize_s": 0.0})
+    from labkit.bench.kv_int8_engine import run_engine_int8_kv
+
+    e = s["engine_kv"]
+    engine_kv = run_engine_int8_kv(model, [eval_tokens[i, :e["prompt_len"]].tolist() for i in
+                                           range(min(e["prompts"], len(eval_tokens)))],
+                                   e["max_tokens"], e["auto_blocks"])
     by = {r["format"]: r for r in rows}
     targets = {
         "gptq_beats_int4_rtn": by["gptq"]["perplexity"] < by["int4_rtn"]["perplexity"],
@@ -138,7 +150,8 @@ def run(model_name: str = "labkit-tiny", quick: bool = False,
                          .weight_bytes / 1e9,
                          "llama2_7b_int4_g128_gb": estimate_memory("llama-2-7b", "gptq")
                          .weight_bytes / 1e9},
-            "gptq_report": reports.get("gptq", []), "awq_report": reports.get("awq", []),
+            "engine_int8_kv": engine_kv, "gptq_report": reports.get("gptq", []),
+            "awq_report": reports.get("awq", []),
             "environment": environment()}
 
 
@@ -151,6 +164,14 @@ def main(argv: list[str] | None = None) -> int:
     out = run(args.model, args.quick)
     print_table(out["results"], ["format", "bits", "group_size", "perplexity", "kl",
                                  "weight_bytes", "calculator_bytes", "tokens_per_s"])
+    e = out["engine_int8_kv"]
+    print(f"paged engine, same KV budget ({e['kv_cache_bytes']} bytes), {e['num_prompts']} "
+          f"greedy requests:")
+    print_table(e["rows"], ["kv_cache_dtype", "kv_bytes_per_block", "num_blocks",
+                            "mean_running", "num_preemptions", "tokens_per_cpu_s"])
+    r8 = e["rows"][1]
+    print(f"int8 engine == int8 reference: {r8['matches_int8_reference']}/{e['num_prompts']}; "
+          f"identical to auto: {r8['identical_to_auto']}/{e['num_prompts']}")
     for k, ok in out["targets"].items():
         print(f"target {k}: {'PASS' if ok else 'FAIL'}")
     write_json(args.json, out)

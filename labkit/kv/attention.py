@@ -12,7 +12,8 @@ attention reads everything, old and new, from the cache:
   cu_seqlens) at the *end* of each sequence's context, causal. This is what chunked prefill and
   prefix-cache hits need: the queries are only the new chunk, the keys include the cached part.
 
-The torch backend is the readable reference (gather the blocks, mask, softmax). The Triton
+The torch backend is the readable reference (gather the blocks a step reads, build the mask,
+``scaled_dot_product_attention``); its masks and index plans are built once per step. The Triton
 backend (``labkit.kernels.backend.TritonBackend``) implements the same protocol with kernels that
 read blocks in place instead of gathering them.
 """
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 
 from labkit.kv.metadata import AttentionMetadata
 
@@ -139,7 +141,7 @@ def _cached(meta: AttentionMetadata | None, key: tuple, build: Any) -> Any:
 
 
 class TorchBackend:
-    """Readable reference: gather the blocks a step reads, mask, softmax, all in fp32.
+    """Readable reference: gather the blocks a step reads, mask, attend, all in fp32.
 
     ``meta`` (optional) is the step's AttentionMetadata: index tensors and masks are then built
     by the first layer and reused by the rest. ``k_scale``/``v_scale`` (optional) mark an INT8
@@ -174,14 +176,13 @@ class TorchBackend:
     def _attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, mask: torch.Tensor, scale: float,
                     k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor:
+        """One query per sequence: q [B,Hq,D] over the gathered keys, mask [B,S]."""
         B, Hq, D = q.shape
-        Hkv = k_cache.shape[2]
         k = _gather(k_cache, block_tables, k_scale, q.dtype)  # [B,S,Hkv,D]
         v = _gather(v_cache, block_tables, v_scale, q.dtype)
-        qg = q.float().view(B, Hkv, Hq // Hkv, D)
-        scores = torch.einsum("bhgd,bshd->bhgs", qg, k.float()) * scale
-        scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
-        out = torch.einsum("bhgs,bshd->bhgd", scores.softmax(-1), v.float())
+        out = F.scaled_dot_product_attention(
+            q.float()[:, :, None], k.float().transpose(1, 2), v.float().transpose(1, 2),
+            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)  # [B,Hq,1,D]
         return out.reshape(B, Hq, D).to(q.dtype)
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -228,16 +229,13 @@ class TorchBackend:
     def _attend_multi(qp: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       plan: _PrefillPlan, scale: float, k_scale: torch.Tensor | None,
                       v_scale: torch.Tensor | None) -> torch.Tensor:
-        B, Tq, Hq, D = qp.shape
-        Hkv = k_cache.shape[2]
+        """Padded chunks qp [B,Tq,Hq,D] over their sequences' gathered keys."""
         k = _gather(k_cache, plan.multi_bt, k_scale, qp.dtype)
         v = _gather(v_cache, plan.multi_bt, v_scale, qp.dtype)
-        qg = qp.float().view(B, Tq, Hkv, Hq // Hkv, D)
-        scores = torch.einsum("bthgd,bshd->bhgts", qg, k.float()) * scale
-        scores.masked_fill_(~plan.mask[:, None, None, :, :], float("-inf"))
-        o = torch.einsum("bhgts,bshd->bthgd", scores.softmax(-1), v.float())
-        return o.reshape(B, Tq, Hq, D).to(qp.dtype)
-
+        o = F.scaled_dot_product_attention(
+            qp.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2),
+            attn_mask=plan.mask[:, None], scale=scale, enable_gqa=True)  # [B,Hq,Tq,D]
+        return o.transpose(1, 2).to(qp.dtype)
 
 def get_attention_backend(name: str | None = "torch") -> AttentionBackend:
     """``"torch"`` (reference, any device) or ``"triton"`` (labkit.kernels; GPU, or CPU under
