@@ -121,18 +121,19 @@ class BlockManager:
         total = (seq.num_computed_tokens + num_cached_blocks * self.block_size
                  + num_new_tokens + num_lookahead)
         need = cdiv(total, self.block_size) - len(seq.block_table) - num_cached_blocks
-        if self._needs_cow(seq):
-            need += 1
-        return max(need, 0)
+        return max(need, 0) + len(self._cow_blocks(seq, num_new_tokens + num_lookahead))
 
-    def _needs_cow(self, seq: SeqLike) -> bool:
-        """The block the next write lands in is shared (fork) or published in the prefix cache
-        (possible after a rollback into a full block): writing would corrupt the other holders."""
-        b = seq.num_computed_tokens // self.block_size
-        if b >= len(seq.block_table):
-            return False
-        phys = seq.block_table[b]
-        return self.pool.ref_counts[phys] > 1 or self.pool.block_hash[phys] is not None
+    def _cow_blocks(self, seq: SeqLike, num_slots: int) -> list[int]:
+        """Logical blocks of the write range [computed, computed + num_slots) that are already
+        allocated but shared (fork) or published in the prefix cache (possible after a rollback
+        into a full block): writing there would corrupt the other holders, so each is copied
+        first. The range can span several blocks (a chunk, or a verify pass writing into
+        lookahead blocks a fork shares)."""
+        table, bs, pool = seq.block_table, self.block_size, self.pool
+        start = seq.num_computed_tokens
+        hi = min(len(table), cdiv(start + num_slots, bs))
+        return [i for i in range(start // bs, hi)
+                if pool.ref_counts[table[i]] > 1 or pool.block_hash[table[i]] is not None]
 
     def allocate_slots(self, seq: SeqLike, num_new_tokens: int,
                        cached_blocks: list[int] | None = None,
@@ -147,10 +148,9 @@ class BlockManager:
         bs = self.block_size
         if not cached_blocks:  # fast path: a decode step whose slot is already allocated
             start = seq.num_computed_tokens
-            if start + num_new_tokens + num_lookahead <= len(table) * bs:
-                phys = table[start // bs]
-                if self.pool.ref_counts[phys] == 1 and self.pool.block_hash[phys] is None:
-                    return True
+            if start + num_new_tokens + num_lookahead <= len(table) * bs and \
+                    not self._cow_blocks(seq, num_new_tokens + num_lookahead):
+                return True
         cached_blocks = cached_blocks or []
         pool = self.pool
         need = self.num_blocks_needed(seq, num_new_tokens, len(cached_blocks), num_lookahead)
@@ -171,8 +171,7 @@ class BlockManager:
             seq.block_hashes = list(cached_hashes or [])
             seq.num_computed_tokens = len(cached_blocks) * self.block_size
         need_after = need
-        if self._needs_cow(seq):
-            i = seq.num_computed_tokens // self.block_size
+        for i in self._cow_blocks(seq, num_new_tokens + num_lookahead):
             src = table[i]
             dst = self._alloc(seq, i, event=False)
             self.pending_copies.append((src, dst))

@@ -236,3 +236,24 @@ def test_prefix_hit_recomputes_last_token_of_aligned_prompt():
     assert m.find_cached_prefix(salted) == ([], [])
     assert m.allocate_slots(b, 2, blocks, hashes) and b.num_computed_tokens == 2
     assert m.stats()["prefix_hit_tokens"] == 2
+
+
+def test_multi_block_write_copies_every_shared_block():
+    """A fork shares the parent's lookahead blocks too; a later multi-token write by either
+    (a chunk or a verify pass) that spans several shared blocks must copy each of them, not
+    only the first (found by the state machine above: the sibling's KV was overwritten)."""
+    m = BlockManager(num_blocks=12, block_size=3)
+    a = FakeSeq("a", [5, 6, 7, 8, 9])
+    assert m.allocate_slots(a, 5, num_lookahead=2)  # positions 0..6: blocks 0, 1, 2
+    a.num_computed_tokens = 5
+    b = FakeSeq("b", list(a.token_ids), None, 5)
+    m.fork(a, b)
+    assert b.block_table == a.block_table and len(a.block_table) == 3
+    shared = list(a.block_table)
+    a.token_ids += [1, 2, 3]
+    assert m.allocate_slots(a, 3)  # writes positions 5, 6, 7: logical blocks 1 and 2
+    _, copies, _, _ = m.drain()
+    assert a.block_table[0] == shared[0]  # not written: still shared
+    assert a.block_table[1] != shared[1] and a.block_table[2] != shared[2]
+    assert sorted(src for src, _ in copies) == sorted(shared[1:])
+    assert b.block_table == shared and m.pool.ref_counts[shared[1]] == 1
