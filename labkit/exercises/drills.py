@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import io
 import random
+import re
 import sys
 import textwrap
 
@@ -55,9 +56,11 @@ def drills_for(topic: str) -> list[Drill]:
 
 
 def search(word: str) -> list[Drill]:
-    w = word.lower()
-    return [x for x in DRILLS if w in x.question.lower() or w in x.answer.lower()
-            or w in x.topic]
+    """Drills whose topic, question or answer contains ``word`` as a word (so "MIG" does not
+    match "might"), case-insensitive; the topic name also matches by prefix."""
+    pat = re.compile(rf"(?<![A-Za-z0-9]){re.escape(word)}(?![A-Za-z0-9])", re.IGNORECASE)
+    return [x for x in DRILLS if x.topic.startswith(word.lower())
+            or pat.search(x.question) or pat.search(x.answer)]
 
 
 def run_snippet(drill: Drill) -> str:
