@@ -15,9 +15,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from labkit.engine.errors import InvalidPromptError
 from labkit.engine.llm_engine import LLMEngine
 from labkit.engine.outputs import CompletionOutput, RequestOutput
 from labkit.engine.sampling_params import SamplingParams
+from labkit.engine.validate import is_int
 
 
 class LLM:
@@ -69,19 +71,28 @@ class LLM:
                  cache_salt: str | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order."""
         if prompt_token_ids is not None:
-            items: list[Any] = [list(p) for p in prompt_token_ids]
+            if prompts is not None:
+                raise InvalidPromptError("give prompts or prompt_token_ids, not both")
+            if hasattr(prompt_token_ids, "tolist"):  # a tensor / array of [B, T] ids
+                prompt_token_ids = prompt_token_ids.tolist()
+            items: list[Any] = list(prompt_token_ids)
+            if items and all(is_int(t) for t in items):
+                items = [items]  # one prompt as a flat list of ids (vLLM accepts it too)
         elif isinstance(prompts, str):
             items = [prompts]
         elif prompts is None:
-            raise ValueError("give prompts or prompt_token_ids")
+            raise InvalidPromptError("give prompts or prompt_token_ids")
         else:
             items = list(prompts)
+            if any(is_int(p) for p in items):
+                raise InvalidPromptError("prompts are strings (or lists of token ids); pass "
+                                         "token ids as prompt_token_ids=[[...], ...]")
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
                   else [sampling_params] * len(items))
         if len(params) != len(items):
-            raise ValueError(f"{len(params)} sampling params for {len(items)} prompts")
+            raise InvalidPromptError(f"{len(params)} sampling params for {len(items)} prompts")
         eng = self.llm_engine
         ids = []
         try:
@@ -97,13 +108,20 @@ class LLM:
             raise
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
         pending = set(ids)
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                if o.finished and eng.requests[o.request_id].is_finished and \
-                        o.request_id in pending:
-                    pending.discard(o.request_id)
-                    bar.update(1)
-        bar.close()
+        try:
+            while eng.has_unfinished_requests():
+                for o in eng.step():
+                    if o.finished and eng.requests[o.request_id].is_finished and \
+                            o.request_id in pending:
+                        pending.discard(o.request_id)
+                        bar.update(1)
+        except BaseException:
+            # an interrupt (Ctrl-C in a notebook) or a failed step: abort this call's other
+            # requests too, so no blocks stay held and the next generate() starts clean
+            eng.abort(ids)
+            raise
+        finally:
+            bar.close()
         return [self.request_output(rid, items[i] if isinstance(items[i], str) else None)
                 for i, rid in enumerate(ids)]
 

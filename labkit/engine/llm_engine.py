@@ -36,9 +36,17 @@ from typing import Any
 import torch
 
 from labkit.engine.clock import WallClock
+from labkit.engine.errors import EngineConfigError, EngineStepError, InvalidPromptError
 from labkit.engine.outputs import StepOutput
 from labkit.engine.sampling_params import SamplingParams
 from labkit.engine.trace import Trace
+from labkit.engine.validate import (
+    check_int,
+    check_max_model_len,
+    check_request_args,
+    is_int,
+    prompt_ids,
+)
 from labkit.kv.block_manager import BlockManager, cdiv
 from labkit.sched.request import Request, Sequence, SequenceStatus
 from labkit.sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -55,10 +63,17 @@ class LLMEngine:
                  watermark_high: float = 1.0, watermark_low: float = 1.0,
                  num_lookahead_slots: int = 0, clock: Any = None, model_name: str = "",
                  speculative_config: Any = None) -> None:
+        check_int("block_size", block_size)
+        check_int("num_blocks", num_blocks)
+        check_int("num_cpu_blocks", num_cpu_blocks, 0)
+        check_int("max_model_len", max_model_len, 2)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 512 if enable_chunked_prefill else max_model_len
+        check_int("max_num_seqs", max_num_seqs)
+        check_int("max_num_batched_tokens", max_num_batched_tokens)
         if preemption_mode == "swap" and num_cpu_blocks < 1:
-            raise ValueError("preemption_mode='swap' needs num_cpu_blocks >= 1 (the CPU pool)")
+            raise EngineConfigError("preemption_mode='swap' needs num_cpu_blocks >= 1 "
+                                    "(the CPU pool)")
         self.config = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
                                       enable_chunked_prefill, policy, batching, preemption_mode,
                                       watermark_high, watermark_low, num_lookahead_slots)
@@ -111,7 +126,12 @@ class LLMEngine:
         from labkit.kv.cache import check_kv_cache_dtype, kv_bytes_per_block, num_blocks_for
 
         c = model.config
-        max_model_len = max_model_len or c.max_position_embeddings
+        max_model_len = check_max_model_len(max_model_len, c.max_position_embeddings)
+        check_int("block_size", block_size)
+        check_int("max_num_seqs", max_num_seqs)
+        check_int("num_cpu_blocks", num_cpu_blocks, 0)
+        if num_blocks is not None:
+            check_int("num_blocks", num_blocks)
         check_kv_cache_dtype(kv_cache_dtype)
         per_block = kv_bytes_per_block(c.num_hidden_layers, block_size, c.num_key_value_heads,
                                        c.head_dim, model.dtype, kv_cache_dtype)
@@ -133,46 +153,45 @@ class LLMEngine:
                     params: SamplingParams | None = None, priority: int = 0,
                     cache_salt: str | None = None, arrival_time: float | None = None,
                     prompt_token_ids: list[int] | None = None) -> Request:
-        """Validate and queue a request; every bad input raises ValueError here, not later."""
+        """Validate and queue a request; every bad input raises a ValueError subclass here
+        (labkit.engine.errors), never later inside a step."""
         params = params or SamplingParams()
         params.validate()
+        check_request_args(request_id, params, self.vocab_size, cache_salt, arrival_time)
         request_id = str(request_id)
         if request_id in self.requests:
-            raise ValueError(f"duplicate request id {request_id!r}")
-        if prompt_token_ids is None:
-            if isinstance(prompt, str):
-                if self.tokenizer is None:
-                    raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
-                prompt_token_ids = self.tokenizer.encode(prompt)
-            elif prompt is None:
-                raise ValueError("give a prompt (text or token ids)")
-            else:
-                prompt_token_ids = list(prompt)
-        ids = [int(t) for t in prompt_token_ids]
+            raise InvalidPromptError(f"duplicate request id {request_id!r}: ids must be unique "
+                                     "for the engine's lifetime")
+        ids = prompt_ids(request_id, prompt, prompt_token_ids, self.tokenizer)
+        rid, cfg = request_id, self.config
         if not ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
+            raise InvalidPromptError(f"request {rid!r}: the prompt is empty")
         if self.vocab_size is not None and (min(ids) < 0 or max(ids) >= self.vocab_size):
-            raise ValueError(f"request {request_id!r}: token ids must be in [0, "
-                             f"{self.vocab_size})")
+            raise InvalidPromptError(f"request {rid!r}: token ids must be in [0, "
+                                     f"{self.vocab_size})")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"request {request_id!r}: prompt of {len(ids)} tokens leaves no "
-                             f"room in the model's context of {self.max_model_len} tokens")
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+            raise InvalidPromptError(f"request {rid!r}: prompt of {len(ids)} tokens leaves no "
+                                     f"room in the model's context of {self.max_model_len} "
+                                     "tokens; shorten it")
+        if params.n > cfg.max_num_seqs:
+            raise InvalidPromptError(f"n={params.n} exceeds max_num_seqs={cfg.max_num_seqs}; "
+                                     "lower n or raise max_num_seqs")
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
-        if self.config.policy == "priority" and not isinstance(priority, int):
-            raise ValueError(f"priority must be an int, got {priority!r}")
+            raise InvalidPromptError("stop strings need a tokenizer; use stop_token_ids instead")
+        if cfg.policy == "priority" and not is_int(priority):
+            raise InvalidPromptError(f"priority must be an int, got {priority!r}")
         total = min(len(ids) + params.max_tokens, self.max_model_len)
-        need = cdiv(total + self.config.num_lookahead_slots, self.block_size)
+        need = cdiv(total + cfg.num_lookahead_slots, self.block_size)
         if need > self.block_manager.num_blocks:
-            raise ValueError(f"request {request_id!r} needs up to {need} KV blocks "
-                             f"({total} tokens) but the pool has only "
-                             f"{self.block_manager.num_blocks}: it could never finish")
-        if not self.config.enable_chunked_prefill and total > self.config.max_num_batched_tokens:
-            raise ValueError(f"request {request_id!r}: {total} tokens may need one prefill step "
-                             f"but max_num_batched_tokens={self.config.max_num_batched_tokens}; "
-                             "enable chunked prefill or raise the budget")
+            raise InvalidPromptError(
+                f"request {rid!r} needs up to {need} KV blocks ({total} tokens) but the pool "
+                f"has only {self.block_manager.num_blocks}: it could never finish; raise "
+                "num_blocks / kv_cache_bytes or lower max_tokens")
+        if not cfg.enable_chunked_prefill and total > cfg.max_num_batched_tokens:
+            raise InvalidPromptError(
+                f"request {rid!r}: {total} tokens may need one prefill step but "
+                f"max_num_batched_tokens={cfg.max_num_batched_tokens}; enable chunked prefill "
+                "or raise the budget")
         now = self.clock.now()
         arrival = now if arrival_time is None else float(arrival_time)
         req = Request(request_id, ids, params, arrival, priority, cache_salt, self._num_added)
@@ -238,20 +257,45 @@ class LLMEngine:
             elif self.record_trace and self.block_manager.events:
                 self._record(out, t0, 0.0, {}, [], self.block_manager.drain()[0])
             return []
-        for sc in out.scheduled:
-            for c in sc.children:
-                self._init_generator(c)
         events, copies, swap_out, swap_in = self.block_manager.drain()
-        ex = self.executor
-        if hasattr(ex, "apply_block_ops"):
-            ex.apply_block_ops(copies, swap_out, swap_in)
-        results = ex.execute(out)
-        t1 = self.clock.now()
-        outputs, finished, appended = self._update(out, results, t1)
+        try:
+            for sc in out.scheduled:
+                for c in sc.children:
+                    self._init_generator(c)
+            ex = self.executor
+            if hasattr(ex, "apply_block_ops"):
+                ex.apply_block_ops(copies, swap_out, swap_in)
+            results = ex.execute(out)
+            t1 = self.clock.now()
+            outputs, finished, appended = self._update(out, results, t1)
+        except BaseException as exc:
+            self._fail_step(out, t0, events, exc)
+            raise
         self.num_steps += 1
         if self.record_trace:
             self._record(out, t0, t1 - t0, appended, finished, events)
         return outputs
+
+    def _fail_step(self, out: SchedulerOutput, t0: float, events: list[dict],
+                   exc: BaseException) -> None:
+        """A step raised after scheduling. Its block copies / swaps may be half applied and its
+        sequences half updated, so retrying could compute on garbage KV: fail (abort) every
+        request the step touched -- scheduled, forked, or swapped out -- which frees all their
+        blocks; other requests go on. Raises EngineStepError (a KeyboardInterrupt propagates
+        as itself after the same cleanup)."""
+        touched = {sc.seq.request_id for sc in out.scheduled}
+        touched.update(s.request_id for s, mode in out.preempted if mode == "swap")
+        ids = sorted(touched)
+        self.scheduler.remove_finished()  # sequences _update had already finished
+        for rid in ids:
+            self.abort(rid)
+        self.num_steps += 1
+        if self.record_trace:
+            self._record(out, t0, self.clock.now() - t0, {}, [], events)
+        if isinstance(exc, Exception):
+            raise EngineStepError(f"engine step failed ({type(exc).__name__}: {exc}); its "
+                                  f"requests {ids} were aborted and freed, the others go on",
+                                  ids) from exc
 
     def _update(self, out: SchedulerOutput, results: dict[str, list[int]],
                 now: float) -> tuple[list[StepOutput], list[dict], dict[str, list[int]]]:

@@ -2,7 +2,25 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from numbers import Real
+from typing import Any
+
+from labkit.engine.errors import SamplingParamsError
+from labkit.engine.validate import is_int as _is_int
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, Real) and not isinstance(x, bool)
+
+
+def _as_list(name: str, x: Any) -> list:
+    if x is None:
+        return []
+    if isinstance(x, (str, bytes, dict)) or not hasattr(x, "__iter__"):
+        raise SamplingParamsError(f"{name} must be a list, got {x!r}")
+    return list(x)
 
 
 @dataclass
@@ -28,29 +46,46 @@ class SamplingParams:
     detokenize: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
 
     def validate(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (off) or a positive int, got {self.top_k!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        """Check types and ranges; raises SamplingParamsError naming the field. Also run by
+        ``add_request``, so fields changed after construction are checked before they can
+        reach a step (a NaN temperature would otherwise fail inside sampling, mid-batch)."""
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = _as_list("stop", self.stop)
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
+        if not _is_int(self.n) or self.n < 1:
+            raise SamplingParamsError(f"n must be an int >= 1, got {self.n!r}")
+        if not _is_real(self.temperature) or not self.temperature >= 0 \
+                or math.isinf(self.temperature):
+            raise SamplingParamsError(f"temperature must be a finite number >= 0 (0 = greedy), "
+                                      f"got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise SamplingParamsError(f"top_p must be a number in (0, 1] (1 = off), "
+                                      f"got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise SamplingParamsError(
+                f"top_k must be -1 or 0 (off) or a positive int, got {self.top_k!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise SamplingParamsError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if self.seed is not None:
+            # sample i seeds torch.Generator().manual_seed(seed + i), which takes [-2^63, 2^64)
+            if not _is_int(self.seed):
+                raise SamplingParamsError(f"seed must be an int or None, got {self.seed!r}")
+            if not -(2**63) <= self.seed <= 2**64 - self.n:
+                raise SamplingParamsError(f"seed must be in [-2**63, 2**64 - n] (sample i uses "
+                                          f"seed + i), got {self.seed}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise SamplingParamsError(f"stop strings must be non-empty str, got {self.stop!r}")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise SamplingParamsError(
+                f"stop_token_ids must be a list of token ids (ints >= 0), got "
+                f"{self.stop_token_ids!r}")
         if self.stop and not self.detokenize:
-            raise ValueError("stop strings are matched on text: they need detokenize=True")
+            raise SamplingParamsError(
+                "stop strings are matched on text: they need detokenize=True")
 
     @property
     def greedy(self) -> bool:

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from labkit.engine.errors import EngineConfigError
 from labkit.kv.metadata import AttentionMetadata
 
 
@@ -246,4 +247,4 @@ def get_attention_backend(name: str | None = "torch") -> AttentionBackend:
         from labkit.kernels.backend import TritonBackend
 
         return TritonBackend()
-    raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")
+    raise EngineConfigError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")

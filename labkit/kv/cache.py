@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from labkit.engine.errors import EngineConfigError
 from labkit.kv.attention import AttentionBackend, TorchBackend
 from labkit.kv.metadata import AttentionMetadata
 
@@ -21,8 +22,8 @@ KV_SCALE_DTYPE = torch.float16  # one scale per (token, head), as labkit.quant.k
 
 def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
     if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}; choose 'auto' (the model's dtype) "
-                         "or 'int8' (per-token, per-head scales)")
+        raise EngineConfigError(f"kv_cache_dtype={kv_cache_dtype!r}; choose 'auto' (the "
+                                "model's dtype) or 'int8' (per-token, per-head scales)")
     return kv_cache_dtype
 
 
@@ -48,7 +49,8 @@ def num_blocks_for(per_block: int, kv_cache_bytes: int | None, max_num_seqs: int
         return max(1, min(want, default_cap // per_block))
     num_blocks = int(kv_cache_bytes // per_block)
     if num_blocks < 1:
-        raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no block of {per_block} bytes")
+        raise EngineConfigError(f"kv_cache_bytes={kv_cache_bytes} holds no block of "
+                                f"{per_block} bytes; raise it")
     return num_blocks
 
 

@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from labkit.engine.errors import EngineConfigError
 from labkit.kv.block_manager import BlockManager, cdiv
 from labkit.sched.request import Request, Sequence, SequenceStatus
 
@@ -52,16 +53,16 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; choose one of {POLICIES}")
+            raise EngineConfigError(f"unknown policy {self.policy!r}; choose one of {POLICIES}")
         if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"unknown preemption_mode {self.preemption_mode!r}; "
+            raise EngineConfigError(f"unknown preemption_mode {self.preemption_mode!r}; "
                              f"choose one of {PREEMPTION_MODES}")
         if self.batching not in BATCHING:
-            raise ValueError(f"unknown batching {self.batching!r}; choose one of {BATCHING}")
+            raise EngineConfigError(f"unknown batching {self.batching!r}; choose one of {BATCHING}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+            raise EngineConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if not 0.0 < self.watermark_low <= self.watermark_high <= 1.0:
-            raise ValueError("need 0 < watermark_low <= watermark_high <= 1, got "
+            raise EngineConfigError("need 0 < watermark_low <= watermark_high <= 1, got "
                              f"{self.watermark_low}, {self.watermark_high}")
 
 

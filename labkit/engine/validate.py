@@ -1,0 +1,80 @@
+"""Input checks for LLMEngine: every bad request or setting fails here, with what to fix.
+
+Why up front: a value that is only wrong deep inside ``step()`` (a float block size, a salt that
+is not text, a token id the embedding cannot index) would fail a whole batch of other users'
+requests, or hang a request in the queue forever (a prompt that can never fit the pool), or be
+silently coerced into a wrong answer (``int(1.7) == 1``, ``int("7") == 7``). So types are
+checked, not coerced.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Integral, Real
+from typing import Any
+
+from labkit.engine.errors import EngineConfigError, InvalidPromptError
+
+
+def is_int(x: Any) -> bool:
+    """An integer that is not a bool (numpy integers count)."""
+    return isinstance(x, Integral) and not isinstance(x, bool)
+
+
+def check_int(name: str, value: Any, minimum: int = 1) -> int:
+    if not is_int(value) or value < minimum:
+        raise EngineConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_max_model_len(max_model_len: int | None, max_position_embeddings: int) -> int:
+    """The engine's context may be shorter than the model's, never longer: positions past
+    max_position_embeddings would fail inside the model forward, mid-batch."""
+    if max_model_len is None:
+        return max_position_embeddings
+    check_int("max_model_len", max_model_len, 2)
+    if max_model_len > max_position_embeddings:
+        raise EngineConfigError(f"max_model_len={max_model_len} exceeds the model's context "
+                                f"(max_position_embeddings={max_position_embeddings}); "
+                                "lower it or leave it unset")
+    return int(max_model_len)
+
+
+def prompt_ids(request_id: str, prompt: Any, prompt_token_ids: Any, tokenizer: Any) -> list[int]:
+    """Text (needs a tokenizer) or a flat sequence of int token ids -> list[int]."""
+    if prompt_token_ids is None:
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise InvalidPromptError("a text prompt needs a tokenizer; pass token ids instead")
+            prompt_token_ids = tokenizer.encode(prompt)
+        elif prompt is None:
+            raise InvalidPromptError("give a prompt (text or token ids)")
+        else:
+            prompt_token_ids = prompt
+    if hasattr(prompt_token_ids, "tolist"):  # torch tensor / numpy array
+        prompt_token_ids = prompt_token_ids.tolist()
+    if not isinstance(prompt_token_ids, (list, tuple, range)):
+        raise InvalidPromptError(f"request {request_id!r}: a prompt is text or a list of token "
+                                 f"ids, got {type(prompt_token_ids).__name__}")
+    for t in prompt_token_ids:
+        if not is_int(t):
+            raise InvalidPromptError(
+                f"request {request_id!r}: token ids must be ints, got {t!r} "
+                f"({type(t).__name__}); give one flat list of ids per request")
+    return [int(t) for t in prompt_token_ids]
+
+
+def check_request_args(request_id: Any, params: Any, vocab_size: int | None,
+                       cache_salt: Any, arrival_time: Any) -> None:
+    if not isinstance(request_id, (str, Integral)) or isinstance(request_id, bool):
+        raise InvalidPromptError(f"request_id must be a str, got {request_id!r}")
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise InvalidPromptError(f"cache_salt must be a str or None, got {cache_salt!r}")
+    if arrival_time is not None and (not isinstance(arrival_time, Real)
+                                     or not math.isfinite(arrival_time)):
+        raise InvalidPromptError(f"arrival_time must be a finite number of seconds or None, "
+                                 f"got {arrival_time!r}")
+    bad = [t for t in params.stop_token_ids if vocab_size is not None and t >= vocab_size]
+    if bad:
+        raise InvalidPromptError(f"stop_token_ids {bad} are outside the vocabulary "
+                                 f"[0, {vocab_size}): they could never match")
