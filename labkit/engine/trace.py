@@ -15,7 +15,8 @@ Event semantics (GPU pool unless noted), applied in order:
   kept for prefix hits) or free;
 - ``swap_out``: ``src`` (GPU) copied to CPU block ``physical`` (the GPU block's ``free`` follows);
 - ``swap_in``: CPU block ``src`` copied into GPU ``physical`` (its ``alloc`` came just before);
-  the CPU block is released.
+  the CPU block is released;
+- ``swap_free``: a sequence aborted while swapped out releases CPU block ``physical``.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def replay(trace: Trace | dict, step: int) -> PoolSnapshot:
                     (cached if ev.get("cached") else free).add(ph)
             elif kind == "swap_out":
                 cpu.setdefault(sid, {})[lg] = ph
-            elif kind == "swap_in":
+            elif kind in ("swap_in", "swap_free"):  # swap_free: aborted while swapped out
                 cpu[sid].pop(lg, None)
                 if not cpu[sid]:
                     del cpu[sid]

@@ -211,8 +211,9 @@ class BlockManager:
             self._ev("free", seq, i, table[i], None, cached=cached)
         table.clear()
         seq.block_hashes = []
-        for c in seq.cpu_block_table:
+        for i, c in enumerate(seq.cpu_block_table):  # aborted while swapped out
             self.cpu_pool.free(c)
+            self._ev("swap_free", seq, i, c)  # so a trace replay drops its CPU blocks too
         seq.cpu_block_table = []
         self.seqs.pop(seq.seq_id, None)
 
