@@ -102,10 +102,11 @@ def check_all(report: Report, sizes: dict, device: str, gen: torch.Generator) ->
             max(rel_err(qq, qr), rel_err(kk, kr)), 1e-2)
 
     m, k = sizes["check"]["dequant"]
-    for name, fn, args, w_ref in dequant_cases(gen, device, m, k, sizes["group_size"],
-                                               act_order=True):
-        report(name, f"M={m} K=N={k} fp16", rel_err(fn(*args), args[0].float() @ w_ref.float()),
-                5e-3)
+    for rows in (1, m):  # M = 1 runs the GEMV kernels, M > 1 the tensor-core GEMM
+        for name, fn, args, w_ref in dequant_cases(gen, device, rows, k, sizes["group_size"],
+                                                   act_order=True):
+            report(name, f"M={rows} K=N={k} fp16",
+                   rel_err(fn(*args), args[0].float() @ w_ref.float()), 5e-3)
     packed = torch.randint(0, 256, (k * k // 2,), dtype=torch.uint8, device=device,
                            generator=gen)
     absmax = torch.rand(k * k // 64, generator=gen, device=device)

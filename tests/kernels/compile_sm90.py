@@ -10,6 +10,7 @@ Prints one line per variant and exits non-zero if any failed.
 import sys
 
 import triton
+from labkit.kernels import dequant_gemv as gv
 from labkit.kernels import dequant_matmul as dq
 from labkit.kernels import nf4, paged_attention, paged_prefill, rms_norm, rotary_embedding
 from labkit.kernels import reshape_and_cache as rc
@@ -49,7 +50,7 @@ def variants():
                             "code_ptr": "*fp32"}, {"BLOCK": 1024}, 4, 1
     int4 = {"x_ptr": "*fp16", "qw_ptr": "*i32", "qz_ptr": "*i32", "s_ptr": "*fp16",
             "g_ptr": "*i32", "out_ptr": "*fp32"}
-    for m in (1, 16, 128):
+    for m in (16, 128):
         cfg = dq.default_config(m, 4096, 4096)
         tiles = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
         for group in (128, 0):
@@ -59,6 +60,15 @@ def variants():
             **tiles, "GROUP_SIZE": 128, "SPLIT": False, "DOT_FP32": False}, cfg["num_warps"], 3
         yield dq._w8a16_kernel, {**int4, "qw_ptr": "*i8"}, {
             **tiles, "SPLIT": True, "DOT_FP32": False}, cfg["num_warps"], 3
+    gemv = {kind: dq.default_config(1, 4096, 4096, kind) for kind in ("gptq", "awq", "w8a16")}
+    tiles = {kind: {k: c[k] for k in ("BLOCK_N", "BLOCK_K")} for kind, c in gemv.items()}
+    for group in (128, 0):  # the decode GEMV kernels (M = 1)
+        yield gv._gptq_gemv_kernel, int4, {**tiles["gptq"], "GROUP_SIZE": group,
+                                           "SPLIT": True}, gemv["gptq"]["num_warps"], 3
+    yield gv._awq_gemv_kernel, {**int4, "out_ptr": "*bf16", "x_ptr": "*bf16"}, {
+        **tiles["awq"], "GROUP_SIZE": 128, "SPLIT": False}, gemv["awq"]["num_warps"], 3
+    yield gv._w8a16_gemv_kernel, {**int4, "qw_ptr": "*i8"}, {
+        **tiles["w8a16"], "SPLIT": True}, gemv["w8a16"]["num_warps"], 3
     yield dq._sum_splits, {"out_ptr": "*fp16", "ws_ptr": "*fp32"}, {"BLOCK": 1024}, 4, 1
 
 

@@ -85,6 +85,39 @@ def test_w8a16_matmul_matches_labkit_quant(m, config):
     assert rel_err(y, x.float() @ dequantize_int8(q, s).T) < REL[torch.float16]
 
 
+@pytest.mark.parametrize("kind", ["gptq", "gptq-act-order", "awq", "w8a16"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_gemv_kernels_on_ragged_shapes(kind, dtype):
+    """The decode GEMV kernels (config BLOCK_M = 1, one program row per row of x) on N that
+    no tile divides, several rows, with and without split-K, vs labkit.quant's dequantiser."""
+    from labkit.quant.packing import dequantize_awq, pack_awq
+
+    gen = torch.Generator().manual_seed(7)
+    k, n, gs = 192, 200, 64
+    if kind.startswith("gptq"):
+        args, w = _gptq(k, n, gs, gen, act_order=kind.endswith("order"))
+        fn = dq.gptq_matmul
+    elif kind == "awq":
+        codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+        zeros = torch.randint(0, 16, (k // gs, n), generator=gen, dtype=torch.int32)
+        scales = (torch.rand(k // gs, n, generator=gen) * 0.02 + 1e-3).half()
+        qweight, qzeros = pack_awq(codes, zeros)
+        args, w = (qweight, qzeros, scales, gs), dequantize_awq(qweight, qzeros, scales, gs).T
+        fn = dq.awq_matmul
+    else:
+        from labkit.quant.rtn import dequantize_int8, quantize_int8
+
+        q, s = quantize_int8(torch.randn(n, k, generator=gen))
+        args, w, fn = (q, s), dequantize_int8(q, s).T, dq.w8a16_matmul
+    x = torch.randn(3, k, generator=gen).to(dtype)
+    for cfg in ({"BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 32, "SPLIT_K": 3, "num_warps": 4},
+                {"BLOCK_M": 1, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 4}):
+        y = fn(x, *args, config=cfg)
+        assert y.shape == (3, n) and y.dtype == dtype
+        assert rel_err(y, x.float() @ w) < REL[dtype], cfg
+    assert rel_err(fn(x[:1], *args), x[:1].float() @ w) < REL[dtype]  # the default M = 1 tiles
+
+
 def test_dequant_rejects_bad_input():
     gen = torch.Generator().manual_seed(0)
     (qw, qz, s, g_idx), _ = _gptq(64, 16, 32, gen, False)
