@@ -38,3 +38,24 @@ def check(cond: bool, msg: str) -> None:
     """Raise ValueError(msg) unless cond: kernels read raw pointers, bad shapes stop here."""
     if not cond:
         raise ValueError(msg)
+
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_dtype(t: torch.Tensor, name: str, allowed: tuple[torch.dtype, ...]) -> None:
+    """ValueError unless ``t.dtype`` is in ``allowed`` (the dtypes the kernels compile for)."""
+    names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+             torch.int32: "int32", torch.int64: "int64"}
+    want = ", ".join(names.get(d, str(d)) for d in allowed[:-1])
+    want = f"{want} or {names.get(allowed[-1], str(allowed[-1]))}" if want else names[allowed[0]]
+    check(t.dtype in allowed, f"{name} must be {want}, got {t.dtype}")
+
+
+def on_host(*tensors: torch.Tensor) -> bool:
+    """True when all tensors are CPU tensors (the interpreter): then value checks (lengths that
+    fit their block tables, slots inside the cache) cost no device sync, and an out-of-range
+    value would make the interpreter read or write outside a buffer. On a GPU they would cost a
+    sync per call, so there the caller (the engine's block manager) guarantees them, as in vLLM."""
+    return all(t.device.type == "cpu" for t in tensors)

@@ -40,7 +40,7 @@ import weakref
 import torch
 import triton
 import triton.language as tl
-from labkit.kernels._common import check, interpreting
+from labkit.kernels._common import FLOAT_DTYPES, INDEX_DTYPES, check, check_dtype, interpreting
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 MAGIC = tl.constexpr(8388608.0)  # 2^23: OR-ing a small int into the mantissa gives 2^23 + int
@@ -287,16 +287,25 @@ def _check_x(x: torch.Tensor, k: int) -> None:
           f"x must be fp16, bf16 or fp32, got {x.dtype}")
 
 
-_GROUP_CACHE: dict[int, tuple[weakref.ref, int, int]] = {}
+def _check_packed(qweight: torch.Tensor, scales: torch.Tensor) -> None:
+    check(qweight.dim() == 2, f"qweight must be 2-D, got shape {tuple(qweight.shape)}")
+    check_dtype(scales, "scales", FLOAT_DTYPES)
+
+
+_GROUP_CACHE: dict[int, tuple[weakref.ref, tuple[int, int], int]] = {}
 
 
 def _trivial_group_size(g_idx: torch.Tensor, num_groups: int) -> int:
-    """group_size if g_idx == arange(K) // group_size (no act-order), else 0. Cached per tensor
-    so the check (a device sync) runs once per layer, not once per call."""
+    """group_size if g_idx == arange(K) // group_size (no act-order), else 0; also checks that
+    g_idx names rows of scales. Cached per tensor so the check (a device sync) runs once per
+    layer, not once per call."""
     hit = _GROUP_CACHE.get(id(g_idx))
-    if hit is not None and hit[0]() is g_idx and hit[1] == g_idx._version:
+    if hit is not None and hit[0]() is g_idx and hit[1] == (g_idx._version, num_groups):
         return hit[2]
     k = g_idx.numel()
+    lo, hi = (int(g_idx.min()), int(g_idx.max())) if k else (0, 0)
+    check(lo >= 0 and hi < num_groups, f"g_idx must name groups in [0, {num_groups}) (the rows "
+          f"of scales), got {lo}..{hi}")
     size = k // num_groups if num_groups and k % num_groups == 0 else 0
     if size:
         expect = torch.arange(k, device=g_idx.device) // size
@@ -304,7 +313,7 @@ def _trivial_group_size(g_idx: torch.Tensor, num_groups: int) -> int:
             size = 0
     if len(_GROUP_CACHE) > 4096:
         _GROUP_CACHE.clear()
-    _GROUP_CACHE[id(g_idx)] = (weakref.ref(g_idx), g_idx._version, size)
+    _GROUP_CACHE[id(g_idx)] = (weakref.ref(g_idx), (g_idx._version, num_groups), size)
     return size
 
 
@@ -312,15 +321,17 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
                 scales: torch.Tensor, g_idx: torch.Tensor,
                 config: dict | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ dequant(GPTQ) with W [K, N]."""
+    _check_packed(qweight, scales)
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     _check_x(x, k)
     check(qweight.dtype == torch.int32 and qzeros.dtype == torch.int32,
           "qweight and qzeros must be int32")
+    check(n % 8 == 0, f"N must be a multiple of 8 (qzeros packs 8 columns per int32), got {n}")
+    check_dtype(g_idx, "g_idx", INDEX_DTYPES)
     check(scales.dim() == 2 and scales.shape[1] == n and qzeros.shape == (scales.shape[0], n // 8),
           f"scales must be [G, {n}] and qzeros [G, {n // 8}], got {tuple(scales.shape)} and "
           f"{tuple(qzeros.shape)}")
     check(g_idx.numel() == k, f"g_idx must have K = {k} entries, got {g_idx.numel()}")
-    check(n % 8 == 0, f"N must be a multiple of 8, got {n}")
     group = _trivial_group_size(g_idx, scales.shape[0])
     return _launch(_gptq_kernel, x, n,
                    (qweight.contiguous(), qzeros.contiguous(), scales.contiguous(),
@@ -331,7 +342,8 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
 def awq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
                scales: torch.Tensor, group_size: int,
                config: dict | None = None) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ dequant(AWQ GEMM) with W [K, N]."""
+    """y [M, N] = x [M, K] @ dequant(AWQ GEMM) with W [K, N] (N = 8 x qweight's columns)."""
+    _check_packed(qweight, scales)
     k, n = qweight.shape[0], qweight.shape[1] * 8
     _check_x(x, k)
     check(qweight.dtype == torch.int32 and qzeros.dtype == torch.int32,
@@ -355,6 +367,7 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     n, k = qweight.shape
     _check_x(x, k)
     check(scales.numel() == n, f"scales must have N = {n} entries, got {scales.numel()}")
+    check_dtype(scales, "scales", FLOAT_DTYPES)
     return _launch(_w8a16_kernel, x, n, (qweight.contiguous(), scales.contiguous()), config)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from labkit.kernels._common import check
+from labkit.kernels._common import FLOAT_DTYPES, check
 
 # The NormalFloat4 table of the QLoRA paper (Dettmers et al. 2023), as bitsandbytes ships it.
 NF4_CODE = (
@@ -58,6 +58,10 @@ def nf4_dequantize(packed: torch.Tensor, absmax: torch.Tensor, blocksize: int,
     for s in shape:
         numel *= int(s)
     check(packed.dtype == torch.uint8, f"packed must be uint8, got {packed.dtype}")
+    check(dtype in FLOAT_DTYPES, f"dtype must be fp16, bf16 or fp32, got {dtype}")
+    check(absmax.is_floating_point() and absmax.device == packed.device,
+          f"absmax must be a float tensor on packed's device, got {absmax.dtype} on "
+          f"{absmax.device}")
     check(packed.numel() == (numel + 1) // 2,
           f"packed has {packed.numel()} bytes, shape {tuple(shape)} needs {(numel + 1) // 2}")
     check(blocksize > 0 and blocksize % 2 == 0, f"blocksize must be even, got {blocksize}")

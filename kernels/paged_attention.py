@@ -29,7 +29,16 @@ import math
 import torch
 import triton
 import triton.language as tl
-from labkit.kernels._common import check, dot_precision, interpreting, next_pow2
+from labkit.kernels._common import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check,
+    check_dtype,
+    dot_precision,
+    interpreting,
+    next_pow2,
+    on_host,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -158,12 +167,37 @@ def _check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
           f"num query heads {q.shape[-2]} must be a multiple of num kv heads {k_cache.shape[2]}")
     check(q.dtype == k_cache.dtype == v_cache.dtype,
           f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    check_dtype(q, "q (and the caches)", FLOAT_DTYPES)
     check(q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1,
           "q, k_cache and v_cache need a contiguous last (head_dim) dimension")
-    check(block_tables.dim() == 2 and block_tables.dtype in (torch.int32, torch.int64),
+    check(block_tables.dim() == 2 and block_tables.dtype in INDEX_DTYPES,
           "block_tables must be a 2-D int32 tensor [num_seqs, max_blocks]")
     check(context_lens.dim() == 1 and context_lens.numel() == block_tables.shape[0],
           "context_lens must be 1-D with one entry per block_tables row")
+    check_dtype(context_lens, "context_lens", INDEX_DTYPES)
+    check(len({t.device for t in (q, k_cache, v_cache, block_tables, context_lens)}) == 1,
+          "q, the caches, block_tables and context_lens must be on one device")
+
+
+def _check_context_lens(block_tables: torch.Tensor, context_lens: torch.Tensor,
+                        k_cache: torch.Tensor, min_len: int) -> None:
+    """On CPU tensors (see ``on_host``): every context fits its block-table row and the blocks
+    it uses exist. Out-of-range values would read outside the caches."""
+    if not on_host(block_tables, context_lens) or context_lens.numel() == 0:
+        return
+    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+    lens = context_lens.long()
+    check(int(lens.min()) >= min_len, f"every context_lens entry must be >= {min_len}, got "
+          f"{int(lens.min())}")
+    capacity = block_tables.shape[1] * block_size
+    check(int(lens.max()) <= capacity,
+          f"context_lens has {int(lens.max())} tokens but block_tables rows hold only "
+          f"{block_tables.shape[1]} blocks x {block_size} = {capacity}")
+    used = torch.arange(block_tables.shape[1])[None, :] < (lens[:, None] + block_size - 1) \
+        // block_size
+    ids = block_tables[used]
+    check(ids.numel() == 0 or (int(ids.min()) >= 0 and int(ids.max()) < num_blocks),
+          f"block_tables name physical blocks outside the cache's {num_blocks}")
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int,
@@ -187,11 +221,16 @@ def paged_attention_decode(
     """Decode attention over a paged KV cache. q [B, Hq, D] -> out [B, Hq, D] (q's dtype).
 
     ``num_splits=None`` picks split-KV automatically (see ``default_num_splits``); 1 forces the
-    single-pass kernel. Every context_lens entry must be >= 1.
+    single-pass kernel. Every context_lens entry must be >= 1 and fit its block-table row
+    (checked on CPU tensors; on a GPU the caller guarantees it).
     """
     _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
     check(q.dim() == 3, f"q must be [num_seqs, num_q_heads, head_dim], got {tuple(q.shape)}")
     check(q.shape[0] == block_tables.shape[0], "q and block_tables disagree on num_seqs")
+    _check_context_lens(block_tables, context_lens, k_cache, min_len=1)
+    # the kernel indexes a table row and the lengths with unit stride
+    block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+    context_lens = context_lens.contiguous()
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads

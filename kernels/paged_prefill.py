@@ -27,8 +27,21 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from labkit.kernels._common import check, dot_precision, interpreting, next_pow2
-from labkit.kernels.paged_attention import LOG2E, _check_paged_inputs, gather_kv
+from labkit.kernels._common import (
+    INDEX_DTYPES,
+    check,
+    check_dtype,
+    dot_precision,
+    interpreting,
+    next_pow2,
+    on_host,
+)
+from labkit.kernels.paged_attention import (
+    LOG2E,
+    _check_context_lens,
+    _check_paged_inputs,
+    gather_kv,
+)
 
 
 @triton.jit
@@ -132,7 +145,9 @@ def paged_prefill_attention(
     """Causal varlen attention of packed new tokens q [N, Hq, D] over the paged cache.
 
     ``max_query_len`` sizes the grid; when omitted it is read from query_start_loc (one host
-    sync). Returns [N, Hq, D] in q's dtype.
+    sync). Returns [N, Hq, D] in q's dtype. query_start_loc must run from 0 to N without going
+    down, and each q_len must be <= its context_lens entry, which must fit its block-table row
+    (all checked on CPU tensors; on a GPU the caller guarantees them).
     """
     _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
     check(q.dim() == 3, f"q must be [num_tokens, num_q_heads, head_dim], got {tuple(q.shape)}")
@@ -140,8 +155,24 @@ def paged_prefill_attention(
     check(query_start_loc.dim() == 1 and query_start_loc.numel() == num_seqs + 1,
           f"query_start_loc must have num_seqs + 1 = {num_seqs + 1} entries, "
           f"got {query_start_loc.numel()}")
+    check_dtype(query_start_loc, "query_start_loc", INDEX_DTYPES)
+    check(query_start_loc.device == q.device, "query_start_loc must be on q's device")
+    _check_context_lens(block_tables, context_lens, k_cache, min_len=0)
     _, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    query_start_loc, context_lens = query_start_loc.contiguous(), context_lens.contiguous()
+    block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+    if on_host(query_start_loc, context_lens) and num_seqs:
+        q_lens = query_start_loc[1:].long() - query_start_loc[:-1].long()
+        check(int(query_start_loc[0]) == 0 and int(query_start_loc[-1]) == q.shape[0]
+              and bool((q_lens >= 0).all()),
+              f"query_start_loc must rise from 0 to num_tokens = {q.shape[0]}, got "
+              f"{query_start_loc.tolist()}")
+        check(bool((q_lens <= context_lens.long()).all()),
+              f"each sequence's new tokens (q_lens {q_lens.tolist()}) must be <= its "
+              f"context_lens {context_lens.tolist()} (they are part of the context)")
+        check(max_query_len is None or max_query_len >= int(q_lens.max()),
+              f"max_query_len {max_query_len} < the longest q_len {int(q_lens.max())}")
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_seqs else 0
     out = torch.empty_like(q)
@@ -151,6 +182,9 @@ def paged_prefill_attention(
         block_m = 16 if max_query_len <= 16 else 64
     if block_n is None:
         block_n = 64
+    for name, val in (("block_m", block_m), ("block_n", block_n)):
+        check(val >= 16 and val == next_pow2(val), f"{name} must be a power of two >= 16, "
+              f"got {val}")
     if num_warps is None:
         num_warps = 4 if block_m <= 64 else 8
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_q_heads)

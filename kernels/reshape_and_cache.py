@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from labkit.kernels._common import check, next_pow2
+from labkit.kernels._common import INDEX_DTYPES, check, check_dtype, next_pow2, on_host
 
 
 @triton.jit
@@ -48,7 +48,12 @@ def _reshape_and_cache_kernel(
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter key/value [N, Hkv, D] into k_cache/v_cache [num_blocks, block_size, Hkv, D]."""
+    """Scatter key/value [N, Hkv, D] into k_cache/v_cache [num_blocks, block_size, Hkv, D].
+
+    ``slot_mapping`` [N] int32/int64: a slot in ``[0, num_blocks * block_size)`` or -1 (skip);
+    checked on CPU tensors (where a wrong slot would write outside the cache), on a GPU the
+    caller guarantees it.
+    """
     check(key.dim() == 3 and key.shape == value.shape,
           f"key and value must both be [N, num_kv_heads, head_dim], got {tuple(key.shape)} "
           f"and {tuple(value.shape)}")
@@ -62,9 +67,18 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
           f"key dtype {key.dtype} != cache dtype {k_cache.dtype}")
     check(key.stride(-1) == 1 and value.stride(-1) == 1 and k_cache.stride(-1) == 1
           and v_cache.stride(-1) == 1, "head_dim must be the contiguous dimension")
+    check_dtype(slot_mapping, "slot_mapping", INDEX_DTYPES)
+    check(len({t.device for t in (key, value, k_cache, v_cache, slot_mapping)}) == 1,
+          "key, value, the caches and slot_mapping must be on one device")
     n, heads, dim = key.shape
     if n == 0:
         return
+    slot_mapping = slot_mapping.contiguous()  # the kernel reads entry n at offset n
+    if on_host(slot_mapping):
+        num_slots = k_cache.shape[0] * k_cache.shape[1]
+        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+        check(lo >= -1 and hi < num_slots, f"slot_mapping entries must be -1 (padding) or a "
+              f"slot in [0, {num_slots}), got min {lo}, max {hi}")
     _reshape_and_cache_kernel[(n,)](
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),

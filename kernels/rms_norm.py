@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from labkit.kernels._common import check, next_pow2
+from labkit.kernels._common import FLOAT_DTYPES, check, check_dtype, next_pow2
 
 
 @triton.jit
@@ -47,18 +47,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None):
     """y = RMSNorm(x) * weight; with ``residual``: (RMSNorm(x + residual) * weight, x + residual).
 
-    x [..., H]; returns tensors shaped like x (the second one is the new residual stream).
+    x [..., H]; returns tensors shaped like x, in x's dtype (the second one is the new residual
+    stream). x and residual need a contiguous last dimension (rows may be strided).
     """
+    check(x.dim() >= 1, "x must have a hidden (last) dimension")
     check(x.shape[-1] == weight.numel(),
           f"weight has {weight.numel()} elements, x's last dimension is {x.shape[-1]}")
     check(residual is None or residual.shape == x.shape,
           f"residual shape {None if residual is None else tuple(residual.shape)} != x shape "
           f"{tuple(x.shape)}")
+    check_dtype(x, "x", FLOAT_DTYPES)
+    check_dtype(weight, "weight", FLOAT_DTYPES)
+    check(residual is None or residual.dtype == x.dtype,
+          f"residual dtype {None if residual is None else residual.dtype} != x dtype {x.dtype}")
+    check(len({t.device for t in (x, weight, residual) if t is not None}) == 1,
+          "x, weight and residual must be on one device")
     hidden = x.shape[-1]
     x2 = x.reshape(-1, hidden)
-    check(x2.stride(-1) == 1, "x needs a contiguous last dimension")
-    out = torch.empty_like(x2)
     res2 = residual.reshape(-1, hidden) if residual is not None else x2
+    check(x2.stride(-1) == 1 and res2.stride(-1) == 1,
+          "x and residual need a contiguous last dimension")
+    weight = weight.reshape(-1).contiguous()  # read at offsets 0..H-1
+    out = torch.empty_like(x2)
     res_out = torch.empty_like(x2) if residual is not None else out
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](

@@ -19,7 +19,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from labkit.kernels._common import check, next_pow2
+from labkit.kernels._common import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check,
+    check_dtype,
+    next_pow2,
+    on_host,
+)
 
 
 @triton.jit
@@ -66,18 +73,33 @@ def build_cos_sin_cache(max_position: int, head_dim: int, base: float = 10000.0,
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_sin_cache: torch.Tensor) -> None:
-    """Rotate q [N, Hq, D] and k [N, Hkv, D] in place by their token positions [N]."""
+    """Rotate q [N, Hq, D] and k [N, Hkv, D] in place by their token positions [N].
+
+    q and k may be strided views (e.g. of a fused qkv output) with a contiguous head_dim.
+    Positions must index rows of ``cos_sin_cache`` (checked on CPU tensors).
+    """
     check(q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] == positions.numel(),
           f"q [N, Hq, D], k [N, Hkv, D] and positions [N] disagree: {tuple(q.shape)}, "
           f"{tuple(k.shape)}, {tuple(positions.shape)}")
     head_dim = q.shape[-1]
     check(k.shape[-1] == head_dim and cos_sin_cache.shape[-1] == head_dim,
           f"head_dim mismatch: q {head_dim}, k {k.shape[-1]}, cache {cos_sin_cache.shape[-1]}")
+    check(head_dim % 2 == 0, f"head_dim must be even for rotary embedding, got {head_dim}")
     check(q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin_cache.is_contiguous(),
           "q, k need a contiguous head_dim and the cos/sin cache must be contiguous")
     check(cos_sin_cache.dtype == torch.float32, "cos_sin_cache must be float32")
+    check_dtype(q, "q", FLOAT_DTYPES)
+    check_dtype(k, "k", FLOAT_DTYPES)
+    check_dtype(positions, "positions", INDEX_DTYPES)
+    check(len({t.device for t in (positions, q, k, cos_sin_cache)}) == 1,
+          "positions, q, k and cos_sin_cache must be on one device")
     if q.shape[0] == 0:
         return
+    positions = positions.reshape(-1).contiguous()  # the kernel reads entry n at offset n
+    if on_host(positions):
+        lo, hi = int(positions.min()), int(positions.max())
+        check(lo >= 0 and hi < cos_sin_cache.shape[0], f"positions must be in [0, "
+              f"{cos_sin_cache.shape[0]}) (the cos/sin cache's rows), got {lo}..{hi}")
     half = head_dim // 2
     _rotary_kernel[(q.shape[0],)](
         q, k, positions, cos_sin_cache, q.shape[1], k.shape[1],
