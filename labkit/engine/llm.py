@@ -135,8 +135,9 @@ def make_request_output(engine: LLMEngine, request_id: str,
     tok = engine.tokenizer
     outs = []
     for s in req.seqs:
-        text = s.output_text
-        if not text and tok is not None and s.output_token_ids and req.params.detokenize:
+        text = s.output_text  # kept current by the engine, stop strings already cut
+        if not text and tok is not None and s.output_token_ids and req.params.detokenize \
+                and not req.params.stop:  # '' after a stop-string cut is the answer
             text = tok.decode(s.output_token_ids)
         outs.append(CompletionOutput(s.index, text, list(s.output_token_ids), s.finish_reason))
     return RequestOutput(request_id, prompt, list(req.prompt_token_ids), outs, req.is_finished,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from labkit.engine.invariants import assert_no_leaks
 from labkit.model.loader import resolve_model_path
 
 try:
@@ -53,4 +54,20 @@ def test_stop_string_cuts_text(llm):
                                                       stop=[stop]))[0].outputs[0]
     assert out.finish_reason == "stop" and out.text == text[: text.find(stop)]
     assert len(out.token_ids) < len(full.outputs[0].token_ids)
-    assert llm.llm_engine.block_manager.pool.num_used == 0
+    assert_no_leaks(llm.llm_engine)
+
+
+def test_stop_string_at_the_start_leaves_empty_text(llm):
+    """The first generated token already holds the stop string: the text is '' (everything
+    before it). Before: '' was taken for "not decoded yet" and the stop string came back."""
+    from labkit.engine.sampling_params import SamplingParams
+
+    full = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=4))[0]
+    first = llm.tokenizer.decode(full.outputs[0].token_ids[:1])
+    stop = first.strip() or first  # e.g. '\n    ' decodes from one token; stop at '\n'
+    stop = stop[:1]
+    out = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=4,
+                                                       stop=[stop]))[0].outputs[0]
+    assert first.startswith(stop) and out.finish_reason == "stop"
+    assert out.text == "" and out.token_ids == full.outputs[0].token_ids[:1]
+    assert_no_leaks(llm.llm_engine)
