@@ -9,6 +9,7 @@ BENCHMARKS = {
     "batching": "labkit.bench.batching",
     "prefix": "labkit.bench.prefix",
     "kernels": "labkit.bench.kernels",
+    "kernels-static": "labkit.bench.kernels_static",
     "quant": "labkit.bench.quant",
     "spec": "labkit.bench.spec",
 }
