@@ -13,16 +13,16 @@ steps, every SPLIT_K-th step by this program; split partials are summed by a sec
     └────────┘    ─► [BLOCK_K, BLOCK_N]     └──┴──┘ ─► [BLOCK_K, BLOCK_N/8, 8] ─► [BLOCK_K, BLOCK_N]
              w = (q - zero) * scale[group]   then   acc += x_tile @ w   (tensor cores, fp32 acc)
 
-M = 1 takes a GEMV path: acc[BLOCK_K, BLOCK_N] += x[:, None] * w (kept 3-D as unpacked), reduced
-over K once at the end, which avoids padding one row to 16 for ``tl.dot``.
+M = 1 (one decode token) goes to the GEMV kernels in ``dequant_gemv.py``: no tensor cores (a
+single row would be padded to 16 for ``tl.dot``), an FMA per weight, zero and scale factored out
+of the inner loop. The config key BLOCK_M = 1 selects them.
 
 What bounds it: for small M, memory. FLOPs 2*M*K*N over bytes K*N/2 (4-bit): intensity 4*M
 FLOP/byte, so up to M ~ 50 the H200 (ridge ~200 FLOP/byte) waits on weights; larger M turns
-compute-bound and the in-loop dequantisation becomes overhead against a plain fp16 GEMM.
-At M = 1 the *instruction* budget is the catch: every weight costs ~4 instructions (and-or into
-a float's mantissa, subtract zero, scale, fma; see ``_nibbles_as_floats``), 8 per byte of int4,
-while an H200 issues ~33 T lane-instructions/s: that alone caps the GEMV near 4 TB/s, the same
-as its memory. A plain int->float conversion per weight (quarter rate) would cap it far lower.
+compute-bound and the in-loop dequantisation (here ~4 instructions per weight: and-or into a
+float's mantissa, subtract zero, scale, convert for the dot; see ``_nibbles_as_floats``) becomes
+overhead against a plain fp16 GEMM. A plain int->float conversion per weight (quarter rate)
+would cost more.
 
 Layouts (see interfaces.md):
 - GPTQ: qweight int32 [K/8, N] (lowest nibble = first row); qzeros int32 [G, N/8] storing zero-1,
@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 from labkit.kernels._common import FLOAT_DTYPES, INDEX_DTYPES, check, check_dtype, interpreting
+from labkit.kernels.dequant_gemv import KERNELS as GEMV_KERNELS
+from labkit.kernels.dequant_gemv import gemv_config
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 MAGIC = tl.constexpr(8388608.0)  # 2^23: OR-ing a small int into the mantissa gives 2^23 + int
@@ -113,7 +115,7 @@ def _gptq_kernel(
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    pid_m = tl.program_id(1)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rows8 = tl.arange(0, BLOCK_K // 8)
@@ -121,17 +123,13 @@ def _gptq_kernel(
     pow16 = _pow16(nib)
     inv16 = 1.0 / pow16
     z_shift = (offs_n % 8) * 4
-    if BLOCK_M == 1:  # GEMV: keep the [BLOCK_K/8, 8, BLOCK_N] shape, reduce over K at the end
-        acc = tl.zeros([BLOCK_K // 8, 8, BLOCK_N], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(tl.program_id(2) * BLOCK_K, K, BLOCK_K * split_k):
         offs_kp = k0 // 8 + rows8
         qw = tl.load(qw_ptr + offs_kp[:, None] * N + offs_n[None, :],
                      mask=(offs_kp[:, None] < K // 8) & n_mask[None, :], other=0)
         # [BK/8, 8, BN]: row k0 + 8i + j as the float 2^23 + q * 16^(j % 4)
         q = _nibbles_as_floats(qw[:, None, :], nib[None, :, None])
-        offs_k2 = k0 + 8 * rows8[:, None] + tl.arange(0, 8)[None, :]
         if GROUP_SIZE > 0:  # g_idx == k // GROUP_SIZE and BLOCK_K divides it: one group
             g = k0 // GROUP_SIZE
             s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0)
@@ -141,6 +139,7 @@ def _gptq_kernel(
             sj = s.to(tl.float32)[None, :] * inv16[:, None]
             w = (q - zz[None, :, :]) * sj[None, :, :]
         else:  # act-order: every row of the tile may belong to another group
+            offs_k2 = k0 + 8 * rows8[:, None] + nib[None, :]
             g = tl.load(g_ptr + offs_k2, mask=offs_k2 < K, other=0)[:, :, None]
             s = tl.load(s_ptr + g * N + offs_n[None, None, :], mask=n_mask[None, None, :],
                         other=0.0)
@@ -149,21 +148,11 @@ def _gptq_kernel(
             z = ((qz >> z_shift[None, None, :]) & 0xF).to(tl.float32) + 1.0
             p16 = pow16[None, :, None]
             w = (q - (MAGIC + z * p16)) * (s.to(tl.float32) * inv16[None, :, None])
-        if BLOCK_M == 1:
-            x = tl.load(x_ptr + pid_m * stride_xm + offs_k2, mask=offs_k2 < K, other=0.0)
-            acc += x.to(tl.float32)[:, :, None] * w  # fp32 W: no fp16 round trip per element
-        else:
-            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            acc = _dot_accumulate(acc, x_ptr, stride_xm, offs_m, k0 + tl.arange(0, BLOCK_K),
-                                  M, K, tl.reshape(w.to(s_ptr.dtype.element_ty),
-                                                   [BLOCK_K, BLOCK_N]), DOT_FP32)
-    if BLOCK_M == 1:
-        _write(out_ptr, pid_m * stride_om + offs_n, tl.sum(tl.sum(acc, 0), 0), n_mask,
-               split_stride, SPLIT)
-    else:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        _write(out_ptr, offs_m[:, None] * stride_om + offs_n[None, :], acc,
-               (offs_m[:, None] < M) & n_mask[None, :], split_stride, SPLIT)
+        acc = _dot_accumulate(acc, x_ptr, stride_xm, offs_m, k0 + tl.arange(0, BLOCK_K), M, K,
+                              tl.reshape(w.to(s_ptr.dtype.element_ty), [BLOCK_K, BLOCK_N]),
+                              DOT_FP32)
+    _write(out_ptr, offs_m[:, None] * stride_om + offs_n[None, :], acc,
+           (offs_m[:, None] < M) & n_mask[None, :], split_stride, SPLIT)
 
 
 @triton.jit
@@ -173,17 +162,13 @@ def _awq_kernel(
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    pid_m = tl.program_id(1)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_np = tl.program_id(0) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
     col = tl.arange(0, 8)
     offs_n2 = offs_np[:, None] * 8 + col[None, :]  # [BN/8, 8]: output column 8p + c
     np_mask = offs_np < N // 8
-    n_mask2 = offs_n2 < N
     shifts = ((col % 2) * 4 + col // 2) * 4  # column c sits in nibble AWQ_ORDER.index(c)
-    if BLOCK_M == 1:
-        acc = tl.zeros([BLOCK_K, BLOCK_N // 8, 8], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(tl.program_id(2) * BLOCK_K, K, BLOCK_K * split_k):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         qw = tl.load(qw_ptr + offs_k[:, None] * (N // 8) + offs_np[None, :],
@@ -192,24 +177,14 @@ def _awq_kernel(
         g = k0 // GROUP_SIZE
         qz = tl.load(qz_ptr + g * (N // 8) + offs_np, mask=np_mask, other=0)
         z = ((qz[:, None] >> shifts[None, :]) & 0xF).to(tl.float32) + MAGIC  # [BN/8, 8]
-        s = tl.load(s_ptr + g * N + offs_n2, mask=n_mask2, other=0.0)
+        s = tl.load(s_ptr + g * N + offs_n2, mask=offs_n2 < N, other=0.0)
         w = (q - z[None, :, :]) * s.to(tl.float32)[None, :, :]
-        if BLOCK_M == 1:
-            x = tl.load(x_ptr + pid_m * stride_xm + offs_k, mask=offs_k < K, other=0.0)
-            acc += x.to(tl.float32)[:, None, None] * w
-        else:
-            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            acc = _dot_accumulate(acc, x_ptr, stride_xm, offs_m, offs_k, M, K,
-                                  tl.reshape(w.to(s_ptr.dtype.element_ty), [BLOCK_K, BLOCK_N]),
-                                  DOT_FP32)
-    if BLOCK_M == 1:
-        _write(out_ptr, pid_m * stride_om + offs_n2, tl.sum(acc, 0), n_mask2, split_stride,
-               SPLIT)
-    else:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        _write(out_ptr, offs_m[:, None] * stride_om + offs_n[None, :], acc,
-               (offs_m[:, None] < M) & (offs_n[None, :] < N), split_stride, SPLIT)
+        acc = _dot_accumulate(acc, x_ptr, stride_xm, offs_m, offs_k, M, K,
+                              tl.reshape(w.to(s_ptr.dtype.element_ty), [BLOCK_K, BLOCK_N]),
+                              DOT_FP32)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    _write(out_ptr, offs_m[:, None] * stride_om + offs_n[None, :], acc,
+           (offs_m[:, None] < M) & (offs_n[None, :] < N), split_stride, SPLIT)
 
 
 @triton.jit
@@ -219,39 +194,26 @@ def _w8a16_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    pid_m = tl.program_id(1)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    if BLOCK_M == 1:
-        acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(tl.program_id(2) * BLOCK_K, K, BLOCK_K * split_k):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(qw_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None],
                     mask=(offs_k[:, None] < K) & n_mask[None, :], other=0)
-        if BLOCK_M == 1:  # 2^23 + 128 + q as a float, minus the offset: exact, no I2F
-            w = (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - (MAGIC + 128.0)
-            x = tl.load(x_ptr + pid_m * stride_xm + offs_k, mask=offs_k < K, other=0.0)
-            acc += x.to(tl.float32)[:, None] * w
-        else:  # int8 -> fp16 is exact; the scale is applied to the output
-            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            acc = _dot_accumulate(acc, x_ptr, stride_xm, offs_m, offs_k, M, K,
-                                  w.to(tl.float16), DOT_FP32)
+        # int8 -> fp16 is exact; the per-channel scale is applied to the output
+        acc = _dot_accumulate(acc, x_ptr, stride_xm, offs_m, offs_k, M, K, w.to(tl.float16),
+                              DOT_FP32)
     s = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    if BLOCK_M == 1:
-        _write(out_ptr, pid_m * stride_om + offs_n, tl.sum(acc, 0) * s, n_mask, split_stride,
-               SPLIT)
-    else:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        _write(out_ptr, offs_m[:, None] * stride_om + offs_n[None, :], acc * s[None, :],
-               (offs_m[:, None] < M) & n_mask[None, :], split_stride, SPLIT)
+    _write(out_ptr, offs_m[:, None] * stride_om + offs_n[None, :], acc * s[None, :],
+           (offs_m[:, None] < M) & n_mask[None, :], split_stride, SPLIT)
 
 
-def default_config(m: int, n: int, k: int) -> dict[str, int]:
-    """Tile sizes by M: GEMV with split-K to fill the GPU at M=1, tensor-core tiles above."""
+def default_config(m: int, n: int, k: int, kind: str = "gptq") -> dict[str, int]:
+    """Tile sizes by M: the GEMV kernels (``dequant_gemv``) at M = 1, tensor-core tiles above."""
     if m == 1:
-        return {"BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 4}
+        return gemv_config(kind)
     if m <= 16:
         return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 4}
     if m <= 64:
@@ -259,21 +221,28 @@ def default_config(m: int, n: int, k: int) -> dict[str, int]:
     return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 8}
 
 
-def _launch(kernel, x: torch.Tensor, n: int, args: tuple, config: dict | None,
+GEMM_KERNELS = {"gptq": _gptq_kernel, "awq": _awq_kernel, "w8a16": _w8a16_kernel}
+
+
+def _launch(kind: str, x: torch.Tensor, n: int, args: tuple, config: dict | None,
             k_align: int = 1, **constexprs) -> torch.Tensor:
+    """Run the GEMV (config BLOCK_M == 1: one program row per row of x) or the GEMM kernel,
+    then sum the split-K partials if there are several."""
     m, k = x.shape
-    cfg = {**default_config(m, n, k), **(config or {})}
+    cfg = {**default_config(m, n, k, kind), **(config or {})}
     block_k = min(cfg["BLOCK_K"], k_align) if k_align > 1 else cfg["BLOCK_K"]
     split_k = max(1, min(cfg["SPLIT_K"], triton.cdiv(k, block_k)))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     dst = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split_k)
-    kernel[grid](
-        x, *args, dst, m, n, k, split_k, x.stride(0), n, m * n,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, SPLIT=split_k > 1,
-        DOT_FP32=interpreting(), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
-        **constexprs,
-    )
+    common = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, SPLIT=split_k > 1,
+                  num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3), **constexprs)
+    if cfg["BLOCK_M"] == 1:
+        grid = (triton.cdiv(n, cfg["BLOCK_N"]), m, split_k)
+        GEMV_KERNELS[kind][grid](x, *args, dst, n, k, split_k, x.stride(0), n, m * n, **common)
+    else:
+        grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split_k)
+        GEMM_KERNELS[kind][grid](x, *args, dst, m, n, k, split_k, x.stride(0), n, m * n,
+                                 BLOCK_M=cfg["BLOCK_M"], DOT_FP32=interpreting(), **common)
     if split_k > 1:
         _sum_splits[(triton.cdiv(m * n, 1024),)](out, dst, m * n, split_k, BLOCK=1024)
     return out
@@ -333,7 +302,7 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
           f"{tuple(qzeros.shape)}")
     check(g_idx.numel() == k, f"g_idx must have K = {k} entries, got {g_idx.numel()}")
     group = _trivial_group_size(g_idx, scales.shape[0])
-    return _launch(_gptq_kernel, x, n,
+    return _launch("gptq", x, n,
                    (qweight.contiguous(), qzeros.contiguous(), scales.contiguous(),
                     g_idx.to(torch.int32).contiguous()),
                    config, k_align=group or 1, GROUP_SIZE=group)
@@ -354,7 +323,7 @@ def awq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     check(scales.shape == (g, n) and qzeros.shape == (g, n // 8),
           f"scales must be [{g}, {n}] and qzeros [{g}, {n // 8}], got {tuple(scales.shape)} and "
           f"{tuple(qzeros.shape)}")
-    return _launch(_awq_kernel, x, n,
+    return _launch("awq", x, n,
                    (qweight.contiguous(), qzeros.contiguous(), scales.contiguous()),
                    config, k_align=group_size, GROUP_SIZE=group_size)
 
@@ -368,7 +337,7 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     _check_x(x, k)
     check(scales.numel() == n, f"scales must have N = {n} entries, got {scales.numel()}")
     check_dtype(scales, "scales", FLOAT_DTYPES)
-    return _launch(_w8a16_kernel, x, n, (qweight.contiguous(), scales.contiguous()), config)
+    return _launch("w8a16", x, n, (qweight.contiguous(), scales.contiguous()), config)
 
 
 # ----------------------------------------------------------------------------- references
