@@ -327,7 +327,9 @@ class LLMEngine:
                 elif len(seq.block_table) > cdiv(len(seq.token_ids) + lookahead, bs):
                     bm.truncate(seq, len(seq.token_ids))  # drop slots of rejected drafts
                 if added or reason:
-                    outputs.append(self._step_output(seq, added, reason))
+                    so = self._step_output(seq, added, reason)
+                    appended[seq.seq_id] = so.new_token_ids  # may be cut at a stop string
+                    outputs.append(so)
                 req = seq.request
                 if req.first_token_time is None and added:
                     req.first_token_time = now
@@ -363,11 +365,24 @@ class LLMEngine:
                     text = text[:cut]
                     if reason is None:
                         reason = "stop"
+                        added = self._cut_at_stop_string(seq, added)
                         self._finish_by_stop_string(seq)
             delta = text[len(old):] if text.startswith(old) else text
             seq.output_text = text
         return StepOutput(seq.request_id, seq.seq_id, seq.index, added, delta,
                           reason is not None, reason)
+
+    def _cut_at_stop_string(self, seq: Sequence, added: list[int]) -> list[int]:
+        """A speculative step appends several tokens at once; keep them only up to the one
+        that completed the stop string, so token_ids equal a one-token-per-step run's."""
+        out, stops = seq.output_token_ids, seq.request.params.stop
+        for k in range(len(out) - len(added), len(out) - 1):
+            text = self.tokenizer.decode(out[: k + 1])
+            if any(s in text for s in stops):
+                drop = len(out) - k - 1
+                del seq.token_ids[-drop:], seq.token_times[-drop:]
+                return added[:-drop]
+        return added
 
     def _finish_by_stop_string(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED

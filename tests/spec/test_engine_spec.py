@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from labkit import LLM, SamplingParams
+from labkit.engine.invariants import assert_no_leaks
 from labkit.model.generate import generate
 from labkit.spec import SpeculativeConfigError
 from labkit.spec.theory import trace_acceptance
@@ -28,10 +29,7 @@ def _greedy(max_tokens, **kw):
 
 
 def _assert_all_blocks_returned(llm):
-    bm = llm.llm_engine.block_manager
-    assert bm.pool.num_used == 0, bm.stats()
-    assert all(r == 0 for r in bm.pool.ref_counts)
-    assert bm.pool.num_free + bm.pool.num_cached == bm.num_blocks
+    assert_no_leaks(llm.llm_engine)  # ref counts recounted from block tables, swap space empty
 
 
 @pytest.fixture(scope="module")
@@ -208,3 +206,33 @@ def test_trace_replay_matches_live_block_tables(target, drafts):
     assert eng.executor.num_draft_tokens > 2 * eng.executor.num_accepted_tokens  # rejections
     snap = replay(eng.trace, -1)
     assert not any(snap.block_tables.values()) and not snap.ref_counts
+
+
+class LetterTokenizer:
+    """Token t decodes to one letter: enough to put stop strings mid speculative run."""
+
+    def decode(self, ids):
+        return "".join(chr(97 + t % 26) for t in ids)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_stop_string_inside_accepted_run_cuts_token_ids(target, drafts, references, method):
+    """A verify step appends several tokens; a stop string completed by the first of them
+    must end the output there, exactly as plain decoding does (before: the rest of the
+    accepted run stayed in token_ids, so spec and plain outputs differed)."""
+    tok = LetterTokenizer()
+    stops = []
+    for ref in references:
+        text = tok.decode(ref)
+        stops.append(text[5:7] if text[5:7] not in text[:6] else text[5:8])
+    plain = LLM.from_model(target, tok, block_size=4)
+    spec = LLM.from_model(target, tok, block_size=4,
+                          speculative_config=_cfg(method, drafts, 5, draft="self"))
+    for p, stop in zip(PROMPTS, stops):
+        sp = _greedy(40, stop=[stop])
+        a = plain.generate(prompt_token_ids=[p], sampling_params=sp)[0].outputs[0]
+        b = spec.generate(prompt_token_ids=[p], sampling_params=sp)[0].outputs[0]
+        assert a.finish_reason == b.finish_reason == "stop" and stop not in a.text
+        assert b.token_ids == a.token_ids and b.text == a.text
+    assert sum(r["accepted"] > 1 for st in spec.llm_engine.trace.steps for r in st["spec"])
+    _assert_all_blocks_returned(spec)
