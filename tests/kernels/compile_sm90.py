@@ -9,13 +9,12 @@ Prints one line per variant and exits non-zero if any failed.
 
 import sys
 
-import triton
 from labkit.kernels import dequant_gemv as gv
 from labkit.kernels import dequant_matmul as dq
 from labkit.kernels import nf4, paged_attention, paged_prefill, rms_norm, rotary_embedding
 from labkit.kernels import reshape_and_cache as rc
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+
+from labkit.bench.kernels_static import compile_sm90
 
 SMEM_LIMIT = 227 * 1024
 BF16_ATTN = {"out_ptr": "*bf16", "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
@@ -72,25 +71,12 @@ def variants():
     yield dq._sum_splits, {"out_ptr": "*fp16", "ws_ptr": "*fp32"}, {"BLOCK": 1024}, 4, 1
 
 
-def compile_one(fn, ptr_types, consts, num_warps, num_stages):
-    sig, constexprs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-            constexprs[(i,)] = consts[name]
-        else:
-            sig[name] = ptr_types.get(name, "i32")
-    src = ASTSource(fn, sig, constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
-
-
 def main() -> int:
     failed = 0
     for fn, types, consts, warps, stages in variants():
         label = f"{fn.__name__} {consts}"
         try:
-            kernel = compile_one(fn, types, consts, warps, stages)
+            kernel = compile_sm90(fn, types, consts, warps, stages)
             smem = kernel.metadata.shared
             ok = smem <= SMEM_LIMIT
             print(f"{'ok' if ok else 'FAIL'} {label} shared={smem}")
