@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from labkit.engine.invariants import assert_no_leaks
 from labkit.engine.llm import LLM
 from labkit.engine.sampling_params import SamplingParams
 from labkit.kv.cache import kv_bytes_per_block
@@ -54,8 +55,7 @@ def run_int8(model, prompts, params=None, **kw):
     params = params or SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     eng = llm.llm_engine
-    assert eng.block_manager.pool.num_used == 0  # everything released (free or cached)
-    assert eng.block_manager.cpu_pool.num_used == 0
+    assert_no_leaks(eng)  # everything released (free or cached), swap space empty
     return outs, eng
 
 

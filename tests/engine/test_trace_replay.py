@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from labkit.engine.invariants import assert_no_leaks
 from labkit.engine.llm_engine import LLMEngine
 from labkit.engine.sampling_params import SamplingParams
 from labkit.engine.trace import Trace, replay
@@ -63,9 +64,7 @@ def test_replay_equals_live_state_every_step(tiny_model, seed, mode):
     assert {"alloc", "free", "prefix_hit", "evict"} <= kinds
     assert any(s["preempted"] for s in steps)
     # nothing leaked: every block free or cached with ref count 0
-    pool = eng.block_manager.pool
-    assert pool.num_used == 0 and eng.block_manager.cpu_pool.num_used == 0
-    assert not eng.block_manager.seqs
+    assert_no_leaks(eng)
     reasons = {f["reason"] for s in steps for f in s["finished"]}
     assert "length" in reasons
     # JSON round trip and replay of an earlier step from the decoded trace

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from labkit.engine.invariants import assert_no_leaks, check_kv_invariants
 from labkit.kv.block_manager import BlockManager
 from labkit.sched.request import Request, SequenceStatus
 from labkit.sched.scheduler import Scheduler, SchedulerConfig
@@ -24,6 +25,13 @@ def add(s, rid, prompt, max_tokens=4, n=1, priority=0):
                   index=s.num_waiting + len(s.running))
     s.add_request(req)
     return req
+
+
+def engine_view(s, bm, reqs):
+    """What labkit.engine.invariants reads from an engine, for a bare scheduler."""
+    return SimpleNamespace(block_manager=bm, scheduler=s, stats=bm.stats,
+                           requests={r.request_id: r for r in reqs},
+                           has_unfinished_requests=s.has_unfinished)
 
 
 def run(s, bm, reqs, max_steps=500, check=None):
@@ -49,11 +57,12 @@ def run(s, bm, reqs, max_steps=500, check=None):
                     seq.status = SequenceStatus.FINISHED
                     bm.free(seq)
         s.remove_finished()
+        check_kv_invariants(engine_view(s, bm, reqs))
         steps.append(out)
         assert len(steps) < max_steps, "scheduler made no progress"
     for r in reqs:
         assert [q.num_output_tokens for q in r.seqs] == [r.params.max_tokens] * r.n
-    assert bm.pool.num_used == 0 and bm.cpu_pool.num_used == 0
+    assert_no_leaks(engine_view(s, bm, reqs))
     return steps
 
 
@@ -148,7 +157,7 @@ def test_abort_waiting_running_swapped_frees_all():
             if seq.status is not SequenceStatus.FINISHED:
                 s.abort_seq(seq)
     assert not s.has_unfinished()
-    assert bm.pool.num_used == 0 and bm.cpu_pool.num_used == 0
+    assert_no_leaks(engine_view(s, bm, reqs))
 
 
 @settings(max_examples=60, deadline=None)

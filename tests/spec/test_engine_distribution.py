@@ -17,6 +17,7 @@ import torch
 from scipy.stats import chisquare
 
 from labkit import LLM, SamplingParams
+from labkit.engine.invariants import assert_no_leaks
 from labkit.spec import executor as spec_executor
 
 N = 3000
@@ -73,7 +74,7 @@ def _run(target, config, prompt, both_branches=True):
     accepted = sum(r["accepted"] > 0 for r in first.values())
     if both_branches:  # accept and reject both happened
         assert 0 < accepted < N
-    assert llm.llm_engine.block_manager.pool.num_used == 0
+    assert_no_leaks(llm.llm_engine)
     return [o.outputs[0].token_ids[1] for o in outs]
 
 
