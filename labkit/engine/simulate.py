@@ -14,11 +14,13 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from labkit.engine.clock import VirtualClock
+from labkit.engine.errors import EngineConfigError
 from labkit.engine.llm_engine import LLMEngine
 from labkit.engine.metrics import compute_metrics
 from labkit.engine.sampling_params import SamplingParams
 from labkit.engine.sim_executor import SimExecutor
 from labkit.engine.trace import Trace
+from labkit.engine.validate import check_int
 from labkit.sim.cost import max_kv_tokens
 from labkit.sim.presets import get_gpu, get_model_preset
 from labkit.sim.workloads import RequestSpec, Workload, get_workload
@@ -44,6 +46,7 @@ def simulate(model: str = "llama-2-7b", gpu: str = "a100-80gb",
 
     Extra keyword arguments go to LLMEngine (e.g. ``enable_chunked_prefill``,
     ``preemption_mode``, ``num_cpu_blocks``, ``watermark_high``/``watermark_low``)."""
+    check_int("block_size", block_size)
     m, g = get_model_preset(model), get_gpu(gpu)
     if isinstance(workload, list):
         specs = workload
@@ -54,8 +57,8 @@ def simulate(model: str = "llama-2-7b", gpu: str = "a100-80gb",
         kv_cache_bytes = max_kv_tokens(m, g) * per_token
     num_blocks = int(kv_cache_bytes // (block_size * per_token))
     if num_blocks < 1:
-        raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no {block_size}-token block "
-                         f"of {m.name} ({per_token} bytes per token)")
+        raise EngineConfigError(f"kv_cache_bytes={kv_cache_bytes} holds no {block_size}-token "
+                                f"block of {m.name} ({per_token} bytes per token)")
     max_len = max((s.prompt_len + s.output_len for s in specs), default=2) + 1
     clock = VirtualClock()
     vocab = getattr(m, "vocab_size", 32000)

@@ -51,3 +51,12 @@ def test_continuous_beats_static_in_simulation():
     cont = simulate(batching="continuous", **kw)
     stat = simulate(batching="static", **kw)
     assert cont.metrics["duration_s"] < stat.metrics["duration_s"]
+
+
+def test_simulate_bad_config_is_a_named_error():
+    from labkit.engine.errors import EngineConfigError
+
+    with pytest.raises(EngineConfigError, match="block_size"):
+        simulate(num_requests=2, block_size=0)  # was: ZeroDivisionError
+    with pytest.raises(EngineConfigError, match="kv_cache_bytes"):
+        simulate(num_requests=2, kv_cache_bytes=10)
