@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from labkit.engine.validate import is_int
+
 METHODS = ("draft_model", "ngram")
 
 
@@ -57,14 +59,15 @@ class SpeculativeConfig:
         ``max_model_len``: the longest sequence the engine allows (default: the target's
         context); the draft must reach at least that far."""
         g = self.num_speculative_tokens
-        if not isinstance(g, int) or g < 1:
+        if not is_int(g) or g < 1:
             raise SpeculativeConfigError(
                 f"num_speculative_tokens (γ) must be an integer >= 1, got {g!r}")
         if self.method not in METHODS:
             raise SpeculativeConfigError(
                 f"unknown speculative method {self.method!r}; choose one of {METHODS}")
         if self.method == "ngram":
-            if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if not (is_int(lo) and is_int(hi)) or not 1 <= lo <= hi:
                 raise SpeculativeConfigError(
                     "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                     f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")

@@ -164,6 +164,13 @@ def test_construction_errors(target, drafts, build_model):
         LLM(target, speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
     with pytest.raises(SpeculativeConfigError, match="unknown speculative_config keys"):
         LLM(target, speculative_config={"method": "ngram", "gamma": 2})
+    for bad in ({"num_speculative_tokens": True}, {"num_speculative_tokens": 2.0},
+                {"prompt_lookup_max": "4"}):  # was: bool accepted as γ=1, TypeError
+        with pytest.raises(SpeculativeConfigError):
+            LLM(target, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                            **bad})
+    with pytest.raises(SpeculativeConfigError, match="must be a dict"):
+        LLM(target, speculative_config="ngram")
     # a shorter max_model_len makes the short-context draft acceptable
     LLM(target, max_model_len=128, speculative_config={
         "method": "draft_model", "model": build(3, max_position_embeddings=128),
