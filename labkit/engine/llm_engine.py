@@ -39,12 +39,12 @@ from labkit.engine.clock import WallClock
 from labkit.engine.errors import EngineConfigError, EngineStepError, InvalidPromptError
 from labkit.engine.outputs import StepOutput
 from labkit.engine.sampling_params import SamplingParams
-from labkit.engine.trace import Trace
+from labkit.engine.trace import Trace, step_record
 from labkit.engine.validate import (
+    check_fits,
     check_int,
     check_max_model_len,
     check_request_args,
-    is_int,
     prompt_ids,
 )
 from labkit.kv.block_manager import BlockManager, cdiv
@@ -163,35 +163,7 @@ class LLMEngine:
             raise InvalidPromptError(f"duplicate request id {request_id!r}: ids must be unique "
                                      "for the engine's lifetime")
         ids = prompt_ids(request_id, prompt, prompt_token_ids, self.tokenizer)
-        rid, cfg = request_id, self.config
-        if not ids:
-            raise InvalidPromptError(f"request {rid!r}: the prompt is empty")
-        if self.vocab_size is not None and (min(ids) < 0 or max(ids) >= self.vocab_size):
-            raise InvalidPromptError(f"request {rid!r}: token ids must be in [0, "
-                                     f"{self.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise InvalidPromptError(f"request {rid!r}: prompt of {len(ids)} tokens leaves no "
-                                     f"room in the model's context of {self.max_model_len} "
-                                     "tokens; shorten it")
-        if params.n > cfg.max_num_seqs:
-            raise InvalidPromptError(f"n={params.n} exceeds max_num_seqs={cfg.max_num_seqs}; "
-                                     "lower n or raise max_num_seqs")
-        if params.stop and self.tokenizer is None:
-            raise InvalidPromptError("stop strings need a tokenizer; use stop_token_ids instead")
-        if cfg.policy == "priority" and not is_int(priority):
-            raise InvalidPromptError(f"priority must be an int, got {priority!r}")
-        total = min(len(ids) + params.max_tokens, self.max_model_len)
-        need = cdiv(total + cfg.num_lookahead_slots, self.block_size)
-        if need > self.block_manager.num_blocks:
-            raise InvalidPromptError(
-                f"request {rid!r} needs up to {need} KV blocks ({total} tokens) but the pool "
-                f"has only {self.block_manager.num_blocks}: it could never finish; raise "
-                "num_blocks / kv_cache_bytes or lower max_tokens")
-        if not cfg.enable_chunked_prefill and total > cfg.max_num_batched_tokens:
-            raise InvalidPromptError(
-                f"request {rid!r}: {total} tokens may need one prefill step but "
-                f"max_num_batched_tokens={cfg.max_num_batched_tokens}; enable chunked prefill "
-                "or raise the budget")
+        check_fits(self, request_id, ids, params, priority)
         now = self.clock.now()
         arrival = now if arrival_time is None else float(arrival_time)
         req = Request(request_id, ids, params, arrival, priority, cache_salt, self._num_added)
@@ -396,30 +368,10 @@ class LLMEngine:
 
     def _record(self, out: SchedulerOutput, t0: float, dur: float,
                 results: dict[str, list[int]], finished: list[dict], events: list[dict]) -> None:
-        bm = self.block_manager
-        events = events + bm.drain()[0]
+        events = events + self.block_manager.drain()[0]
         fin = finished + self._late_finished + self._pending_aborts
         self._late_finished, self._pending_aborts = [], []
-        pool = bm.pool
-        pop = getattr(self.executor, "pop_spec_records", None)
-        sched = self.scheduler
-        self.trace.steps.append({
-            "step": len(self.trace.steps), "time": t0, "duration": dur,
-            "scheduled": [{"request_id": s.seq.request_id, "seq_id": s.seq.seq_id,
-                           "phase": "prefill" if s.is_prefill else "decode",
-                           "num_tokens": s.num_new_tokens, "start_pos": s.start_pos,
-                           "chunked": not s.samples} for s in out.scheduled],
-            "num_batched_tokens": out.num_batched_tokens, "token_budget": out.token_budget,
-            "outputs": results,  # tokens appended this step (after stop conditions)
-            "preempted": [{"request_id": s.request_id, "seq_id": s.seq_id, "mode": m}
-                          for s, m in out.preempted],
-            "finished": fin, "events": events,
-            "kv": {"used": pool.num_used, "free": pool.num_free, "cached": pool.num_cached,
-                   "total": pool.num_blocks, "token_slots_used": bm.token_slots_used()},
-            "queues": {"waiting": sched.num_waiting, "running": len(sched.running),
-                       "swapped": len(sched.swapped)},
-            "spec": pop() if pop else [],
-        })
+        self.trace.steps.append(step_record(self, out, t0, dur, results, fin, events))
 
     # ---- introspection ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -132,3 +132,28 @@ def replay(trace: Trace | dict, step: int) -> PoolSnapshot:
         cpu_block_tables={s: [tb[i] for i in sorted(tb)] for s, tb in cpu.items()},
         seq_tokens=known,
     )
+
+
+def step_record(engine: Any, out: Any, t0: float, dur: float, results: dict[str, list[int]],
+                finished: list[dict], events: list[dict]) -> dict[str, Any]:
+    """One step's record (the schema in the module docstring) from the engine's live state."""
+    bm, sched = engine.block_manager, engine.scheduler
+    pool = bm.pool
+    pop = getattr(engine.executor, "pop_spec_records", None)
+    return {
+        "step": len(engine.trace.steps), "time": t0, "duration": dur,
+        "scheduled": [{"request_id": s.seq.request_id, "seq_id": s.seq.seq_id,
+                       "phase": "prefill" if s.is_prefill else "decode",
+                       "num_tokens": s.num_new_tokens, "start_pos": s.start_pos,
+                       "chunked": not s.samples} for s in out.scheduled],
+        "num_batched_tokens": out.num_batched_tokens, "token_budget": out.token_budget,
+        "outputs": results,  # tokens appended this step (after stop conditions)
+        "preempted": [{"request_id": s.request_id, "seq_id": s.seq_id, "mode": m}
+                      for s, m in out.preempted],
+        "finished": finished, "events": events,
+        "kv": {"used": pool.num_used, "free": pool.num_free, "cached": pool.num_cached,
+               "total": pool.num_blocks, "token_slots_used": bm.token_slots_used()},
+        "queues": {"waiting": sched.num_waiting, "running": len(sched.running),
+                   "swapped": len(sched.swapped)},
+        "spec": pop() if pop else [],
+    }

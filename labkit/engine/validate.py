@@ -14,6 +14,7 @@ from numbers import Integral, Real
 from typing import Any
 
 from labkit.engine.errors import EngineConfigError, InvalidPromptError
+from labkit.kv.block_manager import cdiv
 
 
 def is_int(x: Any) -> bool:
@@ -78,3 +79,38 @@ def check_request_args(request_id: Any, params: Any, vocab_size: int | None,
     if bad:
         raise InvalidPromptError(f"stop_token_ids {bad} are outside the vocabulary "
                                  f"[0, {vocab_size}): they could never match")
+
+
+def check_fits(engine: Any, rid: str, ids: list[int], params: Any, priority: Any) -> None:
+    """The request can be served to the end by this engine: in vocabulary, inside the context,
+    and within the pool and token budget even at its longest -- otherwise it would wait in the
+    queue forever (or be preempted forever), which is worse than an error now."""
+    cfg = engine.config
+    if not ids:
+        raise InvalidPromptError(f"request {rid!r}: the prompt is empty")
+    if engine.vocab_size is not None and (min(ids) < 0 or max(ids) >= engine.vocab_size):
+        raise InvalidPromptError(f"request {rid!r}: token ids must be in [0, "
+                                 f"{engine.vocab_size})")
+    if len(ids) >= engine.max_model_len:
+        raise InvalidPromptError(f"request {rid!r}: prompt of {len(ids)} tokens leaves no "
+                                 f"room in the model's context of {engine.max_model_len} "
+                                 "tokens; shorten it")
+    if params.n > cfg.max_num_seqs:
+        raise InvalidPromptError(f"n={params.n} exceeds max_num_seqs={cfg.max_num_seqs}; "
+                                 "lower n or raise max_num_seqs")
+    if params.stop and engine.tokenizer is None:
+        raise InvalidPromptError("stop strings need a tokenizer; use stop_token_ids instead")
+    if cfg.policy == "priority" and not is_int(priority):
+        raise InvalidPromptError(f"priority must be an int, got {priority!r}")
+    total = min(len(ids) + params.max_tokens, engine.max_model_len)
+    need = cdiv(total + cfg.num_lookahead_slots, engine.block_size)
+    if need > engine.block_manager.num_blocks:
+        raise InvalidPromptError(
+            f"request {rid!r} needs up to {need} KV blocks ({total} tokens) but the pool "
+            f"has only {engine.block_manager.num_blocks}: it could never finish; raise "
+            "num_blocks / kv_cache_bytes or lower max_tokens")
+    if not cfg.enable_chunked_prefill and total > cfg.max_num_batched_tokens:
+        raise InvalidPromptError(
+            f"request {rid!r}: {total} tokens may need one prefill step but "
+            f"max_num_batched_tokens={cfg.max_num_batched_tokens}; enable chunked prefill "
+            "or raise the budget")
