@@ -103,13 +103,23 @@ def _decode_case(seed: int):
     hkv = r.choice((1, 2)) if group > 3 else r.choice((1, 2, 3))
     bs = BLOCK_SIZES[(seed // 3) % len(BLOCK_SIZES)]
     dtype = DTYPES[seed % 3]
-    lens = _lens(r, bs, r.randint(1, 4), 160 if d <= 128 else 80)
+    lens = _lens(r, bs, r.randint(1, 4), 400 if d <= 128 else 120)
     blocks = -(-max(lens) // bs)
     splits = r.choice((1, None, 2, 3, blocks + 3))  # more splits than blocks: some are empty
     return d, group * hkv, hkv, bs, dtype, lens, splits
 
 
-DECODE_SEEDS = range(30)
+DECODE_SEEDS = range(40)
+
+
+def _odd_layouts(seed: int, tables: torch.Tensor, lens: torch.Tensor):
+    """Every fourth case: int64 metadata, the table column-major and the lengths a strided view
+    (valid tensors whose strides the kernels must honour or normalise)."""
+    if seed % 4 != 3:
+        return tables, lens
+    tables = tables.long().t().contiguous().t()
+    lens = torch.stack([lens.long(), torch.zeros_like(lens.long())], 1)[:, 0]
+    return tables, lens
 
 
 @pytest.mark.parametrize("seed", DECODE_SEEDS)
@@ -121,9 +131,9 @@ def test_decode_fuzz(seed):
     width = hq + 2 * hkv if seed % 2 else hq
     qkv = (torch.randn(len(lens), width * d, generator=gen) * r.choice((1.0, 3.0))).to(dtype)
     q = qkv[:, : hq * d].view(len(lens), hq, d)
-    ctx = torch.tensor(lens, dtype=torch.int32)
+    bt, ctx = _odd_layouts(seed, tables, torch.tensor(lens, dtype=torch.int32))
     scale = d**-0.5
-    out = paged_attention_decode(q, k_cache, v_cache, tables, ctx, scale, num_splits=splits)
+    out = paged_attention_decode(q, k_cache, v_cache, bt, ctx, scale, num_splits=splits)
     what = f"decode D={d} Hq={hq} Hkv={hkv} bs={bs} {dtype} lens={lens} splits={splits}"
     assert out.shape == q.shape and out.dtype == dtype, what
     for b, n in enumerate(lens):
@@ -150,7 +160,7 @@ def _prefill_case(seed: int):
     return d, group * hkv, hkv, bs, dtype, ctx_lens, q_lens
 
 
-PREFILL_SEEDS = range(16)
+PREFILL_SEEDS = range(20)
 
 
 @pytest.mark.parametrize("seed", PREFILL_SEEDS)
@@ -161,10 +171,13 @@ def test_prefill_fuzz(seed):
     starts = [0]
     for n in q_lens:
         starts.append(starts[-1] + n)
-    q = torch.randn(starts[-1], hq, d, generator=gen).to(dtype)
-    qsl, ctx = torch.tensor(starts, dtype=torch.int32), torch.tensor(ctx_lens, dtype=torch.int32)
+    width = hq + 2 * hkv if seed % 2 else hq  # odd seeds: q is a view into a fused qkv
+    q = torch.randn(starts[-1], width * d, generator=gen).to(dtype)[:, : hq * d]
+    q = q.reshape(starts[-1], hq, d)
+    bt, ctx = _odd_layouts(seed, tables, torch.tensor(ctx_lens, dtype=torch.int32))
+    qsl = torch.tensor(starts, dtype=ctx.dtype)
     scale = d**-0.5
-    out = paged_prefill_attention(q, k_cache, v_cache, tables, qsl, ctx, scale)
+    out = paged_prefill_attention(q, k_cache, v_cache, bt, qsl, ctx, scale)
     what = f"prefill D={d} Hq={hq} Hkv={hkv} bs={bs} {dtype} ctx={ctx_lens} q_lens={q_lens}"
     assert out.shape == q.shape and out.dtype == dtype, what
     for b, (n, ql) in enumerate(zip(ctx_lens, q_lens)):
@@ -263,7 +276,7 @@ def _gptq_case(seed: int):
     return m, k, n, dtype, kind, gs, scale_dtype, args, w
 
 
-@pytest.mark.parametrize("seed", range(16))
+@pytest.mark.parametrize("seed", range(24))
 def test_gptq_fuzz(seed):
     m, k, n, dtype, kind, gs, scale_dtype, args, w = _gptq_case(seed)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(100 + seed)).to(dtype)
@@ -274,7 +287,7 @@ def test_gptq_fuzz(seed):
     assert _rel_err(y, x.double() @ w) < rel, what
 
 
-@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("seed", range(12))
 def test_awq_fuzz(seed):
     r, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     m, n, dtype = M_VALUES[(seed * 3) % len(M_VALUES)], r.choice(N_VALUES), DTYPES[seed % 3]
@@ -293,7 +306,7 @@ def test_awq_fuzz(seed):
     assert _rel_err(y, x.double() @ w) < max(REL[dtype], REL[F16]), what
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(8))
 def test_w8a16_fuzz(seed):
     r, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     m, dtype = M_VALUES[(seed * 5) % len(M_VALUES)], DTYPES[seed % 3]
@@ -403,6 +416,20 @@ def test_rotary_fuzz(seed):
         a, b = x0[..., :half], x0[..., half:]
         ref = torch.cat([a * ang.cos() - b * ang.sin(), b * ang.cos() + a * ang.sin()], -1)
         _close(x, ref, dtype, what + " vs float64", tol=max(TOL[dtype], 2e-3))
+
+
+def test_rotary_strided_positions_regression():
+    """positions[::2] used to be read as if contiguous (every token got the wrong angle)."""
+    cache = build_cos_sin_cache(16, 8)
+    positions = torch.tensor([3, 0, 9, 0, 14, 0])[::2]
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(3, 2, 8, generator=gen), torch.randn(3, 1, 8, generator=gen)
+    q0 = q.clone()
+    rotary_embedding(positions, q, k, cache)
+    ang = 9.0 * 10000.0 ** (-torch.arange(4, dtype=torch.float64) / 4)  # token 1 is at 9
+    a, b = q0[1].double()[:, :4], q0[1].double()[:, 4:]
+    ref = torch.cat([a * ang.cos() - b * ang.sin(), b * ang.cos() + a * ang.sin()], -1)
+    _close(q[1], ref, F32, "rotary, strided positions")
 
 
 # ------------------------------------------------------------------ bad input
@@ -530,5 +557,5 @@ def test_fuzz_covers_the_shape_space():
     pairs = [(n, ql) for c in pre for n, ql in zip(c[5], c[6])]
     assert any(ql == n for n, ql in pairs) and any(0 < ql < n for n, ql in pairs)
     assert any(ql > 16 for _, ql in pairs)  # the 64-row query tile
-    kinds = {_gptq_case(s)[4] for s in range(16)}
+    kinds = {_gptq_case(s)[4] for s in range(24)}
     assert kinds == {"group", "act_order", "per_channel", "ragged"}
