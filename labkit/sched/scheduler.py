@@ -244,7 +244,9 @@ class Scheduler:
                 break
             self.swapped.popleft()
             bm.swap_in(seq)
-            assert bm.allocate_slots(seq, num_new, num_lookahead=lookahead)
+            if not bm.allocate_slots(seq, num_new, num_lookahead=lookahead):  # not an assert:
+                raise RuntimeError(f"swap-in of {seq.seq_id} found fewer free blocks than "
+                                   "checked")  # python -O would skip the allocation itself
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(self._scheduled(seq, num_new, seq.is_prefill))

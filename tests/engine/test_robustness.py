@@ -7,6 +7,10 @@ catches a leak and a wrong ref count (it can fail).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from labkit.engine.errors import EngineStepError
@@ -179,3 +183,36 @@ def test_abort_in_every_state_frees_everything(tiny_model):
     assert {"swapped", "prefill", "decode", "forked", "waiting"} <= states
     assert_no_leaks(eng)
     replay_matches_live(eng)
+
+
+SWAP_UNDER_O = """
+import torch
+from labkit.engine.llm_engine import LLMEngine
+from labkit.engine.sampling_params import SamplingParams
+from labkit.model.config import ModelConfig
+from labkit.model.generate import generate
+from labkit.model.llama import LlamaForCausalLM
+torch.manual_seed(0)
+m = LlamaForCausalLM(ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    max_position_embeddings=256)).eval()
+e = LLMEngine.from_model(m, None, block_size=4, num_blocks=10, preemption_mode="swap",
+                         num_cpu_blocks=20)
+for i in range(3):
+    e.add_request(f"r{i}", [1 + i] * 6, SamplingParams(temperature=0, max_tokens=20,
+                                                       ignore_eos=True))
+while e.has_unfinished_requests():
+    e.step()
+assert e.scheduler.num_preemptions
+ok = all(q.seqs[0].output_token_ids == generate(m, q.prompt_token_ids, 20, ignore_eos=True)
+         for q in e.requests.values())
+print("MATCH" if ok else "MISMATCH")
+"""
+
+
+def test_swap_in_works_under_python_O():
+    """``python -O`` strips asserts; swap-in once allocated its blocks inside one (IndexError
+    mid-step under -O)."""
+    r = subprocess.run([sys.executable, "-O", "-c", SWAP_UNDER_O], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0 and r.stdout.split() == ["MATCH"], r.stderr[-2000:]
