@@ -166,6 +166,10 @@ class LLMEngine:
         check_fits(self, request_id, ids, params, priority)
         now = self.clock.now()
         arrival = now if arrival_time is None else float(arrival_time)
+        if isinstance(self.clock, WallClock) and arrival - now > 86400:  # step() would sleep
+            raise InvalidPromptError(f"arrival_time={arrival_time} is {arrival - now:.0f} s "
+                                     "away: it is seconds on the engine clock "
+                                     f"(engine.clock.now() = {now:.1f}), not epoch time")
         req = Request(request_id, ids, params, arrival, priority, cache_salt, self._num_added)
         self._num_added += 1
         self._init_generator(req.seqs[0])

@@ -138,6 +138,7 @@ def test_sampling_params_edges_that_are_fine():
     (5, {}, "list of token ids"), ({1: 2}, {}, "list of token ids"),
     ([1, 2], dict(cache_salt=123), "cache_salt"),  # was: AttributeError inside step()
     ([1, 2], dict(arrival_time=float("nan")), "arrival_time"),
+    ([1, 2], dict(arrival_time=1.7e9), "epoch"),  # was: step() slept for 54 years
     ([1, 2], dict(params=SamplingParams(stop_token_ids=[128])), "outside the vocabulary"),
     ([1, 2], dict(request_id=None), "request_id"),  # was: accepted as "None"
 ])
