@@ -35,6 +35,13 @@ def variants():
     for bm, bn, warps in ((64, 64, 4), (16, 64, 4), (128, 128, 8)):
         yield paged_prefill._paged_prefill_kernel, BF16_ATTN, {
             **ATTN, "BLOCK_M": bm, "BLOCK_N": bn}, warps, 2
+    # head_dim 256 in fp32 (fp32 models, Gemma-sized heads): the largest tiles the fuzz tests
+    # run; prefill's default 64 x 64 tile needs ~213 KB of shared memory here
+    fp32 = {k: v.replace("bf16", "fp32") for k, v in BF16_ATTN.items()}
+    d256 = {**ATTN, "HEAD_DIM": 256, "HEAD_DIM_PAD": 256, "PRECISION": "ieee"}
+    yield paged_attention._paged_decode_kernel, fp32, {
+        **d256, "GROUP_PAD": 16, "BLOCK_N": 32, "SPLIT": True}, 4, 2
+    yield paged_prefill._paged_prefill_kernel, fp32, {**d256, "BLOCK_M": 64, "BLOCK_N": 64}, 4, 2
     yield rc._reshape_and_cache_kernel, {"key_ptr": "*bf16", "value_ptr": "*bf16",
                                          "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
                                          "slot_mapping_ptr": "*i64"}, {
