@@ -87,11 +87,13 @@ def test_abort_while_swapped_out_is_freed_and_traced(tiny_model, reference):
                 p, 20, ignore_eos=True)
 
 
-def _inject(eng: LLMEngine, where: str, at: int, exc: BaseException) -> None:
-    """Make the ``at``-th call of one engine stage raise ``exc``."""
+def _inject(eng: LLMEngine, where: str, at: int, exc: BaseException, monkeypatch=None) -> None:
+    """Make the ``at``-th call of one engine stage raise ``exc`` ("model": an MLP of the
+    model itself, halfway through the forward, after some layers wrote their KV)."""
     ex = getattr(eng.executor, "base", eng.executor)
     obj, name = {"forward": (ex, "forward_chunks"), "block_ops": (ex, "apply_block_ops"),
-                 "update": (eng, "_append")}[where]
+                 "update": (eng, "_append"), "model": (ex.model.model.layers[-1].mlp, "forward"),
+                 }[where]
     orig, calls = getattr(obj, name), [0]
 
     def flaky(*a, **kw):
@@ -100,13 +102,17 @@ def _inject(eng: LLMEngine, where: str, at: int, exc: BaseException) -> None:
             raise exc
         return orig(*a, **kw)
 
-    setattr(obj, name, flaky)
+    if monkeypatch is not None:  # a shared module: undo after the test
+        monkeypatch.setattr(obj, name, flaky)
+    else:
+        setattr(obj, name, flaky)
 
 
 @pytest.mark.parametrize("where,at", [("forward", 2), ("forward", 9), ("block_ops", 7),
-                                      ("update", 5)])
+                                      ("update", 5), ("model", 6)])
 @pytest.mark.parametrize("spec", [None, "ngram"])
-def test_failed_step_fails_only_its_requests(tiny_model, reference, where, at, spec):
+def test_failed_step_fails_only_its_requests(tiny_model, reference, where, at, spec,
+                                             monkeypatch):
     """A step that raises after scheduling fails the requests it touched (their block copies
     and swaps may be half applied) and frees them; every other request still finishes with the
     reference output. Before: the exception escaped with blocks held, and a retry reused KV
@@ -119,7 +125,7 @@ def test_failed_step_fails_only_its_requests(tiny_model, reference, where, at, s
     for rid, p in prompts.items():
         eng.add_request(rid, p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
                                                n=2 if rid == "r1" else 1))
-    _inject(eng, where, at, RuntimeError("injected"))
+    _inject(eng, where, at, RuntimeError("injected"), monkeypatch)
     failed = run(eng)
     assert failed and failed < set(prompts)
     assert eng.scheduler.num_preemptions  # the pool is tight: swaps are in flight
@@ -136,12 +142,12 @@ def test_failed_step_fails_only_its_requests(tiny_model, reference, where, at, s
                 assert s.output_token_ids == reference(p, 12, ignore_eos=True), s.seq_id
 
 
-def test_interrupted_generate_frees_everything(tiny_model, reference):
+def test_interrupted_generate_frees_everything(tiny_model, reference, monkeypatch):
     """Ctrl-C in a notebook mid-generate: this call's requests are aborted, the next call runs
     only its own requests. Before: they stayed queued and ran (and held blocks) next time."""
     llm = LLM.from_model(tiny_model, block_size=4, num_blocks=32)
     prompts = [[7, 8, 9], [10, 11, 12, 13, 14], [7, 8, 9, 1]]
-    _inject(llm.llm_engine, "forward", 3, KeyboardInterrupt())
+    _inject(llm.llm_engine, "model", 3, KeyboardInterrupt(), monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     assert_no_leaks(llm.llm_engine)
