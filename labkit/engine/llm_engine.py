@@ -227,9 +227,11 @@ class LLMEngine:
             nxt = sched.next_arrival()
             if nxt is not None and not sched.running and not sched.num_waiting:
                 self.clock.advance_to(nxt)  # idle until the next request arrives
-            elif sched.num_waiting and not sched.running and not sched.swapped:
-                raise RuntimeError(f"scheduler stalled with {sched.num_waiting} waiting requests "
-                                   f"and nothing running: {self.stats()}")
+            elif (sched.num_waiting or sched.swapped) and not sched.running:
+                # add_request guarantees each request fits alone; an error beats a silent hang
+                raise RuntimeError(f"scheduler stalled with {sched.num_waiting} waiting and "
+                                   f"{len(sched.swapped)} swapped requests and nothing running:"
+                                   f" {self.stats()}")
             elif self.record_trace and self.block_manager.events:
                 self._record(out, t0, 0.0, {}, [], self.block_manager.drain()[0])
             return []
