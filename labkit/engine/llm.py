@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from labkit.engine.errors import InvalidPromptError
+from labkit.engine.errors import EngineConfigError, InvalidPromptError
 from labkit.engine.llm_engine import LLMEngine
 from labkit.engine.outputs import CompletionOutput, RequestOutput
 from labkit.engine.sampling_params import SamplingParams
@@ -34,6 +34,13 @@ class LLM:
                  device: str | torch.device | None = None, dtype: Any = None,
                  max_model_len: int | None = None, kv_cache_dtype: str = "auto") -> None:
         name = ""
+        if dtype == "auto":  # vLLM's default: keep the checkpoint's / model's dtype
+            dtype = None
+        if isinstance(dtype, str):  # "bfloat16" was silently ignored for a model object
+            if dtype not in ("float32", "bfloat16", "float16"):
+                raise EngineConfigError(f"dtype must be 'auto', float32, bfloat16 or float16, "
+                                        f"got {dtype!r}")
+            dtype = getattr(torch, dtype)
         if isinstance(model, (tuple, list)):
             model, tokenizer = model
         elif not isinstance(model, torch.nn.Module):
@@ -43,8 +50,7 @@ class LLM:
             model, tok = load_pretrained(model, dtype=dtype, device=device)
             tokenizer = tokenizer or tok
         if isinstance(model, torch.nn.Module) and (device is not None or dtype is not None):
-            model = model.to(device=device, dtype=dtype if isinstance(dtype, torch.dtype)
-                             else None)
+            model = model.to(device=device, dtype=dtype)
         model.eval()
         self.model = model
         self.tokenizer = tokenizer

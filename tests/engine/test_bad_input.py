@@ -188,3 +188,15 @@ def test_generate_prompt_token_id_shapes(tiny_model, reference):
     with pytest.raises(InvalidPromptError, match="not both"):
         llm.generate(["a"], OK, prompt_token_ids=[[1]])
     assert_no_leaks(llm.llm_engine)
+
+
+def test_llm_dtype_string_applies_to_a_model_object(tiny_model):
+    import copy
+
+    import torch
+
+    llm = LLM.from_model(copy.deepcopy(tiny_model), dtype="bfloat16", block_size=4,
+                         num_blocks=8)  # was: silently stayed float32
+    assert llm.model.dtype == torch.bfloat16
+    with pytest.raises(EngineConfigError, match="dtype"):
+        LLM.from_model(tiny_model, dtype="fp8")
