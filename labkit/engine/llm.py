@@ -99,6 +99,8 @@ class LLM:
                   else [sampling_params] * len(items))
         if len(params) != len(items):
             raise InvalidPromptError(f"{len(params)} sampling params for {len(items)} prompts")
+        if priority is not None and len(priority) != len(items):
+            raise InvalidPromptError(f"{len(priority)} priorities for {len(items)} prompts")
         eng = self.llm_engine
         ids = []
         try:

@@ -187,6 +187,8 @@ def test_generate_prompt_token_id_shapes(tiny_model, reference):
         llm.generate([3, 4, 5], OK)  # ints as "prompts": ambiguous, was a TypeError
     with pytest.raises(InvalidPromptError, match="not both"):
         llm.generate(["a"], OK, prompt_token_ids=[[1]])
+    with pytest.raises(InvalidPromptError, match="priorities"):
+        llm.generate(prompt_token_ids=[[1], [2]], sampling_params=OK, priority=[0])
     assert_no_leaks(llm.llm_engine)
 
 
