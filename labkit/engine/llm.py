@@ -110,7 +110,7 @@ class LLM:
                 eng.add_request(rid, p, sp, priority=priority[i] if priority else 0,
                                 cache_salt=cache_salt)
                 ids.append(rid)
-        except ValueError:
+        except BaseException:  # bad input, a tokenizer error, Ctrl-C: queue nothing
             for rid in ids:
                 eng.abort(rid)
             raise
