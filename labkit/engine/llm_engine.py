@@ -36,7 +36,13 @@ from typing import Any
 import torch
 
 from labkit.engine.clock import WallClock
-from labkit.engine.errors import EngineConfigError, EngineStepError, InvalidPromptError
+from labkit.engine.detokenizer import stop_string_hit, update_text
+from labkit.engine.errors import (
+    EngineConfigError,
+    EngineStepError,
+    InvalidPromptError,
+    SamplingParamsError,
+)
 from labkit.engine.outputs import StepOutput
 from labkit.engine.sampling_params import SamplingParams
 from labkit.engine.trace import Trace, step_record
@@ -155,7 +161,9 @@ class LLMEngine:
                     prompt_token_ids: list[int] | None = None) -> Request:
         """Validate and queue a request; every bad input raises a ValueError subclass here
         (labkit.engine.errors), never later inside a step."""
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise SamplingParamsError(f"params must be a SamplingParams, got {type(params)}")
         params.validate()
         check_request_args(request_id, params, self.vocab_size, cache_salt, arrival_time)
         request_id = str(request_id)
@@ -322,6 +330,7 @@ class LLMEngine:
         tokens, times = seq.token_ids, seq.token_times
         eos = () if p.ignore_eos else self.eos_token_ids
         limit = min(seq.num_prompt_tokens + p.max_tokens, self.max_model_len)
+        last = len(new) - 1 if p.stop else -1  # several tokens (spec): check stop strings
         for i, tok in enumerate(new):
             tokens.append(tok)
             times.append(now)
@@ -329,38 +338,19 @@ class LLMEngine:
                 return new[: i + 1], "stop"
             if len(tokens) >= limit:
                 return new[: i + 1], "length"
+            if i < last and stop_string_hit(self.tokenizer, seq):  # the last: _step_output
+                return new[: i + 1], "stop"
         return new, None
 
     def _step_output(self, seq: Sequence, added: list[int], reason: str | None) -> StepOutput:
-        p = seq.request.params
         delta = ""
-        if self.tokenizer is not None and p.detokenize:
-            text = self.tokenizer.decode(seq.output_token_ids)
-            old = seq.output_text
-            for s in p.stop:
-                cut = text.find(s)
-                if cut >= 0:
-                    text = text[:cut]
-                    if reason is None:
-                        reason = "stop"
-                        added = self._cut_at_stop_string(seq, added)
-                        self._finish_by_stop_string(seq)
-            delta = text[len(old):] if text.startswith(old) else text
-            seq.output_text = text
+        if self.tokenizer is not None and seq.request.params.detokenize:
+            delta, hit = update_text(self.tokenizer, seq)
+            if hit and reason is None:  # the stop string, not EOS / length, ended it
+                reason = "stop"
+                self._finish_by_stop_string(seq)
         return StepOutput(seq.request_id, seq.seq_id, seq.index, added, delta,
                           reason is not None, reason)
-
-    def _cut_at_stop_string(self, seq: Sequence, added: list[int]) -> list[int]:
-        """A speculative step appends several tokens at once; keep them only up to the one
-        that completed the stop string, so token_ids equal a one-token-per-step run's."""
-        out, stops = seq.output_token_ids, seq.request.params.stop
-        for k in range(len(out) - len(added), len(out) - 1):
-            text = self.tokenizer.decode(out[: k + 1])
-            if any(s in text for s in stops):
-                drop = len(out) - k - 1
-                del seq.token_ids[-drop:], seq.token_times[-drop:]
-                return added[:-drop]
-        return added
 
     def _finish_by_stop_string(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED

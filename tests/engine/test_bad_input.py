@@ -124,6 +124,11 @@ def test_bad_sampling_params_named(kw, match):
     assert issubclass(SamplingParamsError, ValueError)
 
 
+def test_params_must_be_sampling_params(engine):
+    with pytest.raises(SamplingParamsError, match="SamplingParams"):
+        engine.add_request("r", [1, 2], {"temperature": 0})  # was: AttributeError
+
+
 def test_sampling_params_edges_that_are_fine():
     assert SamplingParams(seed=-1, n=2).seed == -1
     assert SamplingParams(stop="x").stop == ["x"]
