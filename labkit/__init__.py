@@ -25,6 +25,10 @@ _LAZY = {
     "LLM": "labkit.engine.llm",
     "LLMEngine": "labkit.engine.llm_engine",
     "SamplingParams": "labkit.engine.sampling_params",
+    "SamplingParamsError": "labkit.engine.errors",
+    "InvalidPromptError": "labkit.engine.errors",
+    "EngineConfigError": "labkit.engine.errors",
+    "EngineStepError": "labkit.engine.errors",
 }
 
 __all__ = ["__version__", *_LAZY]

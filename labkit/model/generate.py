@@ -9,6 +9,7 @@ tested against it token for token.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -65,6 +66,13 @@ def stream_generate(model: LlamaForCausalLM, prompt_token_ids: Sequence[int],
     prompt = list(prompt_token_ids)
     if not prompt:
         raise ValueError("prompt_token_ids is empty: give at least one token")
+    try:  # ints, numpy ints and 0-d int tensors pass; floats, strings and bools do not
+        if any(isinstance(t, bool) for t in prompt):
+            raise TypeError
+        prompt = [operator.index(t) for t in prompt]
+    except TypeError:
+        raise ValueError(f"prompt_token_ids must be integer token ids, got {prompt[:8]!r}; "
+                         "encode text with the tokenizer first") from None
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     validate_sampling(temperature, top_k, top_p)

@@ -8,11 +8,21 @@ token from the caller's generator: the random stream advances identically on eve
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 
 def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
     """Raise ValueError naming the bad knob; shared by generate, SamplingParams and the CLI."""
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(temperature) or not math.isfinite(top_p):
+        raise ValueError(f"temperature and top_p must be finite, got {temperature}, {top_p}")
+    if top_k != int(top_k):
+        raise ValueError(f"top_k must be a whole number, got {top_k}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
     if not 0 < top_p <= 1:

@@ -103,3 +103,28 @@ def test_generate_bad_input():
         generate(model, [1, 500], 5)
     with pytest.raises(ValueError, match="context"):
         generate(model, [1] * 256, 5)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"temperature": float("nan")}, "finite"),
+    ({"temperature": float("inf")}, "finite"),
+    ({"temperature": "0.7"}, "temperature must be a number"),
+    ({"temperature": 1.0, "top_p": float("nan")}, "finite"),
+    ({"temperature": 1.0, "top_k": 2.5}, "whole number"),
+    ({"temperature": True}, "temperature must be a number"),
+])
+def test_generate_rejects_non_numbers(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        generate(tiny(), [1], 3, **kwargs)
+
+
+def test_generate_prompt_ids_must_be_integers():
+    import numpy as np
+
+    model = tiny()
+    ref = generate(model, [1, 2, 3], 4)
+    assert generate(model, list(np.array([1, 2, 3])), 4) == ref  # numpy ints are ids
+    assert generate(model, list(torch.tensor([1, 2, 3])), 4) == ref  # so are 0-d tensors
+    for bad in ([1.7, 2], ["1"], [True, 2]):
+        with pytest.raises(ValueError, match="integer token ids"):
+            generate(model, bad, 3)
