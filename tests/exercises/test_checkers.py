@@ -168,6 +168,27 @@ def test_allocator_drives_the_real_model():
     assert "cannot hold its 6 tokens" in short.message
 
 
+def test_scheduler_drives_the_real_model():
+    from labkit.exercises import scheduler_engine
+
+    ok = scheduler_engine.check_on_model(S.schedule_step)
+    assert ok.passed and "every token equals reference generation" in ok.message, ok.message
+    unchunked = scheduler_engine.check_on_model(W.schedule_no_chunking)  # the 40-token prompt
+    assert "would hang" in unchunked.message and "chunked prefill" in unchunked.message
+    over = scheduler_engine.check_on_model(lambda r, w, b, s: S.schedule_step(r, w, b + 4, s))
+    assert "exceeds token_budget" in over.message
+    too_many = scheduler_engine.check_on_model(W.schedule_max_seqs_off_by_one)
+    assert "more sequences than max_num_seqs" in too_many.message
+    stalled = scheduler_engine.check_on_model(lambda r, w, b, s: {})
+    assert "the engine would hang" in stalled.message
+
+    def recompute_prompt(running, waiting, budget, max_seqs):  # ignores num_computed_tokens
+        plan = S.schedule_step(running, waiting, budget, max_seqs)
+        return {k: (v if v == 1 else min(budget, 40)) for k, v in plan.items()}
+
+    assert "cannot compute" in scheduler_engine.check_on_model(recompute_prompt).message
+
+
 def test_latency_reference_equals_labkit_metrics_on_engine_run():
     from labkit.engine.metrics import compute_metrics
 
