@@ -29,6 +29,10 @@ the top mantissa bits of 1.0: the float is 1 + q/16), one FMA that applies zero 
 
 Act-order GPTQ (g_idx not k // group_size) has a group per row; that path dequantises each
 weight fully before its FMA.
+
+``labkit bench kernels-static`` shows what the compiler made of this for sm_90 (no GPU needed):
+the GPTQ loop runs ~5.9 SASS instructions per weight (the 3 above plus loading and converting x,
+addresses and masks) in 64 registers, so 8 CTAs (32 warps) fit on an SM to keep loads in flight.
 """
 
 from __future__ import annotations
