@@ -61,3 +61,16 @@ def write_json(path: str | Path | None, payload: dict[str, Any]) -> None:
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(payload, indent=2, default=float) + "\n")
     print(f"wrote {p}")
+
+
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "datasets" / "results"
+
+
+def load_result(name: str) -> dict[str, Any]:
+    """A committed benchmark result, ``datasets/results/<name>.json`` (what the README quotes),
+    so notebooks can print it beside the learner's own run."""
+    path = RESULTS_DIR / f"{name}.json"
+    if not path.exists():
+        known = sorted(p.stem for p in RESULTS_DIR.glob("*.json"))
+        raise FileNotFoundError(f"no committed result {name!r} in {RESULTS_DIR}; known: {known}")
+    return json.loads(path.read_text())
