@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import os
 import sys
 from collections.abc import Sequence
@@ -38,10 +39,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
     else:
         print(f"device      cpu ({torch.get_num_threads()} threads); no CUDA device")
     for pkg in ("transformers", "bitsandbytes", "plotly", "ipywidgets"):
-        try:
-            mod = importlib.import_module(pkg)
-            print(f"{pkg:<11} {getattr(mod, '__version__', '?')}")
-        except Exception:  # noqa: BLE001 - optional extras may fail to import for many reasons
+        try:  # the installed metadata: importing bitsandbytes just for this prints warnings
+            print(f"{pkg:<11} {importlib.metadata.version(pkg)}")
+        except importlib.metadata.PackageNotFoundError:
             print(f"{pkg:<11} not installed")
     models = available_models()
     print(f"models      {', '.join(models) if models else '(none shipped)'}  [{models_dir()}]")
