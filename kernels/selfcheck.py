@@ -139,3 +139,65 @@ def dequant_cases(gen: torch.Generator, device: str, m: int, k: int, group_size:
     s8 = (torch.rand(n, generator=gen, device=device) * 0.01 + 1e-3).half()
     cases.append(("w8a16_matmul", dq.w8a16_matmul, (x, w8, s8), dq.w8a16_dequantize_ref(w8, s8)))
     return cases
+
+
+def check_odd_shapes(report: Report, device: str, gen: torch.Generator) -> None:
+    """Shapes real models have and the headline sizes do not: head_dim 80/96 (padded tiles),
+    GQA 7 (Qwen2-0.5B: 14 q over 2 kv heads), blocks of 8 and 32, ragged contexts, prefix-hit
+    prefill, GEMV/GEMM on N no tile divides and K of three groups, norm/RoPE widths that are
+    not powers of two. Small, so it adds seconds, on the device the timings come from."""
+    from labkit.kernels import dequant_matmul as dq
+    from labkit.kernels import paged_attention, paged_prefill, rms_norm, rotary_embedding
+
+    f16 = torch.float16
+    for (hq, hkv, d), bs in (((14, 2, 64), 8), ((8, 8, 80), 32), ((12, 4, 96), 16)):
+        q, kc, vc, bt, _ = paged_setup(3, 70, (hq, hkv, d), bs, f16, device, gen)
+        lens = torch.tensor([1, bs + 1, 70], dtype=torch.int32, device=device)
+        ref = paged_attention.paged_attention_decode_ref(q, kc, vc, bt, lens, d**-0.5)
+        for splits in (1, 4):
+            out = paged_attention.paged_attention_decode(q, kc, vc, bt, lens, d**-0.5, splits)
+            report(f"paged_attention_decode splits={splits}",
+                   f"Hq={hq} Hkv={hkv} D={d} bs={bs} ctx 1/{bs + 1}/70 fp16",
+                   rel_err(out, ref), 5e-3)
+        q, kc, vc, bt, _ = paged_setup(2, 70, (hq, hkv, d), bs, f16, device, gen, q_tokens=50)
+        qsl = torch.tensor([0, 20, 50], dtype=torch.int32, device=device)
+        plens = torch.tensor([70, 30], dtype=torch.int32, device=device)  # 50 and 0 cached
+        out = paged_prefill.paged_prefill_attention(q, kc, vc, bt, qsl, plens, d**-0.5)
+        ref = paged_prefill.paged_prefill_attention_ref(q, kc, vc, bt, qsl, plens, d**-0.5)
+        report("paged_prefill_attention", f"Hq={hq} Hkv={hkv} D={d} bs={bs} prefix hit fp16",
+               rel_err(out, ref), 5e-3)
+
+    k, n, gs = 192, 200, 64
+    x = torch.randn(3, k, generator=gen, device=device).to(f16)
+    sc = (torch.rand(k // gs, n, generator=gen, device=device) * 0.01 + 1e-3).to(f16)
+    qw, qz = randint32(gen, device, k // 8, n), randint32(gen, device, k // gs, n // 8)
+    gidx = (torch.arange(k, device=device) // gs).int()
+    act = gidx[torch.randperm(k, generator=gen, device=device)].contiguous()
+    aw = randint32(gen, device, k, n // 8)
+    w8 = torch.randint(-128, 128, (n, k), dtype=torch.int8, device=device, generator=gen)
+    cases = [("gptq_matmul", dq.gptq_matmul, (qw, qz, sc, gidx),
+              dq.gptq_dequantize_ref(qw, qz, sc, gidx)),
+             ("gptq_matmul act-order", dq.gptq_matmul, (qw, qz, sc, act),
+              dq.gptq_dequantize_ref(qw, qz, sc, act)),
+             ("awq_matmul", dq.awq_matmul, (aw, qz, sc, gs), dq.awq_dequantize_ref(aw, qz, sc, gs)),
+             ("w8a16_matmul", dq.w8a16_matmul, (w8, sc[0]), dq.w8a16_dequantize_ref(w8, sc[0]))]
+    for name, fn, args, w_ref in cases:
+        for rows in (1, 3):  # GEMV, then the tensor-core GEMM
+            report(name, f"M={rows} K={k} N={n} fp16",
+                   rel_err(fn(x[:rows], *args), x[:rows].float() @ w_ref.float()), 5e-3)
+
+    for width in (896, 4864):
+        xs, res = (torch.randn(5, width, generator=gen, device=device).to(f16) for _ in range(2))
+        w = torch.rand(width, generator=gen, device=device).to(f16) + 0.5
+        (y, h), (y2, h2) = rms_norm.rms_norm(xs, w, 1e-6, res), rms_norm.rms_norm_ref(xs, w, 1e-6,
+                                                                                     res)
+        report("rms_norm (+residual)", f"5x{width} fp16", max(rel_err(y, y2), rel_err(h, h2)),
+               5e-3)
+    cache = rotary_embedding.build_cos_sin_cache(512, 80, 10000.0, device=device)
+    pos = torch.randint(0, 512, (9,), generator=gen, device=device)
+    qq = torch.randn(9, 14, 80, generator=gen, device=device).to(f16)
+    kk = torch.randn(9, 2, 80, generator=gen, device=device).to(f16)
+    qr, kr = rotary_embedding.rotary_embedding_ref(pos, qq, kk, cache)
+    rotary_embedding.rotary_embedding(pos, qq, kk, cache)
+    report("rotary_embedding", "N=9 Hq=14 Hkv=2 D=80 fp16", max(rel_err(qq, qr), rel_err(kk, kr)),
+           5e-3)

@@ -177,6 +177,10 @@ def sec_checks(b: Bench) -> None:
     sc.check_all(b.check, b.sizes, b.device, b.gen)
 
 
+def sec_odd_shapes(b: Bench) -> None:
+    sc.check_odd_shapes(b.check, b.device, b.gen)
+
+
 def sec_copy(b: Bench) -> None:
     src = torch.empty(b.sizes["copy_bytes"] // 2, dtype=BF16, device=b.device)
     src.normal_(generator=b.gen)
@@ -394,7 +398,8 @@ def sec_tuning(b: Bench) -> None:
               rel_err_vs_default=err)
 
 
-SECTIONS = [("copy bandwidth", sec_copy), ("correctness", sec_checks), ("decode", sec_decode),
+SECTIONS = [("copy bandwidth", sec_copy), ("correctness", sec_checks),
+            ("correctness, odd shapes", sec_odd_shapes), ("decode", sec_decode),
             ("prefill", sec_prefill), ("dequant", sec_dequant),
             ("memory-bound", sec_memory_bound), ("tuning", sec_tuning)]
 

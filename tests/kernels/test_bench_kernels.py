@@ -20,6 +20,9 @@ def test_smoke_run_checks_every_kernel_and_reports():
             "rms_norm", "rotary_embedding", "gptq_matmul", "awq_matmul", "w8a16_matmul",
             "nf4_dequantize"} <= checked
     assert all(c["ok"] for c in payload["checks"]), payload["checks"]
+    shapes = " ".join(c["shape"] for c in payload["checks"])
+    for odd in ("Hq=14 Hkv=2", "D=80", "D=96", "N=200", "5x4864"):  # the odd-shape section ran
+        assert odd in shapes
     kernels = {r["kernel"] for r in payload["results"]}
     assert {"paged_attention_decode", "paged_prefill_attention", "gptq_matmul",
             "reshape_and_cache"} <= kernels
