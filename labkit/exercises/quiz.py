@@ -19,6 +19,14 @@ from typing import Any
 from labkit.exercises.checks import CheckFailure, CheckResult, run_check, short
 
 
+class QuizResult(CheckResult):
+    """A ``CheckResult`` that Jupyter does not echo: the check cell ends with the call, and its
+    report is already printed, so a ``CheckResult(...)`` repr below it would only be noise."""
+
+    def _ipython_display_(self) -> None:
+        pass
+
+
 def _plain(value: Any) -> Any:
     """0-d tensors / numpy scalars -> Python scalars, so ``int(...)``-less answers compare too."""
     if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
@@ -57,7 +65,7 @@ def answers_match(answer: Any, truth: Any, *, rel_tol: float = 1e-3,
 
 
 def check_answer(question: str, answer: Any, truth: Any, *, why: str, explain: str = "",
-                 rel_tol: float = 1e-3, abs_tol: float = 0.0) -> CheckResult:
+                 rel_tol: float = 1e-3, abs_tol: float = 0.0) -> QuizResult:
     """Check a learner's ``answer`` to ``question`` against ``truth`` (computed by labkit).
 
     ``None`` means not answered yet: a reminder, no error (in CI the truth is used instead).
@@ -70,7 +78,7 @@ def check_answer(question: str, answer: Any, truth: Any, *, why: str, explain: s
             message = (f"✎ {question} not answered yet: edit the cell above (replace None with "
                        "your answer) and run both cells again.")
             print(message)
-            return CheckResult(question, False, message)
+            return QuizResult(question, False, message)
         answer = truth
 
     def body() -> str:
@@ -81,4 +89,5 @@ def check_answer(question: str, answer: Any, truth: Any, *, why: str, explain: s
             raise CheckFailure(what, expected=truth, actual=answer, hint=why)
         return "correct" + (f" — {explain}" if explain else "")
 
-    return run_check(question, body, record=False)
+    result = run_check(question, body, record=False)
+    return QuizResult(result.exercise, result.passed, result.message)

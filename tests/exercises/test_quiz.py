@@ -106,3 +106,11 @@ def test_hand_formulas_equal_labkit():
     ideal = linear_bytes(8192, 8192, "fp16") / linear_bytes(8192, 8192, "gptq")          # 06 Q2
     assert abs(ideal - 8192 * 8192 * 2 / (8192 * 8192 / 2 + 64 * 8192 * 2 + 64 * 8192 / 2
                                           + 4 * 8192)) < 1e-9
+
+
+def test_result_is_a_check_result_that_jupyter_does_not_echo(capsys):
+    from labkit.exercises.checks import CheckResult
+
+    result = check_answer("Q1", 1, 1, why=WHY)
+    assert isinstance(result, CheckResult) and result.message == "✓ Q1: correct"
+    assert result._ipython_display_() is None and capsys.readouterr().out == "✓ Q1: correct\n"
