@@ -1,10 +1,11 @@
 """``labkit drill [TOPIC]``: interview questions with short answers and runnable snippets.
 
-The bank (``drills_core``, ``drills_models``, ``drills_serving``) covers the topics of the
-interview notes the lab was designed from. ``labkit drill`` lists topics; ``labkit drill TOPIC``
-prints its questions, answers and snippets; ``--run`` executes the snippets; ``--quiz`` hides the
-answers until you press Enter; ``--search WORD`` looks through every question and answer;
-``--progress`` shows which exercises pass.
+The bank (``drills_core``, ``drills_models``, ``drills_serving``, ``drills_scale``,
+``drills_deploy``) covers the topics of the interview notes the lab was designed from.
+``labkit drill`` lists topics; ``labkit drill TOPIC`` prints its questions, answers and snippets;
+``--run`` executes the snippets; ``--quiz`` hides the answers until you press Enter;
+``--search WORD`` looks through every question and answer; ``--progress`` shows which exercises
+pass.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import sys
 import textwrap
 
 from labkit.exercises.drills_core import CORE, Drill
+from labkit.exercises.drills_deploy import DEPLOY
 from labkit.exercises.drills_models import MODELS
+from labkit.exercises.drills_scale import SCALE
 from labkit.exercises.drills_serving import SERVING
 
-DRILLS: list[Drill] = [*CORE, *MODELS, *SERVING]
+DRILLS: list[Drill] = [*CORE, *MODELS, *SERVING, *SCALE, *DEPLOY]
 TOPICS: list[str] = list(dict.fromkeys(drill.topic for drill in DRILLS))
 # What people type -> topic.
 ALIASES = {
@@ -37,6 +40,12 @@ ALIASES = {
     "gguf": "llama-cpp", "llama.cpp": "llama-cpp", "ollama": "llama-cpp",
     "trt-llm": "tensorrt-llm", "tensorrt": "tensorrt-llm", "vllm": "frameworks",
     "distillation": "compression", "pruning": "compression",
+    "tp": "parallelism", "pp": "parallelism", "tensor-parallel": "parallelism",
+    "pipeline-parallel": "parallelism", "safetensors": "weight-loading", "mmap": "weight-loading",
+    "cold-start": "weight-loading", "qlora": "lora", "adapters": "lora", "multi-lora": "lora",
+    "s-lora": "lora", "mobile": "on-device", "phone": "on-device", "npu": "on-device",
+    "edge": "on-device", "moderation": "safety", "guardrails": "safety", "hot-update": "releases",
+    "rolling-update": "releases", "blue-green": "releases",
 }
 
 
