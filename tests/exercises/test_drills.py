@@ -1,6 +1,8 @@
 """Drills: every snippet runs (and its own asserts hold), the seed topics are covered, and the
 `labkit drill` command behaves like an argparse CLI."""
 
+import re
+
 import pytest
 
 from labkit.exercises import drills
@@ -12,6 +14,7 @@ SEED_TOPICS = {
     "metrics", "scheduling", "watermarks", "streaming", "rate-limiting", "gpu-sharing",
     "releases", "gateways", "autoscaling", "failover", "monitoring", "multi-tenancy", "moe",
     "llama-cpp", "tensorrt-llm", "kv-cache", "frameworks", "compression",
+    "parallelism", "weight-loading", "lora", "on-device", "safety",
 }
 
 
@@ -102,3 +105,296 @@ def test_cli_progress(capsys):
     assert main(["--progress"]) == 0
     out = capsys.readouterr().out
     assert "1/13 exercises passed" in out and "✓ spec_speedup" in out
+
+
+# --- The scale-out and deployment drills (drills_scale, drills_deploy) ---------------------------
+# Each snippet prints the numbers its answer quotes; these tests recompute them by hand from the
+# models' public config.json values and the stated hardware assumptions, not from the drill code.
+
+NEW_DRILLS = {
+    "tp-split": "parallelism", "tp-vs-pp": "parallelism", "safetensors-mmap": "weight-loading",
+    "cold-start": "weight-loading", "hot-update": "releases", "lora-memory": "lora",
+    "lora-batching": "lora", "qlora-deploy": "lora", "on-device": "on-device",
+    "safety-review": "safety",
+}
+
+
+def test_bank_size_matches_readme():
+    # README: "labkit drill  # 53 drills in 28 topics"
+    assert len(DRILLS) == 53 and len(TOPICS) == 28
+    by_id = {x.id: x.topic for x in DRILLS}
+    assert {k: by_id.get(k) for k in NEW_DRILLS} == NEW_DRILLS
+
+
+_outputs: dict[str, str] = {}
+
+
+def output_of(drill_id: str) -> str:
+    if drill_id not in _outputs:
+        _outputs[drill_id] = run_snippet(next(x for x in DRILLS if x.id == drill_id))
+    return _outputs[drill_id]
+
+
+def grab(pattern: str, text: str) -> list[float]:
+    m = re.search(pattern, text)
+    assert m, f"{pattern!r} not in output:\n{text}"
+    return [float(g.replace(",", "")) for g in m.groups()]
+
+
+def llama_params(layers, d, heads, kv_heads, head_dim, ffn, vocab, tied=False):
+    attn = 2 * d * heads * head_dim + 2 * d * kv_heads * head_dim
+    return (1 if tied else 2) * vocab * d + layers * (attn + 3 * d * ffn + 2 * d) + d
+
+
+P70B = llama_params(80, 8192, 64, 8, 128, 28672, 32000)
+P7B = llama_params(32, 4096, 32, 32, 128, 11008, 32000)
+P1B = llama_params(16, 2048, 32, 8, 64, 8192, 128256, tied=True)
+P8B = llama_params(32, 4096, 32, 8, 128, 14336, 128256)
+H100_MEM, H100_BW, H100_FLOPS = 80 * 2**30, 3.35e12, 989e12
+A100_BW, A100_FLOPS, OVERHEAD = 2.039e12, 312e12, 0.5e-3
+
+
+def test_hand_param_counts_are_the_published_ones():
+    assert (P7B, P70B, P1B, P8B) == (6_738_415_616, 68_976_648_192, 1_235_814_400,
+                                     8_030_261_248)
+
+
+def test_tp_split_numbers():
+    out = output_of("tp-split")
+    for tp in (4, 8, 16):
+        weights, kv, room = grab(rf"TP={tp}: weights ([\d.]+) GB/GPU, KV (\d+) B/token/GPU, "
+                                 r"KV room (\d+) tokens", out)
+        kv_heads_here = -(-8 // tp)  # a GPU holds at least one whole KV head
+        kv_hand = 2 * 80 * kv_heads_here * 128 * 2
+        assert weights == round(2 * P70B / tp / 1e9, 2)
+        assert kv == kv_hand
+        assert abs(room - (0.9 * H100_MEM - 2 * P70B / tp) / kv_hand) <= 1
+    assert grab(r"all-reduces per forward pass: (\d+)", out) == [160]
+
+
+def ring_allreduce(chunks_per_rank: list[list[float]]) -> tuple[list[list[float]], list[int]]:
+    """A plain ring all-reduce (reduce-scatter then all-gather), counting elements each rank
+    sends, to check the 2 x (N-1)/N volume the drill uses."""
+    n = len(chunks_per_rank)
+    data = [list(c) for c in chunks_per_rank]
+    size = len(data[0])
+    seg = [list(range(i * size // n, (i + 1) * size // n)) for i in range(n)]
+    sent = [0] * n
+    for step in range(n - 1):  # reduce-scatter: rank r sends segment (r - step) to r + 1
+        msgs = [(r, (r - step) % n, [data[r][i] for i in seg[(r - step) % n]]) for r in range(n)]
+        for r, s, vals in msgs:
+            sent[r] += len(vals)
+            for i, v in zip(seg[s], vals):
+                data[(r + 1) % n][i] += v
+    for step in range(n - 1):  # all-gather: rank r sends its finished segment (r + 1 - step)
+        msgs = [(r, (r + 1 - step) % n, [data[r][i] for i in seg[(r + 1 - step) % n]])
+                for r in range(n)]
+        for r, s, vals in msgs:
+            sent[r] += len(vals)
+            for i, v in zip(seg[s], vals):
+                data[(r + 1) % n][i] = v
+    return data, sent
+
+
+def test_ring_allreduce_volume():
+    n, size = 8, 64
+    chunks = [[float(r * 100 + i) for i in range(size)] for r in range(n)]
+    result, sent = ring_allreduce(chunks)
+    total = [sum(c[i] for c in chunks) for i in range(size)]
+    assert all(row == total for row in result)
+    assert sent == [2 * (n - 1) * size // n] * n  # 2 (N-1)/N of the message, per rank
+
+
+def test_tp_vs_pp_numbers():
+    out = output_of("tp-vs-pp")
+    per_layer = 2 * 2 * 7 / 8 * 8192 * 2  # two all-reduces of one bf16 activation, TP=8
+    assert per_layer == 57_344
+    tp_bytes, pp_bytes = grab(r"TP sends ([\d,]+) B per GPU; PP sends ([\d,]+) B", out)
+    assert tp_bytes == 80 * per_layer == 4_587_520 and pp_bytes == 8192 * 2
+    tp_ms, pp_ms = grab(r"TP ([\d.]+) ms/token, PP ([\d.]+) ms/token", out)
+    assert tp_ms == round(2 * P70B / 8 / H100_BW * 1e3, 1) == 5.1
+    assert pp_ms == round(2 * P70B / H100_BW * 1e3, 1) == 41.2
+    compute_ms = 2 * P70B * 2048 / 8 / H100_FLOPS * 1e3
+    for bw, label in ((450e9, "NVLink"), (50e9, "InfiniBand")):
+        comm, compute = grab(rf"all-reduce (\d+) ms over {label}.*compute (\d+) ms", out)
+        assert comm == round(80 * per_layer * 2048 / bw * 1e3) and compute == round(compute_ms)
+    assert "21 ms" in drills_by_id()["tp-vs-pp"].answer.replace("about ", "")
+
+
+def drills_by_id():
+    return {x.id: x for x in DRILLS}
+
+
+def test_safetensors_mmap_numbers():
+    import torch
+    from safetensors.torch import load_file
+
+    from labkit.model.loader import resolve_model_path
+
+    out = output_of("safetensors-mmap")
+    header, count, data = grab(r"header (\d+) B for (\d+) tensors, data (\d+) B", out)
+    path = resolve_model_path("labkit-tiny") / "model.safetensors"
+    tensors = load_file(str(path))
+    assert count == len(tensors)
+    assert data == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert path.stat().st_size == 8 + header + data
+    assert tensors["model.embed_tokens.weight"].dtype == torch.float16
+    cold, warm = grab(r"cold from disk ([\d.]+) s, warm page cache to GPU ([\d.]+) s", out)
+    assert cold == round(2 * P7B / 3e9, 1) == 4.5 and warm == round(2 * P7B / 25e9, 2)
+
+
+def test_cold_start_numbers():
+    out = output_of("cold-start")
+    size = 2 * P70B
+    for label, bw in (("one S3 GET stream", 0.1e9), ("100 Gb/s NIC", 12.5e9),
+                      ("local NVMe drive", 7e9)):
+        assert grab(rf"{label}: ([\d,.]+) s", out) == [round(size / bw, 1)]
+    warm, everyone = grab(r"to 8 GPUs: ([\d.]+) s; .* NIC: ([\d.]+) s", out)
+    assert warm == round(size / 8 / 25e9, 2) and everyone == round(8 * size / 12.5e9, 1)
+    assert size / 0.1e9 > 20 * 60  # "over 20 minutes"
+
+
+def test_hot_update_numbers():
+    out = output_of("hot-update")
+    batch, ctx = 64, 64 * 1024
+    flops = 2 * P7B * batch + 4 * 32 * 32 * 128 * (ctx + batch)
+    memory = (2 * P7B + 2 * 32 * 32 * 128 * 2 * (ctx + batch)) / A100_BW
+    assert flops / A100_FLOPS < memory  # decode at batch 64 is memory-bound
+    step = memory + OVERHEAD
+    drain, step_ms = grab(r"stream: (\d+) s at ([\d.]+) ms/step", out)
+    assert step_ms == round(step * 1e3, 1) and drain == round(4096 * step) and drain > 30
+    stale, fresh = grab(r"max logit error ([\d.]+); over its own KV: ([\d.e+-]+)", out)
+    assert stale > 1e-2 and fresh < 1e-4
+    assert grab(r"shared across versions: (\d+)", out) == [0]
+
+
+def test_lora_memory_numbers():
+    out = output_of("lora-memory")
+    h, ffn, layers = 4096, 11008, 32
+    rank16 = layers * 16 * (4 * (h + h) + 3 * (h + ffn))
+    rank8_qv = layers * 8 * 2 * (h + h)
+    linear = layers * (4 * h * h + 3 * h * ffn)
+    a16, mb16, share, a8, mb8 = grab(r"all linears: ([\d,]+) params = ([\d.]+) MB \(([\d.]+)%"
+                                     r".*q\+v: ([\d,]+) params = ([\d.]+) MB", out)
+    assert (a16, a8) == (rank16, rank8_qv) == (39_976_960, 4_194_304)
+    assert mb16 == round(2 * rank16 / 1e6, 1) and mb8 == round(2 * rank8_qv / 1e6, 1)
+    assert share == round(100 * rank16 / linear, 2)
+    hundred, merged = grab(r"100 adapters: ([\d.]+) GB .* 100 merged copies: ([\d.]+) TB", out)
+    assert hundred == round(100 * 2 * rank16 / 1e9, 1) and merged == round(100 * 2 * P7B / 1e12, 2)
+
+
+def test_lora_batching_numbers():
+    out = output_of("lora-batching")
+    (err,) = grab(r"merged weights: ([\d.e+-]+);", out)
+    assert err < 1e-5
+    assert grab(r"4096x4096 projection: ([\d.]+)%", out) == [round(100 * 16 * 8192 / 4096**2, 2)]
+
+
+NF4_LEVELS = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+              -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+              0.07958029955625534, 0.16093020141124725, 0.24611230194568634,
+              0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+              0.7229568362236023, 1.0]  # QLoRA paper, appendix E / bitsandbytes
+
+
+def test_qlora_deploy_numbers():
+    import torch
+
+    out = output_of("qlora-deploy")
+    g = torch.Generator().manual_seed(0)  # the drill's draws, in its order
+    W = torch.randn(128, 256, generator=g) * 0.02
+    A = torch.randn(16, 256, generator=g) * 0.01
+    B = torch.randn(128, 16, generator=g) * 0.01
+    x = torch.randn(32, 256, generator=g)
+    blocks = W.reshape(-1, 64)  # NF4 by hand: absmax per 64, nearest normal-quantile level
+    absmax = blocks.abs().amax(1, keepdim=True)
+    levels = torch.tensor(NF4_LEVELS)
+    nearest = levels[((blocks / absmax)[..., None] - levels).abs().argmin(-1)]
+    Wq = (nearest * absmax).reshape(W.shape)
+    trained = x @ Wq.T + x @ A.T @ B.T
+    expected = ((x @ (W - Wq).T).norm() / trained.norm()).item()  # the lost NF4 error
+    (dequant,) = grab(r"merged into dequantized NF4: relative output error ([\d.e+-]+)", out)
+    (original,) = grab(r"merged into original fp16: relative output error ([\d.e+-]+)", out)
+    (requant,) = grab(r"re-quantized to INT4 g64: relative output error ([\d.e+-]+)", out)
+    assert dequant < 1e-5 and requant > 1e-3
+    assert abs(original - expected) < 0.01 * expected
+
+
+def gptq_bytes(linears, other_params):
+    """4-bit codes + fp16 scale and 4-bit zero per 128 inputs + int32 g_idx; rest in fp16."""
+    q = sum(o * i // 2 + (i // 128) * o * 2 + (i // 128) * o // 2 + 4 * i for o, i in linears)
+    return q + 2 * other_params
+
+
+def test_on_device_numbers():
+    out = output_of("on-device")
+    bw = 60e9
+    lin7 = [(4096, 4096)] * 4 * 32 + [(11008, 4096)] * 2 * 32 + [(4096, 11008)] * 32
+    lin1 = ([(2048, 2048)] * 2 + [(512, 2048)] * 2 + [(8192, 2048)] * 2 + [(2048, 8192)]) * 16
+    emb7, emb1 = 32000 * 4096, 128256 * 2048
+    int4_7 = gptq_bytes(lin7, 2 * emb7 + 65 * 4096)
+    int4_1 = gptq_bytes(lin1, emb1 + 33 * 2048)
+    cases = {("Llama-2-7B", "fp16"): (2 * P7B, 2 * P7B - 2 * emb7),
+             ("Llama-2-7B", "gptq"): (int4_7, int4_7 - 2 * emb7),  # lookup reads one row
+             ("Llama-3.2-1B", "fp16"): (2 * P1B, 2 * P1B),  # tied: the LM head reads it all
+             ("Llama-3.2-1B", "gptq"): (int4_1, int4_1)}
+    for (label, fmt), (size, read) in cases.items():
+        gb, tps = grab(rf"{label} {fmt}: ([\d.]+) GB \(.*\), <= ([\d.]+) tokens/s", out)
+        assert gb == round(size / 1e9, 2) and tps == round(bw / read, 1)
+    assert "13.48 GB (does not fit in 12 GB)" in out
+    (share,) = grab(r"embedding/LM head = (\d+)%", out)
+    assert share == round(100 * 2 * (emb1 + 33 * 2048) / int4_1)
+    assert grab(r"KV (\d+) KiB/token", out) == [2 * 16 * 8 * 64 * 2 // 1024]
+
+
+def prefill_s(params, layers, heads, head_dim, kv_bytes_per_token, tokens, context=0):
+    """labkit's roofline by hand: max(FLOPs / peak, bytes / bandwidth) + per-step overhead."""
+    pairs = context + tokens + tokens**2 // 2
+    flops = 2 * params * tokens + 4 * layers * heads * head_dim * pairs
+    nbytes = 2 * params + kv_bytes_per_token * (context + tokens)
+    return max(flops / A100_FLOPS, nbytes / A100_BW) + OVERHEAD
+
+
+def test_safety_review_numbers():
+    out = output_of("safety-review")
+    kv7, kv1, kv8 = 2 * 32 * 32 * 128 * 2, 2 * 16 * 8 * 64 * 2, 2 * 32 * 8 * 128 * 2
+    main = prefill_s(P7B, 32, 32, 128, kv7, 2000)
+    guards = {"llama-3.2-1b": prefill_s(P1B, 16, 32, 64, kv1, 2000),
+              "llama-3-8b": prefill_s(P8B, 32, 32, 128, kv8, 2000)}
+    for name, guard in guards.items():
+        got = grab(rf"{name} guard (\d+) ms: TTFT serial (\d+) ms, in parallel (\d+) ms", out)
+        assert got == [round(guard * 1e3), round((main + guard) * 1e3),
+                       round(max(main, guard) * 1e3)]
+    assert guards["llama-3.2-1b"] < main < guards["llama-3-8b"]  # hidden vs critical path
+    tpot = (2 * P7B + kv7 * (32 * 1024 + 32)) / A100_BW + OVERHEAD  # memory-bound decode
+    check = prefill_s(P1B, 16, 32, 64, kv1, 16, context=2000)
+    held, tpot_ms, check_ms = grab(r"window: (\d+) ms \(TPOT ([\d.]+) ms, check ([\d.]+) ms", out)
+    assert (tpot_ms, check_ms) == (round(tpot * 1e3, 1), round(check * 1e3, 1))
+    assert held == round((16 * tpot + check) * 1e3)
+
+
+@pytest.mark.parametrize("word,drill_id", [
+    ("tensor", "tp-split"), ("pipeline", "tp-vs-pp"), ("all-reduce", "tp-split"),
+    ("safetensors", "safetensors-mmap"), ("mmap", "safetensors-mmap"), ("S3", "cold-start"),
+    ("drain", "hot-update"), ("LoRA", "lora-memory"), ("S-LoRA", "lora-batching"),
+    ("Punica", "lora-batching"), ("QLoRA", "qlora-deploy"), ("NPU", "on-device"),
+    ("phone", "on-device"), ("Llama Guard", "safety-review"), ("safety", "safety-review"),
+])
+def test_search_finds_new_drills(word, drill_id):
+    assert drill_id in [x.id for x in drills.search(word)]
+
+
+@pytest.mark.parametrize("alias,topic", [
+    ("tp", "parallelism"), ("PP", "parallelism"), ("safetensors", "weight-loading"),
+    ("qlora", "lora"), ("npu", "on-device"), ("moderation", "safety"),
+    ("hot-update", "releases"),
+])
+def test_new_aliases(alias, topic):
+    assert drills.resolve_topic(alias) == topic
+
+
+def test_cli_new_topic(capsys):
+    assert main(["tp", "--run"]) == 0
+    out = capsys.readouterr().out
+    assert "[parallelism / tp-split]" in out and "[parallelism / tp-vs-pp]" in out
+    assert "4,587,520 B per GPU" in out
