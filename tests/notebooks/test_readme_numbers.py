@@ -96,6 +96,7 @@ def test_results_the_notebooks_read_are_committed():
     for nb in (ROOT / "notebooks").rglob("*.ipynb"):
         text = nb.read_text(encoding="utf-8")
         names |= set(re.findall(r'\\"results\\" / \\"([\w.-]+\.json)\\"', text))
+        names |= {f"{n}.json" for n in re.findall(r'load_result\(\\"([\w.-]+)\\"\)', text)}
     assert names, "expected the notebooks to read committed results"
     missing = sorted(n for n in names if not (RESULTS / n).exists())
     assert not missing, f"notebooks read datasets/results/{missing}, which is not committed"
