@@ -13,17 +13,17 @@ DEPLOY = [
     d("lora-memory", "lora",
       "How much memory does one LoRA adapter for Llama-2-7B take, and how many fit beside one "
       "copy of the base model?",
-      "LoRA replaces a frozen weight W [out, in] by W + (alpha/r) x B x A with A [r, in] and "
-      "B [out, r], so an adapter costs r x (in + out) parameters per adapted matrix and nothing "
-      "else: the base weights and the KV cache layout are shared. Rank 16 on all seven linears "
-      "of every layer (q, k, v, o, gate, up, down) of Llama-2-7B is 40.0M parameters, 80 MB in "
+      "LoRA replaces a frozen weight W [out, in] by W + (alpha/r) x B x A with A [r, in] and B "
+      "[out, r], so an adapter costs r x (in + out) parameters per adapted matrix and nothing "
+      "else: the base weights and the KV cache layout are shared. Rank 16 on all seven linears of"
+      " every layer (q, k, v, o, gate, up, down) of Llama-2-7B is 40.0M parameters, 80 MB in "
       "fp16, 0.6% of the base model's linear weights (and 0.6% more FLOPs per token when applied "
-      "unmerged). Rank 8 on the query and value projections only, the setting the LoRA paper "
-      "mostly studied, is 4.2M parameters, 8.4 MB. A hundred rank-16 adapters take 8 GB beside "
-      "one 13.5 GB base, where a hundred merged fine-tunes would take 1.35 TB. Adapters not in "
-      "use wait in CPU memory; loading one over PCIe (~25 GB/s) takes a few milliseconds. "
-      "Common wrong answer: 'every fine-tune needs its own replica', which is only true once "
-      "the adapter is merged into the weights.",
+      "unmerged). Rank 8 on the query and value projections only (the two the LoRA paper adapted "
+      "in most of its experiments) is 4.2M parameters, 8.4 MB. A hundred rank-16 adapters take 8 "
+      "GB beside one 13.5 GB base, where a hundred merged fine-tunes would take 1.35 TB. Adapters"
+      " not in use wait in CPU memory; loading one over PCIe (~25 GB/s) takes a few milliseconds."
+      " Common wrong answer: 'every fine-tune needs its own replica', which is only true once the"
+      " adapter is merged into the weights.",
       """
       from labkit.quant.memory import estimate_memory, get_config, linear_shapes
       cfg = get_config("llama-2-7b")

@@ -28,8 +28,8 @@ SCALE = [
       "80 GiB that leaves room for about 1.47M tokens (every GPU holds its slice of every "
       "token, so that is the group's capacity) against 0.52M at TP=4: 2.8x, not 2x, because "
       "the weights per GPU shrink too. Past TP = num_kv_heads a GPU cannot hold half a head, so "
-      "KV heads are replicated: TP=16 halves the weights per GPU again but not the KV per "
-      "token. Common wrong answer: 'each GPU gets some of the layers' (that is pipeline "
+      "KV heads are replicated: TP=16 halves the weights per GPU again but not the KV each GPU "
+      "stores per token. Common wrong answer: 'each GPU gets some of the layers' (that is pipeline "
       "parallelism) or 'the KV cache is replicated on every GPU'.",
       """
       from labkit.sim.presets import get_gpu, get_model_preset
@@ -51,21 +51,22 @@ SCALE = [
       "per generated token, what happens to batch-1 latency, and which do you use inside a node "
       "and which across nodes?",
       "TP does two all-reduces of the [tokens, hidden] activations per layer. A ring all-reduce "
-      "makes each GPU send (and receive) 2 x (TP-1)/TP times the message, so per token and "
-      "layer each GPU sends 2 x 2 x (TP-1)/TP x hidden x bytes = 57,344 bytes at TP=8 with "
-      "hidden 8192 in bf16, 4.6 MB over 80 layers. PP gives each stage a run of consecutive "
-      "layers and only hands one activation (16 KiB per token) across each stage boundary, "
-      "point to point: hundreds of times less traffic. Latency: with TP all eight GPUs work on "
-      "every layer at once, each reading 1/8 of the weights, so a batch-1 token takes about "
-      "5 ms on H100s plus 160 small all-reduces whose fixed latency (not bandwidth) is what "
-      "hurts at batch 1. With PP the stages run one after another, so one token still waits for "
-      "all 138 GB to be read (about 41 ms, no better than one GPU big enough); PP raises "
-      "throughput only with several micro-batches in flight and leaves bubbles when there are "
-      "too few. Bandwidth decides where each goes: a 2,048-token prefill at TP=8 moves 9.4 GB "
-      "per GPU, about 21 ms over NVLink (450 GB/s each way) against 36 ms of compute, but "
-      "about 190 ms over a 400 Gb/s InfiniBand link. So TP inside an NVLink node, PP across "
-      "nodes (vLLM: tensor_parallel_size = GPUs per node, pipeline_parallel_size = number of "
-      "nodes). Common wrong answer: 'pipeline parallelism makes a single request faster'.",
+      "makes each GPU send (and receive) 2 x (TP-1)/TP times the message, so per token and layer "
+      "each GPU sends 2 x 2 x (TP-1)/TP x hidden x bytes = 57,344 bytes at TP=8 with hidden 8192 "
+      "in bf16, 4.6 MB over 80 layers. PP gives each stage a run of consecutive layers and only "
+      "hands each token's activation across a stage boundary, point to point: 16 KiB per token "
+      "for one bf16 hidden vector (32 KiB where the engine also sends the residual, as vLLM "
+      "does), over a hundred times less traffic. Latency: with TP all eight GPUs work on every "
+      "layer at once, each reading 1/8 of the weights, so a batch-1 token takes about 5 ms on "
+      "H100s plus 160 small all-reduces whose fixed latency (not bandwidth) is what hurts at "
+      "batch 1. With PP the stages run one after another, so one token still waits for all 138 GB"
+      " to be read (about 41 ms, no better than one GPU big enough); PP raises throughput only "
+      "with several micro-batches in flight and leaves bubbles when there are too few. Bandwidth "
+      "decides where each goes: a 2,048-token prefill at TP=8 moves 9.4 GB per GPU, about 21 ms "
+      "over NVLink (450 GB/s each way) against 36 ms of compute, but about 190 ms over a 400 Gb/s"
+      " InfiniBand link. So TP inside an NVLink node, PP across nodes (vLLM: tensor_parallel_size"
+      " = GPUs per node, pipeline_parallel_size = number of nodes). Common wrong answer: "
+      "'pipeline parallelism makes a single request faster'.",
       """
       from labkit.sim.presets import get_gpu, get_model_preset
       m, gpu, n = get_model_preset("llama-2-70b"), get_gpu("h100-sxm"), 8
@@ -89,15 +90,17 @@ SCALE = [
       "server loads a model?",
       "An 8-byte little-endian header length, a JSON header that maps each tensor name to its "
       "dtype, shape and [begin, end) byte offsets, then the raw tensor bytes back to back. There "
-      "is no pickle, so loading cannot execute code (torch.load of a .bin file unpickles), and "
+      "is no pickle, so loading cannot execute code (torch.load of a .bin file unpickles; only "
+      "its weights_only mode, the default since PyTorch 2.6, restricts what that may build), and "
       "any tensor, or a range of its rows (safe_open(...).get_slice), is read without touching "
       "the rest, so each tensor-parallel rank reads only its own shard of each matrix. Loaders "
       "mmap the file: opening is instant because nothing is read until a page is touched, pages "
       "come from the OS page cache (shared by every process that maps the file and still warm "
       "after a restart), and no extra copy into a private buffer is made. The bytes are not "
       "free, though: the first forward pass, or the copy to the GPU, still pulls every byte "
-      "from disk. Llama-2-7B's 13.5 GB at 3 GB/s (one NVMe drive) is about 4.5 s cold, and "
-      "scattered 4 KiB page faults can be slower than one sequential read; from a warm page "
+      "from disk: cold, Llama-2-7B's 13.5 GB takes about 13 s from a 1 GB/s network disk and "
+      "about 2 s from a 7 GB/s local NVMe drive, and scattered 4 KiB page faults can be slower "
+      "than one sequential read; from a warm page "
       "cache the floor is the host-to-GPU copy, about 0.5 s over PCIe 4.0 x16 (~25 GB/s). "
       "llama.cpp on a CPU gains the most, because it computes straight from the mapped pages. "
       "Common wrong answer: 'mmap loads a 14 GB model in milliseconds': only the mapping is "
@@ -125,9 +128,11 @@ SCALE = [
           rows = st.get_slice(name)[:8]  # reads 8 rows' bytes, as a TP rank reads its shard
           assert torch.equal(rows, st.get_tensor(name)[:8])
       size = estimate_memory("llama-2-7b", "fp16").weight_bytes
-      disk, pcie = 3e9, 25e9  # assumed: one NVMe drive; PCIe 4.0 x16 host-to-GPU
-      print(f"Llama-2-7B {size / 1e9:.1f} GB: cold from disk {size / disk:.1f} s, "
-            f"warm page cache to GPU {size / pcie:.2f} s")
+      disks = {"1 GB/s network disk": 1e9, "7 GB/s local NVMe": 7e9}  # assumed bandwidths
+      cold = ", ".join(f"{size / bw:.1f} s from a {name}" for name, bw in disks.items())
+      pcie = 25e9  # PCIe 4.0 x16, host to GPU
+      print(f"Llama-2-7B {size / 1e9:.1f} GB: cold {cold}; warm page cache to GPU "
+            f"{size / pcie:.2f} s")
       """),
     d("cold-start", "weight-loading",
       "Llama-2-70B's weights sit in object storage (S3). A fresh 8-GPU node must start serving "
@@ -177,9 +182,11 @@ SCALE = [
       "30 s after SIGTERM by default, so raise terminationGracePeriodSeconds and stop admission "
       "in a preStop hook, or the longest streams are cut off. A request must finish on the "
       "version it started on: its KV cache was computed by the old weights, and decoding with "
-      "new weights over old KV is neither model. The prefix cache has the same trap: block keys "
-      "hash token ids, not weights, so put the model version into the key (like a cache salt) "
-      "or start the new version with an empty cache, and expect TTFT to rise until it refills. "
+      "new weights over old KV is neither model. A fresh engine process starts with an empty "
+      "prefix cache, but weights updated in place (as RL training loops do) or a KV cache "
+      "shared between instances keep the trap: block keys hash token ids, not weights, so "
+      "flush the cache (vLLM's reset_prefix_cache) or put the model version into the key, like "
+      "a cache salt. Either way expect TTFT to rise until the new cache fills. "
       "When only a LoRA adapter changes, load the new adapter under a new name and switch "
       "routing; the base stays loaded. Common wrong answer: 'a Kubernetes rolling update is "
       "zero-downtime out of the box'.",
