@@ -7,6 +7,12 @@ placeholder token for every sequence whose chunk reached its end. Each simulated
 ``max_tokens = output_len`` and ignores EOS, so it finishes after exactly its predetermined
 output length. Everything else (admission, chunking, preemption, prefix hits, the trace, the
 timestamps and metrics) is the engine's own code, which is the point of the simulator.
+
+Block operations cost time too (``apply_block_ops``): swapping a block out or in moves its KV
+bytes over the host link (``GPUPreset.host_bandwidth``, PCIe), a copy-on-write copies it within
+HBM (read + write). They are charged before the step's forward, serially, as vLLM's V0 engine
+issued its cache operations; without this a simulated swap would be free and always beat
+recomputation.
 """
 
 from __future__ import annotations
@@ -21,12 +27,23 @@ class SimExecutor:
     kind = "sim"
 
     def __init__(self, model: ModelPreset | str, gpu: GPUPreset | str,
-                 clock: VirtualClock, vocab_size: int = 32000) -> None:
+                 clock: VirtualClock, vocab_size: int = 32000, block_size: int = 16) -> None:
         self.model = get_model_preset(model)
         self.gpu = get_gpu(gpu)
         self.clock = clock
         self.vocab_size = vocab_size
+        self.block_bytes = block_size * self.model.kv_bytes_per_token
         self.busy_s = 0.0
+        self.block_ops_s = 0.0  # of busy_s: swaps and copy-on-write copies
+
+    def apply_block_ops(self, copies: list, swap_out: list, swap_in: list) -> None:
+        """Charge the step's block copies and swaps (see the module doc) to the clock."""
+        dt = ((len(swap_out) + len(swap_in)) * self.block_bytes / self.gpu.host_bandwidth
+              + len(copies) * 2 * self.block_bytes / self.gpu.mem_bandwidth)
+        if dt:
+            self.block_ops_s += dt
+            self.busy_s += dt
+            self.clock.advance(dt)
 
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
         prefill = decode = context = pairs = 0

@@ -62,7 +62,7 @@ def simulate(model: str = "llama-2-7b", gpu: str = "a100-80gb",
     max_len = max((s.prompt_len + s.output_len for s in specs), default=2) + 1
     clock = VirtualClock()
     vocab = getattr(m, "vocab_size", 32000)
-    engine = LLMEngine(SimExecutor(m, g, clock, vocab), num_blocks=num_blocks,
+    engine = LLMEngine(SimExecutor(m, g, clock, vocab, block_size), num_blocks=num_blocks,
                        block_size=block_size, max_model_len=max_len, vocab_size=vocab,
                        enable_prefix_caching=enable_prefix_caching, policy=policy,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -87,4 +87,5 @@ def simulate(model: str = "llama-2-7b", gpu: str = "a100-80gb",
     timings = engine.request_timings()
     stats = engine.stats()
     stats["busy_s"] = engine.executor.busy_s
+    stats["block_ops_s"] = engine.executor.block_ops_s
     return SimResult(engine.trace, compute_metrics(timings), timings, stats, engine)

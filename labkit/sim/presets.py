@@ -42,6 +42,7 @@ class GPUPreset:
     mem_bytes: int
     mem_bandwidth: float
     source: str = ""
+    host_bandwidth: float = 25e9  # bytes/s GPU<->CPU, what KV swapping pays (PCIe, effective)
 
     @property
     def ridge_point(self) -> float:
@@ -96,16 +97,20 @@ class ModelPreset:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
 
-def _gpu(name: str, tflops: float, mem_gib: float, tb_per_s: float, source: str) -> GPUPreset:
-    return GPUPreset(name, tflops * 1e12, int(mem_gib * GiB), tb_per_s * 1e12, source)
+def _gpu(name: str, tflops: float, mem_gib: float, tb_per_s: float, source: str,
+         host_gb_per_s: float = 25) -> GPUPreset:
+    return GPUPreset(name, tflops * 1e12, int(mem_gib * GiB), tb_per_s * 1e12, source,
+                     host_gb_per_s * 1e9)
 
 
 GPUS: dict[str, GPUPreset] = {
     g.name: g
     for g in (
         _gpu("a100-80gb", 312, 80, 2.039, "NVIDIA A100 datasheet: 312 TF bf16, 80GB, 2039 GB/s"),
-        _gpu("h100-sxm", 989, 80, 3.35, "NVIDIA H100 datasheet: 989 TF bf16, 80GB, 3.35 TB/s"),
-        _gpu("h200-sxm", 989, 141, 4.8, "NVIDIA H200 datasheet: 989 TF bf16, 141GB, 4.8 TB/s"),
+        _gpu("h100-sxm", 989, 80, 3.35, "NVIDIA H100 datasheet: 989 TF bf16, 80GB, 3.35 TB/s; "
+             "PCIe 5.0 x16 to the host", 50),
+        _gpu("h200-sxm", 989, 141, 4.8, "NVIDIA H200 datasheet: 989 TF bf16, 141GB, 4.8 TB/s; "
+             "PCIe 5.0 x16 to the host", 50),
         _gpu("rtx-4090", 165.2, 24, 1.008,
               "Ada whitepaper: 165.2 TF bf16 fp32 acc, 24GB, 1008 GB/s"),
     )

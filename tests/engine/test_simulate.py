@@ -60,3 +60,24 @@ def test_simulate_bad_config_is_a_named_error():
         simulate(num_requests=2, block_size=0)  # was: ZeroDivisionError
     with pytest.raises(EngineConfigError, match="kv_cache_bytes"):
         simulate(num_requests=2, kv_cache_bytes=10)
+
+
+def test_swaps_and_copies_cost_time_in_the_simulator():
+    """Swapped blocks cross PCIe and copy-on-write copies move HBM bytes: the simulator charges
+    both (before this, a swap was free and always beat recomputation)."""
+    from labkit.engine.simulate import simulate
+    from labkit.sim.presets import get_gpu, get_model_preset
+
+    m, g = get_model_preset("llama-2-7b"), get_gpu("a100-80gb")
+    kw = dict(workload="fixed", num_requests=24, block_size=16, max_num_seqs=24,
+              kv_cache_bytes=40 * 16 * m.kv_bytes_per_token, seed=0)
+    swap = simulate("llama-2-7b", "a100-80gb", preemption_mode="swap", num_cpu_blocks=400, **kw)
+    events = [e for s in swap.trace.to_dict()["steps"] for e in s["events"]]
+    moved = sum(e["type"] in ("swap_out", "swap_in") for e in events)
+    copies = sum(e["type"] == "cow" for e in events)
+    assert moved > 0, "the tight pool must force swapping"
+    block = 16 * m.kv_bytes_per_token
+    expect = moved * block / g.host_bandwidth + copies * 2 * block / g.mem_bandwidth
+    assert abs(swap.stats["block_ops_s"] - expect) <= 1e-9 * max(expect, 1.0)
+    recompute = simulate("llama-2-7b", "a100-80gb", preemption_mode="recompute", **kw)
+    assert recompute.stats["block_ops_s"] == 0.0
