@@ -282,6 +282,8 @@ def _dequant_shape(b: Bench, m: int, k: int, dq) -> None:
             except Exception as e:  # noqa: BLE001 - one bad tile config must not hide the rest
                 b.errors.append({"section": f"dequant {name} M={m} K={k} {cfg}",
                                  "error": repr(e)[:300]})
+        if not tried:  # every config failed (errors recorded above): the next kernel
+            continue
         t, cfg, err = min(tried, key=lambda r: r[0]["ms"])
         b.add(name, f"M={m} K={k} N={k}", t, "fp16 F.linear", base, nbytes=nbytes[name],
               flops=2.0 * m * k * k,
