@@ -39,7 +39,9 @@ def test_targets_are_judged_from_rows():
     b.add("paged_attention_decode", "B=64 ctx=4096 Hq=32", {"ms": 1.0}, nbytes=0.85e9)
     b.add("gptq_matmul", "M=1 K=8192 N=8192", {"ms": 1.0}, "fp16", {"ms": 2.0})
     met = {t["target"].split(" ")[0]: t["met"] for t in bench.targets(b)}
-    assert met == {"paged": True, "gptq_matmul": False}
+    assert met == {"paged": True, "gptq_matmul": False, "awq_matmul": False}
+    awq = next(t for t in bench.targets(b) if t["target"].startswith("awq"))
+    assert awq["value"] is None and awq["measured"] is False  # no row: listed, not dropped
 
 
 def test_rotated_inputs_copy_only_large_tensors():
