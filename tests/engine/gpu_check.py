@@ -17,7 +17,7 @@ import traceback
 import torch
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="gpu_engine.json")
@@ -81,7 +81,12 @@ def main() -> None:
         print(be, res[f"throughput_{be}"], flush=True)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
+    bad = [k for k, v in res.items() if isinstance(v, dict)
+           and ("error" in v or not all(v.get("match", [True])))]
+    print("engine GPU check:", "FAILED " + ", ".join(bad) if bad else "all greedy/seeded "
+          "outputs equal the reference")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

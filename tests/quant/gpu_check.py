@@ -107,7 +107,7 @@ def check_model(res: dict) -> None:
     res["model_ok"] = all(r["ppl_rel_diff"] < 0.01 for r in rows)
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="quant_gpu_check.json")
     a = ap.parse_args()
@@ -122,7 +122,11 @@ def main() -> None:
         with open(a.out, "w") as f:  # after each step: a time limit keeps what finished
             json.dump(res, f, indent=2)
     print("wrote", a.out)
+    errors = [k for k in res if k.endswith("_error")]
+    ok = not errors and res.get("model_ok", False) and res.get("layers_ok", False)
+    print("quant GPU check:", "ok" if ok else f"FAILED {errors or 'tolerance'}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
