@@ -3,6 +3,11 @@
 ``labkit.kv.attention.get_attention_backend("triton")`` imports this lazily. On a GPU the kernels
 run natively; on CPU they run only under ``TRITON_INTERPRET=1`` (slow, but the same code path,
 which is how the tests check the engine end to end).
+
+``k_scale``/``v_scale`` (the engine passes them for ``kv_cache_dtype="int8"``) mark an INT8 cache,
+as for the torch backend: ``reshape_and_cache`` quantizes in the kernel (the same codes and
+scales as ``labkit.quant.kv_int8.quantize_kv_per_head``) and the attention kernels dequantize the
+tiles they read (``labkit.kernels.int8_kv``).
 """
 
 from __future__ import annotations
@@ -21,18 +26,24 @@ class TritonBackend:
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                          meta: object = None) -> None:
-        reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+                          k_scale: torch.Tensor | None = None,
+                          v_scale: torch.Tensor | None = None, meta: object = None) -> None:
+        reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_tables: torch.Tensor, context_lens: torch.Tensor,
-               scale: float, meta: object = None) -> torch.Tensor:
-        return paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+               scale: float, meta: object = None, k_scale: torch.Tensor | None = None,
+               v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        return paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                      k_scale=k_scale, v_scale=v_scale)
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                context_lens: torch.Tensor, scale: float, meta: object = None) -> torch.Tensor:
+                context_lens: torch.Tensor, scale: float, meta: object = None,
+                k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
         # the step's metadata knows the longest chunk on the host: no device read per layer
         max_q = getattr(meta, "max_query_len", None)
         return paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc,
-                                       context_lens, scale, max_query_len=max_q)
+                                       context_lens, scale, max_query_len=max_q,
+                                       k_scale=k_scale, v_scale=v_scale)

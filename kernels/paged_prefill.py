@@ -20,6 +20,12 @@ The key loop stops at the tile's last query position, so the upper triangle is n
 What bounds it: compute for long chunks. Each K/V tile loaded once is used by BLOCK_M query rows:
 intensity ~ BLOCK_M * 4 * D / (2 * D * bytes) = BLOCK_M FLOP/byte in bf16 (64 for BLOCK_M=64),
 so with BLOCK_M >= 64 it leans towards the tensor cores' limit; short chunks are memory-bound.
+
+INT8 KV cache (``k_scale``/``v_scale`` given): tiles load as int8 codes plus one fp16 scale per
+(token, kv head) and are dequantized in registers before the dots (``int8_kv.load_kv_tile``):
+D + 2 bytes per (token, kv head) for K (and for V) instead of 2 * D in bf16. That matters for the
+memory-bound short chunks and for long cached prefixes; long chunks are compute-bound, where
+the extra convert and multiply per element is the cost and the bytes saved buy little.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from labkit.kernels._common import (
     next_pow2,
     on_host,
 )
+from labkit.kernels.int8_kv import dequantize_cache, load_kv_tile, scale_args
 from labkit.kernels.paged_attention import (
     LOG2E,
     _check_context_lens,
@@ -45,20 +52,20 @@ from labkit.kernels.paged_attention import (
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, q, q_pos, t0, kv_end, bt_row, k_base, v_base,
-                 stride_kb, stride_ks, stride_vb, stride_vs, sm_scale_log2, offs_d, d_mask,
+def _attend_tile(acc, m_i, l_i, q, q_pos, t0, kv_end, bt_row, k_base, v_base, ks_base, vs_base,
+                 stride_kb, stride_ks, stride_vb, stride_vs, stride_sb, stride_ss, sm_scale_log2,
+                 offs_d, d_mask,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                 DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+                 DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, KV_INT8: tl.constexpr):
     """One BLOCK_N tile of keys: gather through the block table, online-softmax update."""
     offs_t = t0 + tl.arange(0, BLOCK_N)
     t_mask = offs_t < kv_end
     phys = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
     in_blk = offs_t % BLOCK_SIZE
-    kv_mask = t_mask[:, None] & d_mask[None, :]
-    k = tl.load(k_base + (phys * stride_kb + in_blk * stride_ks)[:, None] + offs_d[None, :],
-                mask=kv_mask, other=0.0)
-    v = tl.load(v_base + (phys * stride_vb + in_blk * stride_vs)[:, None] + offs_d[None, :],
-                mask=kv_mask, other=0.0)
+    k = load_kv_tile(k_base, ks_base, phys, in_blk, stride_kb, stride_ks, stride_sb, stride_ss,
+                     offs_d, t_mask, d_mask, KV_INT8, q.dtype)
+    v = load_kv_tile(v_base, vs_base, phys, in_blk, stride_vb, stride_vs, stride_sb, stride_ss,
+                     offs_d, t_mask, d_mask, KV_INT8, q.dtype)
     if DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -78,14 +85,15 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, t0, kv_end, bt_row, k_base, v_base,
 @triton.jit
 def _paged_prefill_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr,
-    context_lens_ptr, sm_scale_log2,
+    context_lens_ptr, k_scale_ptr, v_scale_ptr, sm_scale_log2,
     stride_qn, stride_qh, stride_on, stride_oh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
+    stride_sb, stride_ss, stride_sh,
     stride_bt,
     QUERY_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, KV_INT8: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -117,19 +125,21 @@ def _paged_prefill_kernel(
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
+    ks_base = k_scale_ptr + kv_head * stride_sh
+    vs_base = v_scale_ptr + kv_head * stride_sh
     # Keys before the tile's first query position are visible to every row: no mask there.
     full_end = ((prefix + tile * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
     kv_end = tl.minimum(ctx_len, prefix + (tile + 1) * BLOCK_M)
     for t0 in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, t0, kv_end, bt_row, k_base, v_base,
-                                     stride_kb, stride_ks, stride_vb, stride_vs, sm_scale_log2,
-                                     offs_d, d_mask, BLOCK_SIZE, BLOCK_N, False, DOT_FP32,
-                                     PRECISION)
+                                     ks_base, vs_base, stride_kb, stride_ks, stride_vb, stride_vs,
+                                     stride_sb, stride_ss, sm_scale_log2, offs_d, d_mask,
+                                     BLOCK_SIZE, BLOCK_N, False, DOT_FP32, PRECISION, KV_INT8)
     for t0 in range(full_end, kv_end, BLOCK_N):  # the diagonal: causal mask
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, t0, kv_end, bt_row, k_base, v_base,
-                                     stride_kb, stride_ks, stride_vb, stride_vs, sm_scale_log2,
-                                     offs_d, d_mask, BLOCK_SIZE, BLOCK_N, True, DOT_FP32,
-                                     PRECISION)
+                                     ks_base, vs_base, stride_kb, stride_ks, stride_vb, stride_vs,
+                                     stride_sb, stride_ss, sm_scale_log2, offs_d, d_mask,
+                                     BLOCK_SIZE, BLOCK_N, True, DOT_FP32, PRECISION, KV_INT8)
 
     o = acc / l_i[:, None]
     tl.store(out_ptr + rows[:, None] * stride_on + head * stride_oh + offs_d[None, :],
@@ -140,16 +150,18 @@ def paged_prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float,
     max_query_len: int | None = None, block_m: int | None = None, block_n: int | None = None,
-    num_warps: int | None = None, num_stages: int = 2,
+    num_warps: int | None = None, num_stages: int = 2, k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of packed new tokens q [N, Hq, D] over the paged cache.
 
     ``max_query_len`` sizes the grid; when omitted it is read from query_start_loc (one host
     sync). Returns [N, Hq, D] in q's dtype. query_start_loc must run from 0 to N without going
     down, and each q_len must be <= its context_lens entry, which must fit its block-table row
-    (all checked on CPU tensors; on a GPU the caller guarantees them).
+    (all checked on CPU tensors; on a GPU the caller guarantees them). INT8 cache: int8 caches
+    plus fp16 ``k_scale``/``v_scale`` [num_blocks, block_size, Hkv] (``int8_kv``).
     """
-    _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    int8 = _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     check(q.dim() == 3, f"q must be [num_tokens, num_q_heads, head_dim], got {tuple(q.shape)}")
     num_seqs = block_tables.shape[0]
     check(query_start_loc.dim() == 1 and query_start_loc.numel() == num_seqs + 1,
@@ -189,15 +201,17 @@ def paged_prefill_attention(
         num_warps = 4 if block_m <= 64 else 8
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_q_heads)
     _paged_prefill_kernel[grid](
-        out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale * LOG2E,
+        out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+        *scale_args(k_cache, k_scale, v_scale)[:2], scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *scale_args(k_cache, k_scale, v_scale)[2:],
         block_tables.stride(0),
         QUERY_GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=max(16, next_pow2(head_dim)), BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_FP32=interpreting(), PRECISION=dot_precision(q.dtype),
+        DOT_FP32=interpreting(), PRECISION=dot_precision(q.dtype), KV_INT8=int8,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -206,8 +220,12 @@ def paged_prefill_attention(
 def paged_prefill_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain PyTorch, one sequence at a time, fp32, explicit causal mask by position."""
+    """Plain PyTorch, one sequence at a time, fp32, explicit causal mask by position (an INT8
+    cache is dequantized to q's dtype first)."""
+    k_cache = dequantize_cache(k_cache, k_scale, q.dtype)
+    v_cache = dequantize_cache(v_cache, v_scale, q.dtype)
     out = torch.empty_like(q)
     group = q.shape[1] // k_cache.shape[2]
     for b in range(block_tables.shape[0]):

@@ -8,6 +8,12 @@ rows (``Hkv*D`` contiguous elements each in the cache)::
     token n ──── slot 37 ─────────► block 37 // 16 = 2, row 37 % 16 = 5
 
 What bounds it: memory, pure copy (0 FLOPs): 2 * N * Hkv * D * bytes read and as many written.
+
+INT8 KV cache (``k_scale``/``v_scale`` given, caches int8): each token's [Hkv, D] rows are
+quantized in registers, one absmax scale per (token, head), exactly as
+``labkit.quant.kv_int8.quantize_kv_per_head`` (same codes and fp16 scales, bit for bit; see
+``int8_kv.quantize_rows``). It writes D + 2 bytes per (token, head) instead of 2 * D (bf16) and
+adds a row max and a divide per element, which a copy-bound kernel hides.
 """
 
 from __future__ import annotations
@@ -15,16 +21,26 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from labkit.kernels._common import INDEX_DTYPES, check, check_dtype, next_pow2, on_host
+from labkit.kernels._common import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check,
+    check_dtype,
+    next_pow2,
+    on_host,
+)
+from labkit.kernels.int8_kv import check_kv_scales, quantize_rows, scale_args
 
 
 @triton.jit
 def _reshape_and_cache_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
     stride_kn, stride_kh, stride_vn, stride_vh,
     stride_cb, stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch,
+    stride_sb, stride_ss, stride_sh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    KV_INT8: tl.constexpr,
 ):
     n = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + n).to(tl.int64)
@@ -40,6 +56,12 @@ def _reshape_and_cache_kernel(
                 mask=mask)
     v = tl.load(value_ptr + n64 * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :],
                 mask=mask)
+    if KV_INT8:  # codes into the caches, one fp16 scale per (token, head) beside them
+        k, k_s = quantize_rows(tl.where(mask, k, 0.0))
+        v, v_s = quantize_rows(tl.where(mask, v, 0.0))
+        s_off = blk * stride_sb + off * stride_ss + offs_h * stride_sh
+        tl.store(k_scale_ptr + s_off, k_s, mask=offs_h < NUM_HEADS)
+        tl.store(v_scale_ptr + s_off, v_s, mask=offs_h < NUM_HEADS)
     tl.store(k_cache_ptr + blk * stride_cb + off * stride_cs + offs_h[:, None] * stride_ch
              + offs_d[None, :], k, mask=mask)
     tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vcs + offs_h[:, None] * stride_vch
@@ -47,12 +69,15 @@ def _reshape_and_cache_kernel(
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> None:
     """Scatter key/value [N, Hkv, D] into k_cache/v_cache [num_blocks, block_size, Hkv, D].
 
     ``slot_mapping`` [N] int32/int64: a slot in ``[0, num_blocks * block_size)`` or -1 (skip);
     checked on CPU tensors (where a wrong slot would write outside the cache), on a GPU the
-    caller guarantees it.
+    caller guarantees it. INT8 cache: int8 caches plus fp16 ``k_scale``/``v_scale``
+    [num_blocks, block_size, Hkv] that receive each written (token, head)'s scale.
     """
     check(key.dim() == 3 and key.shape == value.shape,
           f"key and value must both be [N, num_kv_heads, head_dim], got {tuple(key.shape)} "
@@ -63,8 +88,14 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     check(slot_mapping.dim() == 1 and slot_mapping.numel() == key.shape[0],
           f"slot_mapping must have one entry per token ({key.shape[0]}), "
           f"got {tuple(slot_mapping.shape)}")
-    check(key.dtype == k_cache.dtype and value.dtype == v_cache.dtype,
-          f"key dtype {key.dtype} != cache dtype {k_cache.dtype}")
+    int8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    if int8:
+        check_dtype(key, "key (quantized into an int8 cache)", FLOAT_DTYPES)
+        check(value.dtype == key.dtype, f"key and value dtypes differ: {key.dtype}, "
+              f"{value.dtype}")
+    else:
+        check(key.dtype == k_cache.dtype and value.dtype == v_cache.dtype,
+              f"key dtype {key.dtype} != cache dtype {k_cache.dtype}")
     check(key.stride(-1) == 1 and value.stride(-1) == 1 and k_cache.stride(-1) == 1
           and v_cache.stride(-1) == 1, "head_dim must be the contiguous dimension")
     check_dtype(slot_mapping, "slot_mapping", INDEX_DTYPES)
@@ -80,19 +111,30 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
         check(lo >= -1 and hi < num_slots, f"slot_mapping entries must be -1 (padding) or a "
               f"slot in [0, {num_slots}), got min {lo}, max {hi}")
     _reshape_and_cache_kernel[(n,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, k_cache, v_cache, slot_mapping, *scale_args(k_cache, k_scale, v_scale)[:2],
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *scale_args(k_cache, k_scale, v_scale)[2:],
         NUM_HEADS=heads, HEAD_DIM=dim, HEADS_PAD=next_pow2(heads), DIM_PAD=next_pow2(dim),
-        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_SIZE=k_cache.shape[1], KV_INT8=int8,
     )
 
 
 def reshape_and_cache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Plain PyTorch: index_copy into the flattened [num_blocks*block_size, Hkv, D] view."""
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                          k_scale: torch.Tensor | None = None,
+                          v_scale: torch.Tensor | None = None) -> None:
+    """Plain PyTorch: index_copy into the flattened [num_blocks*block_size, Hkv, D] view; with
+    scales, labkit.quant's ``quantize_kv_per_head`` first."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
+    if k_scale is not None:
+        from labkit.quant.kv_int8 import quantize_kv_per_head  # lazy: labkit.quant is big
+
+        key, ks = quantize_kv_per_head(key)
+        value, vs = quantize_kv_per_head(value)
+        k_scale.view(-1, k_scale.shape[2])[slots] = ks[keep]
+        v_scale.view(-1, v_scale.shape[2])[slots] = vs[keep]
     k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep]
     v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep]

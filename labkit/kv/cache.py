@@ -66,10 +66,10 @@ class PagedKVCache:
         self.backend = backend or TorchBackend()
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         quant = kv_cache_dtype == "int8"
-        if quant and not isinstance(self.backend, TorchBackend):
-            raise ValueError(f"kv_cache_dtype='int8' is implemented by the torch attention "
-                             f"backend only, not {self.backend.name!r}; use "
-                             "attention_backend='torch' or kv_cache_dtype='auto'")
+        if quant and self.backend.name not in ("torch", "triton"):
+            raise ValueError(f"kv_cache_dtype='int8' is implemented by the torch and triton "
+                             f"attention backends only, not {self.backend.name!r}; use one of "
+                             "them or kv_cache_dtype='auto'")
         store = torch.int8 if quant else dtype
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         cpu_shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)

@@ -1,0 +1,109 @@
+"""INT8 KV cache pieces the attention kernels share: quantize on write, dequantize on read.
+
+The layout is ``labkit.quant.kv_int8``'s per-(token, head) one, which the engine uses for
+``kv_cache_dtype="int8"``: caches ``[num_blocks, block_size, Hkv, D]`` int8 plus fp16 scales
+``[num_blocks, block_size, Hkv]``, value = code * scale. ``reshape_and_cache`` quantizes each new
+token's head vector once (:func:`quantize_rows`); the decode and prefill kernels load int8 tiles
+and their scales and dequantize in registers (:func:`load_kv_tile`) before the dots.
+
+Why: decode reads the whole KV history every step and is memory-bound, so bytes read per
+(token, kv head) set its speed: ``D + 2`` (int8 codes + one fp16 scale) instead of ``2 * D`` for
+bf16, 1.94x fewer at D = 128. The cost is one int8->fp32 convert and one multiply per element
+(free next to the memory stall) and the quantization error: up to half a step, ``absmax / 254``,
+per element.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from labkit.kernels._common import check
+
+SCALE_DTYPE = torch.float16  # as labkit.quant.kv_int8.quantize_kv_per_head and the engine
+
+
+@triton.jit
+def quantize_rows(x):
+    """x [H, D] (padding = 0) -> (int8 codes [H, D], fp16 scales [H]), bit for bit
+    ``labkit.quant.kv_int8.quantize_kv_per_head``:
+
+        scale = fp16(max(absmax / 127, 1e-8));  code = clamp(round_half_even(x / scale), ±127)
+
+    ``div_rn`` is IEEE division as torch's (a GPU's plain ``/`` is approximate); the rounding is
+    spelled out with ``floor`` because that is exact everywhere (GPU and interpreter). A scale that
+    underflows fp16 to 0 (absmax < ~3.8e-6) gives codes sign(x) * 127, as torch's x / 0 = ±inf
+    clamped (and 0 / 0 = nan -> 0) does on CPU.
+    """
+    x = x.to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.maximum(tl.math.div_rn(amax, 127.0), 1e-8).to(tl.float16)
+    s = scale.to(tl.float32)[:, None]
+    zero = s == 0.0
+    r = tl.math.div_rn(x, tl.where(zero, 1.0, s))
+    f = tl.floor(r)
+    frac = r - f  # exact: |r| < 2^23
+    odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
+    r = f + tl.where((frac > 0.5) | ((frac == 0.5) & odd), 1.0, 0.0)
+    r = tl.minimum(tl.maximum(r, -127.0), 127.0)
+    r = tl.where(zero, tl.where(x > 0, 127.0, tl.where(x < 0, -127.0, 0.0)), r)
+    return r.to(tl.int8), scale
+
+
+@triton.jit
+def load_kv_tile(cache_base, scale_base, phys, in_blk, stride_b, stride_s, stride_sb, stride_ss,
+                 offs_d, t_mask, d_mask, KV_INT8: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """One K or V tile [BLOCK_N, D] gathered through the block table (``phys``, ``in_blk`` per
+    token; ``*_base`` already offset to the kv head). fp caches: loaded as they are. INT8: codes
+    times each token's scale, in fp32, then ``OUT_DTYPE`` (the query's dtype on a GPU, as the
+    torch backend rounds its dequantized tiles; fp32 under the interpreter)."""
+    x = tl.load(cache_base + (phys * stride_b + in_blk * stride_s)[:, None] + offs_d[None, :],
+                mask=t_mask[:, None] & d_mask[None, :], other=0)
+    if KV_INT8:
+        s = tl.load(scale_base + phys * stride_sb + in_blk * stride_ss, mask=t_mask, other=0.0)
+        x = (x.to(tl.float32) * s.to(tl.float32)[:, None]).to(OUT_DTYPE)
+    return x
+
+
+def check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                    v_scale: torch.Tensor | None) -> bool:
+    """True for an INT8 cache with valid scales, False for a float cache without; ValueError for
+    anything in between (a raw int8 cache read without scales would be silently wrong)."""
+    int8 = k_cache.dtype == torch.int8 or v_cache.dtype == torch.int8
+    given = (k_scale is not None, v_scale is not None)
+    if not int8 and not any(given):
+        return False
+    want = (f"k_scale and v_scale [num_blocks, block_size, num_kv_heads] = "
+            f"{list(k_cache.shape[:3])} fp16")
+    check(int8 and all(given), f"an INT8 KV cache needs both int8 caches and {want}; got caches "
+          f"{k_cache.dtype}/{v_cache.dtype}, k_scale {'given' if given[0] else 'None'}, "
+          f"v_scale {'given' if given[1] else 'None'}")
+    check(k_cache.dtype == v_cache.dtype == torch.int8,
+          f"k_cache and v_cache must both be int8, got {k_cache.dtype} and {v_cache.dtype}")
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        check(s.shape == k_cache.shape[:3], f"{name} must be {want}, got shape {tuple(s.shape)}")
+        check(s.dtype == SCALE_DTYPE, f"{name} must be fp16 (as quantize_kv_per_head), got "
+              f"{s.dtype}")
+        check(s.device == k_cache.device, f"{name} must be on the caches' device "
+              f"{k_cache.device}, got {s.device}")
+    check(k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1,
+          "k_scale and v_scale need the same strides and a contiguous last (head) dimension")
+    return True
+
+
+def scale_args(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+               v_scale: torch.Tensor | None) -> tuple:
+    """Kernel arguments (k_scale_ptr, v_scale_ptr, stride_sb, stride_ss, stride_sh); a float cache
+    passes the cache itself as an unused pointer and zero strides."""
+    if k_scale is None:
+        return k_cache, k_cache, 0, 0, 0
+    return k_scale, v_scale, *k_scale.stride()
+
+
+def dequantize_cache(cache: torch.Tensor, scale: torch.Tensor | None,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """Plain PyTorch, for the kernels' references: the whole cache back to ``dtype``."""
+    if scale is None:
+        return cache
+    return (cache.float() * scale.float()[..., None]).to(dtype)
+
