@@ -67,8 +67,8 @@ def _paged_decode_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
-    KV_INT8: tl.constexpr,
 ):
+    KV_INT8: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.int8  # compile-time: int8 cache
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -175,10 +175,10 @@ def _check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
           f"q head_dim {q.shape[-1]} != cache head_dim {k_cache.shape[3]}")
     check(q.shape[-2] % k_cache.shape[2] == 0,
           f"num query heads {q.shape[-2]} must be a multiple of num kv heads {k_cache.shape[2]}")
+    check_dtype(q, "q (and the caches)", FLOAT_DTYPES)
     int8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     check(int8 or q.dtype == k_cache.dtype == v_cache.dtype,
           f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    check_dtype(q, "q (and the caches)", FLOAT_DTYPES)
     check(q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1,
           "q, k_cache and v_cache need a contiguous last (head_dim) dimension")
     check(block_tables.dim() == 2 and block_tables.dtype in INDEX_DTYPES,
@@ -238,7 +238,7 @@ def paged_attention_decode(
     (checked on CPU tensors; on a GPU the caller guarantees it). INT8 cache: int8 caches plus
     fp16 ``k_scale``/``v_scale`` [num_blocks, block_size, Hkv] (``int8_kv``).
     """
-    int8 = _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
+    _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     check(q.dim() == 3, f"q must be [num_seqs, num_q_heads, head_dim], got {tuple(q.shape)}")
     check(q.shape[0] == block_tables.shape[0], "q and block_tables disagree on num_seqs")
     _check_context_lens(block_tables, context_lens, k_cache, min_len=1)
@@ -286,7 +286,7 @@ def paged_attention_decode(
         QUERY_GROUP=group, GROUP_PAD=max(16, next_pow2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, next_pow2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split,
-        DOT_FP32=interpreting(), PRECISION=dot_precision(q.dtype), KV_INT8=int8,
+        DOT_FP32=interpreting(), PRECISION=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:

@@ -93,8 +93,9 @@ def _paged_prefill_kernel(
     stride_bt,
     QUERY_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, KV_INT8: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    KV_INT8: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.int8  # compile-time: int8 cache
     tile = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
@@ -161,7 +162,7 @@ def paged_prefill_attention(
     (all checked on CPU tensors; on a GPU the caller guarantees them). INT8 cache: int8 caches
     plus fp16 ``k_scale``/``v_scale`` [num_blocks, block_size, Hkv] (``int8_kv``).
     """
-    int8 = _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
+    _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     check(q.dim() == 3, f"q must be [num_tokens, num_q_heads, head_dim], got {tuple(q.shape)}")
     num_seqs = block_tables.shape[0]
     check(query_start_loc.dim() == 1 and query_start_loc.numel() == num_seqs + 1,
@@ -211,7 +212,7 @@ def paged_prefill_attention(
         QUERY_GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=max(16, next_pow2(head_dim)), BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_FP32=interpreting(), PRECISION=dot_precision(q.dtype), KV_INT8=int8,
+        DOT_FP32=interpreting(), PRECISION=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

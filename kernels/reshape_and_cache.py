@@ -40,8 +40,8 @@ def _reshape_and_cache_kernel(
     stride_sb, stride_ss, stride_sh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    KV_INT8: tl.constexpr,
 ):
+    KV_INT8: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.int8  # compile-time: int8 cache
     n = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + n).to(tl.int64)
     if slot < 0:
@@ -117,7 +117,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         *scale_args(k_cache, k_scale, v_scale)[2:],
         NUM_HEADS=heads, HEAD_DIM=dim, HEADS_PAD=next_pow2(heads), DIM_PAD=next_pow2(dim),
-        BLOCK_SIZE=k_cache.shape[1], KV_INT8=int8,
+        BLOCK_SIZE=k_cache.shape[1],
     )
 
 

@@ -21,8 +21,9 @@ BF16_ATTN = {"out_ptr": "*bf16", "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_ca
              "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "lse_ptr": "*fp32",
              "query_start_loc_ptr": "*i32", "k_scale_ptr": "*fp16", "v_scale_ptr": "*fp16"}
 ATTN = {"QUERY_GROUP": 4, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "BLOCK_SIZE": 16,
-        "DOT_FP32": False, "PRECISION": "tf32", "KV_INT8": False}
-# INT8 KV cache: int8 codes, fp16 per-(token, head) scales, bf16 queries
+        "DOT_FP32": False, "PRECISION": "tf32"}
+# INT8 KV cache (the kernels branch on the cache's int8 element type at compile time):
+# int8 codes, fp16 per-(token, head) scales, bf16 queries
 INT8_ATTN = {**BF16_ATTN, "k_cache_ptr": "*i8", "v_cache_ptr": "*i8"}
 
 
@@ -34,7 +35,7 @@ def variants():
     for split in (False, True):
         yield paged_attention._paged_decode_kernel, {
             **INT8_ATTN, "out_ptr": "*fp32" if split else "*bf16"}, {
-            **ATTN, "GROUP_PAD": 16, "BLOCK_N": 64, "SPLIT": split, "KV_INT8": True}, 4, 2
+            **ATTN, "GROUP_PAD": 16, "BLOCK_N": 64, "SPLIT": split}, 4, 2
     yield paged_attention._merge_splits_kernel, {"out_ptr": "*bf16", "part_ptr": "*fp32",
                                                  "lse_ptr": "*fp32"}, {
         "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "SPLITS_PAD": 32}, 4, 1
@@ -43,7 +44,7 @@ def variants():
             **ATTN, "BLOCK_M": bm, "BLOCK_N": bn}, warps, 2
     for bm in (16, 64):
         yield paged_prefill._paged_prefill_kernel, INT8_ATTN, {
-            **ATTN, "BLOCK_M": bm, "BLOCK_N": 64, "KV_INT8": True}, 4, 2
+            **ATTN, "BLOCK_M": bm, "BLOCK_N": 64}, 4, 2
     # head_dim 256 in fp32 (fp32 models, Gemma-sized heads): the largest tiles the fuzz tests
     # run; prefill's default 64 x 64 tile needs ~213 KB of shared memory here
     fp32 = {k: v.replace("bf16", "fp32") for k, v in BF16_ATTN.items()}
@@ -56,9 +57,9 @@ def variants():
                 "v_scale_ptr": "*fp16"}
     rc_consts = {"NUM_HEADS": 8, "HEAD_DIM": 128, "HEADS_PAD": 8, "DIM_PAD": 128,
                  "BLOCK_SIZE": 16}
-    yield rc._reshape_and_cache_kernel, rc_types, {**rc_consts, "KV_INT8": False}, 4, 1
-    yield rc._reshape_and_cache_kernel, {**rc_types, "k_cache_ptr": "*i8", "v_cache_ptr": "*i8"}, {
-        **rc_consts, "KV_INT8": True}, 4, 1
+    yield rc._reshape_and_cache_kernel, rc_types, rc_consts, 4, 1
+    yield rc._reshape_and_cache_kernel, {**rc_types, "k_cache_ptr": "*i8", "v_cache_ptr": "*i8"}, \
+        rc_consts, 4, 1
     yield rms_norm._rms_norm_kernel, {"out_ptr": "*bf16", "res_out_ptr": "*bf16",
                                       "x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16",
                                       "eps": "fp32"}, {"HAS_RESIDUAL": True, "BLOCK": 4096}, 8, 1
@@ -94,7 +95,7 @@ def variants():
 def main() -> int:
     failed = 0
     for fn, types, consts, warps, stages in variants():
-        label = f"{fn.__name__} {consts}"
+        label = f"{fn.__name__} {types.get('k_cache_ptr', '')} {consts}".replace("  ", " ")
         try:
             kernel = compile_sm90(fn, types, consts, warps, stages)
             smem = kernel.metadata.shared
