@@ -4,7 +4,10 @@ The layout is ``labkit.quant.kv_int8``'s per-(token, head) one, which the engine
 ``kv_cache_dtype="int8"``: caches ``[num_blocks, block_size, Hkv, D]`` int8 plus fp16 scales
 ``[num_blocks, block_size, Hkv]``, value = code * scale. ``reshape_and_cache`` quantizes each new
 token's head vector once (:func:`quantize_rows`); the decode and prefill kernels load int8 tiles
-and their scales and dequantize in registers (:func:`load_kv_tile`) before the dots.
+and their scales and dequantize in registers (:func:`load_kv_tile`) before the dots. Each kernel
+branches at compile time on its cache's element type
+(``KV_INT8: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.int8``), so a float cache compiles
+the float kernel with no trace of the INT8 code (same loads, same MMAs on sm_90).
 
 Why: decode reads the whole KV history every step and is memory-bound, so bytes read per
 (token, kv head) set its speed: ``D + 2`` (int8 codes + one fp16 scale) instead of ``2 * D`` for
@@ -51,14 +54,15 @@ def quantize_rows(x):
 
 
 @triton.jit
-def load_kv_tile(cache_base, scale_base, phys, in_blk, stride_b, stride_s, stride_sb, stride_ss,
-                 offs_d, t_mask, d_mask, KV_INT8: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """One K or V tile [BLOCK_N, D] gathered through the block table (``phys``, ``in_blk`` per
-    token; ``*_base`` already offset to the kv head). fp caches: loaded as they are. INT8: codes
-    times each token's scale, in fp32, then ``OUT_DTYPE`` (the query's dtype on a GPU, as the
-    torch backend rounds its dequantized tiles; fp32 under the interpreter)."""
-    x = tl.load(cache_base + (phys * stride_b + in_blk * stride_s)[:, None] + offs_d[None, :],
-                mask=t_mask[:, None] & d_mask[None, :], other=0)
+def load_kv_tile(ptrs, kv_mask, t_mask, scale_base, phys, in_blk, stride_sb, stride_ss,
+                 KV_INT8: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """One K or V tile [BLOCK_N, D] at ``ptrs`` (gathered through the block table by the
+    caller; ``kv_mask``: valid token and dim, ``t_mask``: valid token). Float cache: loaded as
+    it is; the scale arguments are unused and compile away. INT8: codes times each token's scale
+    (at ``scale_base + phys * stride_sb + in_blk * stride_ss``, ``scale_base`` already at the kv
+    head), in fp32, then ``OUT_DTYPE`` (the query's dtype on a GPU, as the torch backend rounds
+    its dequantized tiles; fp32 under the interpreter)."""
+    x = tl.load(ptrs, mask=kv_mask, other=0.0)
     if KV_INT8:
         s = tl.load(scale_base + phys * stride_sb + in_blk * stride_ss, mask=t_mask, other=0.0)
         x = (x.to(tl.float32) * s.to(tl.float32)[:, None]).to(OUT_DTYPE)

@@ -100,12 +100,17 @@ def _paged_decode_kernel(
         t_mask = offs_t < end
         phys = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
         in_blk = offs_t % BLOCK_SIZE
-        k = load_kv_tile(k_cache_ptr + kv_head * stride_kh, k_scale_ptr + kv_head * stride_sh,
-                         phys, in_blk, stride_kb, stride_ks, stride_sb, stride_ss, offs_d,
-                         t_mask, d_mask, KV_INT8, q.dtype)
-        v = load_kv_tile(v_cache_ptr + kv_head * stride_vh, v_scale_ptr + kv_head * stride_sh,
-                         phys, in_blk, stride_vb, stride_vs, stride_sb, stride_ss, offs_d,
-                         t_mask, d_mask, KV_INT8, q.dtype)
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = load_kv_tile(
+            k_cache_ptr + (phys * stride_kb + in_blk * stride_ks + kv_head * stride_kh)[:, None]
+            + offs_d[None, :], kv_mask, t_mask, k_scale_ptr + kv_head * stride_sh, phys, in_blk,
+            stride_sb, stride_ss, KV_INT8, q.dtype,
+        )
+        v = load_kv_tile(
+            v_cache_ptr + (phys * stride_vb + in_blk * stride_vs + kv_head * stride_vh)[:, None]
+            + offs_d[None, :], kv_mask, t_mask, v_scale_ptr + kv_head * stride_sh, phys, in_blk,
+            stride_sb, stride_ss, KV_INT8, q.dtype,
+        )
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)

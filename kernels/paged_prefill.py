@@ -62,10 +62,11 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, t0, kv_end, bt_row, k_base, v_base, ks
     t_mask = offs_t < kv_end
     phys = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
     in_blk = offs_t % BLOCK_SIZE
-    k = load_kv_tile(k_base, ks_base, phys, in_blk, stride_kb, stride_ks, stride_sb, stride_ss,
-                     offs_d, t_mask, d_mask, KV_INT8, q.dtype)
-    v = load_kv_tile(v_base, vs_base, phys, in_blk, stride_vb, stride_vs, stride_sb, stride_ss,
-                     offs_d, t_mask, d_mask, KV_INT8, q.dtype)
+    kv_mask = t_mask[:, None] & d_mask[None, :]
+    k = load_kv_tile(k_base + (phys * stride_kb + in_blk * stride_ks)[:, None] + offs_d[None, :],
+                     kv_mask, t_mask, ks_base, phys, in_blk, stride_sb, stride_ss, KV_INT8, q.dtype)
+    v = load_kv_tile(v_base + (phys * stride_vb + in_blk * stride_vs)[:, None] + offs_d[None, :],
+                     kv_mask, t_mask, vs_base, phys, in_blk, stride_sb, stride_ss, KV_INT8, q.dtype)
     if DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
