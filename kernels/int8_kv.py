@@ -1,19 +1,20 @@
-"""INT8 KV cache pieces the attention kernels share: quantize on write, dequantize on read.
+"""INT8 KV cache pieces the attention kernels share: quantize on write, scale on read.
 
 The layout is ``labkit.quant.kv_int8``'s per-(token, head) one, which the engine uses for
 ``kv_cache_dtype="int8"``: caches ``[num_blocks, block_size, Hkv, D]`` int8 plus fp16 scales
 ``[num_blocks, block_size, Hkv]``, value = code * scale. ``reshape_and_cache`` quantizes each new
 token's head vector once (:func:`quantize_rows`); the decode and prefill kernels load int8 tiles
-and their scales and dequantize in registers (:func:`load_kv_tile`) before the dots. Each kernel
+(:func:`load_kv_tile`) and fold each token's scale into the score and probability tiles
+(:func:`load_token_scales`), which is the same as dequantizing K and V but cheaper. Each kernel
 branches at compile time on its cache's element type
 (``KV_INT8: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.int8``), so a float cache compiles
 the float kernel with no trace of the INT8 code (same loads, same MMAs on sm_90).
 
 Why: decode reads the whole KV history every step and is memory-bound, so bytes read per
 (token, kv head) set its speed: ``D + 2`` (int8 codes + one fp16 scale) instead of ``2 * D`` for
-bf16, 1.94x fewer at D = 128. The cost is one int8->fp32 convert and one multiply per element
-(free next to the memory stall) and the quantization error: up to half a step, ``absmax / 254``,
-per element.
+bf16, 1.94x fewer at D = 128. The cost is one int8 -> bf16 convert per element and two
+multiplies per score (free next to the memory stall), and the quantization error: up to half a
+step, ``absmax / 254``, per element.
 """
 
 from __future__ import annotations
@@ -54,19 +55,28 @@ def quantize_rows(x):
 
 
 @triton.jit
-def load_kv_tile(ptrs, kv_mask, t_mask, scale_base, phys, in_blk, stride_sb, stride_ss,
-                 KV_INT8: tl.constexpr, OUT_DTYPE: tl.constexpr):
+def load_kv_tile(ptrs, kv_mask, KV_INT8: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """One K or V tile [BLOCK_N, D] at ``ptrs`` (gathered through the block table by the
-    caller; ``kv_mask``: valid token and dim, ``t_mask``: valid token). Float cache: loaded as
-    it is; the scale arguments are unused and compile away. INT8: codes times each token's scale
-    (at ``scale_base + phys * stride_sb + in_blk * stride_ss``, ``scale_base`` already at the kv
-    head), in fp32, then ``OUT_DTYPE`` (the query's dtype on a GPU, as the torch backend rounds
-    its dequantized tiles; fp32 under the interpreter)."""
+    caller). Float cache: loaded as it is. INT8: the codes, converted to the dot's dtype; codes
+    in [-127, 127] are exact in bf16/fp16/fp32, so no rounding happens here."""
     x = tl.load(ptrs, mask=kv_mask, other=0.0)
     if KV_INT8:
-        s = tl.load(scale_base + phys * stride_sb + in_blk * stride_ss, mask=t_mask, other=0.0)
-        x = (x.to(tl.float32) * s.to(tl.float32)[:, None]).to(OUT_DTYPE)
+        x = x.to(DOT_DTYPE)
     return x
+
+
+@triton.jit
+def load_token_scales(scale_base, phys, in_blk, stride_sb, stride_ss, t_mask):
+    """The tile's per-token scales [BLOCK_N] in fp32 (``scale_base`` already at the kv head).
+
+    They factor out of the dots because each belongs to one key/value row:
+    ``q . (c_t * s_t) = (q . c_t) * s_t`` scales column t of S = Q K^T, and
+    ``sum_t p_t * (c_t * s_t) = sum_t (p_t * s_t) * c_t`` scales column t of P before P V.
+    So the kernels multiply the small [rows, BLOCK_N] score and probability tiles, not the
+    [BLOCK_N, D] K and V tiles: BLOCK_N * rows multiplies per tile instead of 2 * BLOCK_N * D.
+    """
+    s = tl.load(scale_base + phys * stride_sb + in_blk * stride_ss, mask=t_mask, other=0.0)
+    return s.to(tl.float32)
 
 
 def check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,

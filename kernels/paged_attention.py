@@ -22,10 +22,12 @@ arithmetic intensity is 2*G/bytes = 4 FLOP/byte for G=4 in bf16, far below an H2
 FLOP/byte ridge. The target is the copy bandwidth of the device.
 
 INT8 KV cache (``k_scale``/``v_scale`` given): K/V tiles load as int8 codes plus one fp16 scale
-per (token, kv head) and are dequantized in registers before the dots (``int8_kv.load_kv_tile``),
-so a (token, kv head) costs 2 * (D + 2) bytes of K+V instead of 2 * 2D in bf16: ~1.9x fewer
-bytes, hence up to ~1.9x faster decode at long contexts. The cost: a convert and a multiply per
-element (hidden under the memory stall) and the quantization error (half a step, absmax / 254).
+per (token, kv head); the codes go into the dots as they are (exact in bf16) and the scales
+multiply the score and probability tiles instead (``int8_kv.load_token_scales``). A (token, kv
+head) then costs 2 * (D + 2) bytes of K+V instead of 2 * 2D in bf16: ~1.9x fewer bytes, hence
+up to ~1.9x faster decode at long contexts. The cost: an int8 -> bf16 convert per element, two
+multiplies per score (hidden under the memory stall) and the quantization error (half a step,
+absmax / 254, per element).
 """
 
 from __future__ import annotations
@@ -45,7 +47,13 @@ from labkit.kernels._common import (
     next_pow2,
     on_host,
 )
-from labkit.kernels.int8_kv import check_kv_scales, dequantize_cache, load_kv_tile, scale_args
+from labkit.kernels.int8_kv import (
+    check_kv_scales,
+    dequantize_cache,
+    load_kv_tile,
+    load_token_scales,
+    scale_args,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -103,23 +111,28 @@ def _paged_decode_kernel(
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = load_kv_tile(
             k_cache_ptr + (phys * stride_kb + in_blk * stride_ks + kv_head * stride_kh)[:, None]
-            + offs_d[None, :], kv_mask, t_mask, k_scale_ptr + kv_head * stride_sh, phys, in_blk,
-            stride_sb, stride_ss, KV_INT8, q.dtype,
+            + offs_d[None, :], kv_mask, KV_INT8, q.dtype,
         )
         v = load_kv_tile(
             v_cache_ptr + (phys * stride_vb + in_blk * stride_vs + kv_head * stride_vh)[:, None]
-            + offs_d[None, :], kv_mask, t_mask, v_scale_ptr + kv_head * stride_sh, phys, in_blk,
-            stride_sb, stride_ss, KV_INT8, q.dtype,
+            + offs_d[None, :], kv_mask, KV_INT8, q.dtype,
         )
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if KV_INT8:  # S = (Q C_k^T) diag(k_scale): see int8_kv.load_token_scales
+            s = s * load_token_scales(k_scale_ptr + kv_head * stride_sh, phys, in_blk, stride_sb,
+                                      stride_ss, t_mask)[None, :]
+        s = s * sm_scale_log2
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if KV_INT8:  # P V = (P diag(v_scale)) C_v
+            p = p * load_token_scales(v_scale_ptr + kv_head * stride_sh, phys, in_blk, stride_sb,
+                                      stride_ss, t_mask)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 

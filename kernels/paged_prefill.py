@@ -22,10 +22,11 @@ intensity ~ BLOCK_M * 4 * D / (2 * D * bytes) = BLOCK_M FLOP/byte in bf16 (64 fo
 so with BLOCK_M >= 64 it leans towards the tensor cores' limit; short chunks are memory-bound.
 
 INT8 KV cache (``k_scale``/``v_scale`` given): tiles load as int8 codes plus one fp16 scale per
-(token, kv head) and are dequantized in registers before the dots (``int8_kv.load_kv_tile``):
-D + 2 bytes per (token, kv head) for K (and for V) instead of 2 * D in bf16. That matters for the
-memory-bound short chunks and for long cached prefixes; long chunks are compute-bound, where
-the extra convert and multiply per element is the cost and the bytes saved buy little.
+(token, kv head); the codes enter the dots as they are and the scales multiply the score and
+probability tiles (``int8_kv.load_token_scales``): D + 2 bytes per (token, kv head) for K (and
+for V) instead of 2 * D in bf16. That matters for the memory-bound short chunks and long cached
+prefixes; long chunks are compute-bound, where the extra convert per element is the cost and
+the bytes saved buy little.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from labkit.kernels._common import (
     next_pow2,
     on_host,
 )
-from labkit.kernels.int8_kv import dequantize_cache, load_kv_tile, scale_args
+from labkit.kernels.int8_kv import dequantize_cache, load_kv_tile, load_token_scales, scale_args
 from labkit.kernels.paged_attention import (
     LOG2E,
     _check_context_lens,
@@ -64,13 +65,16 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, t0, kv_end, bt_row, k_base, v_base, ks
     in_blk = offs_t % BLOCK_SIZE
     kv_mask = t_mask[:, None] & d_mask[None, :]
     k = load_kv_tile(k_base + (phys * stride_kb + in_blk * stride_ks)[:, None] + offs_d[None, :],
-                     kv_mask, t_mask, ks_base, phys, in_blk, stride_sb, stride_ss, KV_INT8, q.dtype)
+                     kv_mask, KV_INT8, q.dtype)
     v = load_kv_tile(v_base + (phys * stride_vb + in_blk * stride_vs)[:, None] + offs_d[None, :],
-                     kv_mask, t_mask, vs_base, phys, in_blk, stride_sb, stride_ss, KV_INT8, q.dtype)
+                     kv_mask, KV_INT8, q.dtype)
     if DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if KV_INT8:  # S = (Q C_k^T) diag(k_scale): see int8_kv.load_token_scales
+        s = s * load_token_scales(ks_base, phys, in_blk, stride_sb, stride_ss, t_mask)[None, :]
+    s = s * sm_scale_log2
     if MASKED:
         visible = (offs_t[None, :] <= q_pos[:, None]) & t_mask[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -79,6 +83,8 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, t0, kv_end, bt_row, k_base, v_base, ks
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
+    if KV_INT8:  # P V = (P diag(v_scale)) C_v
+        p = p * load_token_scales(vs_base, phys, in_blk, stride_sb, stride_ss, t_mask)[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
 
