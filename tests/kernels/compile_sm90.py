@@ -100,6 +100,12 @@ def main() -> int:
             kernel = compile_sm90(fn, types, consts, warps, stages)
             smem = kernel.metadata.shared
             ok = smem <= SMEM_LIMIT
+            if fn is rc._reshape_and_cache_kernel and types["k_cache_ptr"] == "*i8":
+                # bit-exact INT8 codes need IEEE division (div_rn), not the GPU's fast one; the
+                # interpreter divides exactly either way, so only the PTX can show it
+                ptx = kernel.asm["ptx"]
+                ok &= "div.rn.f32" in ptx and "div.full.f32" not in ptx \
+                    and "div.approx" not in ptx
             print(f"{'ok' if ok else 'FAIL'} {label} shared={smem}")
             failed += not ok
         except Exception as e:  # noqa: BLE001 - report every variant

@@ -20,12 +20,16 @@ from labkit.quant.kv_int8 import dequantize_kv_per_head, quantize_kv_per_head
 
 
 def _tie_rows(n: int, heads: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """[n, heads, dim] whose head 0 hits exact .5 ties: absmax 31.75 gives scale 0.25 exactly,
-    and (k + 0.5) * 0.25 / 0.25 = k + 0.5 for every k, even and odd."""
+    """[n, heads, dim] whose head 0 hits exact .5 ties: with absmax 127 * s the scale is s, and
+    (k + 0.5) * s / s = k + 0.5 for every k, even and odd. In fp32 the scales s are fp16 values
+    whose reciprocal is inexact, so x * (1 / s) would miss some ties (a GPU's fast division
+    too); bf16/fp16 inputs cannot hold those products, there s = 0.25."""
     x = torch.zeros(n, heads, dim)
     ks = torch.arange(dim) % 64 - 32  # even and odd integers
-    x[:, 0] = (ks + 0.5) * 0.25
-    x[:, 0, 0] = 31.75
+    for i in range(n):
+        sc = float(torch.tensor(0.1 + 0.37 * i).half()) if dtype == torch.float32 else 0.25
+        x[i, 0] = (ks + 0.5) * sc  # exact in fp32: <= 7 + 11 significant bits
+        x[i, 0, 0] = 127 * sc
     return x.to(dtype)
 
 
@@ -47,9 +51,12 @@ def test_reshape_and_cache_int8_is_bit_exact(heads, dim, bs, dtype):
     n, num_blocks = 23, 5
     key, value = _quantize_inputs(n, heads, dim, dtype, seed=heads)
     # The ties are real: torch rounds them half to even, half-away-from-zero would differ.
-    r = key[:4, 0, 1:].float() / 0.25  # element 0 is the absmax, 127
+    ts = key[:4, 0, :1].float() / 127
+    r = key[:4, 0, 1:].float() / ts  # element 0 is the absmax, 127
     assert bool((r.frac().abs() == 0.5).all())
     assert not torch.equal(torch.round(r), torch.trunc(r + 0.5 * torch.sign(r)))
+    if dtype == torch.float32:  # and a reciprocal instead of a division would move some
+        assert not torch.equal(r, key[:4, 0, 1:].float() * (1 / ts))
     g = torch.Generator().manual_seed(7)
     slots = torch.randperm(num_blocks * bs, generator=g)[:n]
     slots[[6, 11]] = -1  # padding tokens
@@ -73,7 +80,7 @@ def test_reshape_and_cache_int8_is_bit_exact(heads, dim, bs, dtype):
                                                                        vq[keep])
     assert torch.equal(flat_ks[slots[keep]], ks[keep]) and torch.equal(flat_vs[slots[keep]],
                                                                        vs[keep])
-    assert flat_ks[slots[0], 0] == 0.25
+    assert flat_ks[slots[0], 0] == (0.25 if dtype != torch.float32 else float(ts[0]))
     assert flat_k[slots[0], 0, :4].tolist() == [127, -30, -30, -28]  # -30.5, -29.5, -28.5
     assert flat_k[slots[0], 0, 32:36].tolist() == [0, 2, 2, 4]  # 0.5 -> 0, 1.5 -> 2, 2.5 -> 2
     assert flat_vs[slots[4], 0] == 0 and bool((flat_v[slots[4], 0] == 0).all())
@@ -210,3 +217,21 @@ def test_int8_cache_key_must_be_float():
     _, kq, vq, ks, vs, *_ = _bad_setup()
     with pytest.raises(ValueError, match="key .quantized into an int8 cache. must be"):
         reshape_and_cache(kq[0, :2], kq[0, :2], kq, vq, torch.tensor([0, 1]), ks, vs)
+
+
+def test_reshape_and_cache_int8_exact_over_magnitudes():
+    """512 tokens x 2 heads whose magnitudes span 1e-7 .. 1e4 (fp16 scales from underflow to
+    normal, rounding near every fp16 boundary): still bit for bit the torch quantizer."""
+    g = torch.Generator().manual_seed(11)
+    n, heads, dim, bs = 512, 2, 64, 16
+    mag = 10 ** (torch.rand(n, heads, 1, generator=g) * 11 - 7)
+    key = torch.randn(n, heads, dim, generator=g) * mag
+    value = torch.rand(n, heads, dim, generator=g) * mag  # one-signed rows
+    slots = torch.randperm(n, generator=g)
+    out = [torch.zeros(n // bs, bs, heads, dim, dtype=torch.int8) for _ in range(4)]
+    sc = [torch.zeros(n // bs, bs, heads, dtype=torch.float16) for _ in range(4)]
+    reshape_and_cache(key, value, out[0], out[1], slots, sc[0], sc[1])
+    TorchBackend().reshape_and_cache(key, value, out[2], out[3], slots, sc[2], sc[3])
+    assert int((sc[2] == 0).sum()) > 0 and int((sc[2] > 1).sum()) > 0  # the range is covered
+    for j in (0, 1):
+        assert torch.equal(out[j], out[j + 2]) and torch.equal(sc[j], sc[j + 2]), j
