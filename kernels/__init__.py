@@ -5,9 +5,11 @@ with its tiling, what bounds it and its arithmetic intensity:
 
 - ``paged_attention``: decode attention over a paged KV cache, split-KV (flash-decoding) merge;
 - ``paged_prefill``: causal varlen attention of new tokens over their cached blocks;
-- ``reshape_and_cache``: scatter new K/V into their slots;
+- ``reshape_and_cache``: scatter new K/V into their slots (quantizing for an INT8 cache);
+- ``int8_kv``: the INT8 KV cache pieces those three share (quantize on write, scale on read);
 - ``rms_norm`` (optional fused residual add), ``rotary_embedding`` (in place);
-- ``dequant_matmul``: W4A16 GPTQ / AWQ and W8A16 matmuls; ``nf4``: NF4 dequantisation;
+- ``dequant_matmul``: W4A16 GPTQ / AWQ and W8A16 matmuls on the tensor cores, dispatching
+  M = 1 to ``dequant_gemv`` (the decode GEMVs); ``nf4``: NF4 dequantisation;
 - ``backend``: ``TritonBackend``, the engine's attention backend built from the above;
 - ``selfcheck`` (each kernel vs its reference) and ``timing`` (device time without launch
   overhead or a warm L2), used by ``labkit bench kernels``.

@@ -22,53 +22,10 @@ import torch.nn.functional as F
 
 from labkit.bench.common import bench_parser, environment, print_table, write_json
 from labkit.bench.kernels_report import targets, to_markdown
+from labkit.bench.kernels_sizes import FULL, QUICK, SMOKE, SWEEP  # noqa: F401 (SMOKE: tests)
 from labkit.kernels import selfcheck as sc
 
 DEFAULT_JSON = Path(__file__).resolve().parents[2] / "datasets" / "results" / "kernels.json"
-
-FULL = {
-    "copy_bytes": 2 << 30,
-    "decode": [(b, c) for b in (1, 16, 64) for c in (512, 4096, 16384)],
-    "heads": (32, 8, 128), "block_size": 16,
-    "prefill": [(4, 1024, 1024), (1, 4096, 4096), (4, 512, 4096)],  # seqs, q_len, ctx_len
-    "dequant": [(m, k) for k in (4096, 8192) for m in (1, 16, 128)],
-    "group_size": 128, "nf4": (8192, 8192), "cache_tokens": 8192, "norm": (8192, 4096),
-    "check": {"decode": (16, 4096), "prefill": (3, 300, 1000), "dequant": (16, 4096)},
-    "tune_decode": (64, 4096), "tune_prefill": (1, 4096),
-    "decode_configs": [(32, 4, 3), (128, 4, 2), (64, 8, 3), (128, 8, 3), (64, 4, 4), (128, 4, 3)],
-    "prefill_configs": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 128, 4, 2), (128, 128, 8, 2),
-                        (64, 64, 4, 3)],
-}
-# --quick: the headline shapes only (the two targets plus one of each kernel), ~1 minute.
-QUICK = {**FULL, "decode": [(1, 16384), (64, 4096)], "prefill": [(1, 4096, 4096)],
-         "dequant": [(1, 8192)], "decode_configs": [], "prefill_configs": []}
-# Tiny sizes: lets the tests drive every code path on CPU under the interpreter.
-SMOKE = {
-    "copy_bytes": 1 << 16, "decode": [(2, 40)], "heads": (4, 2, 16), "block_size": 16,
-    "prefill": [(2, 20, 20), (1, 8, 40)], "dequant": [(1, 64), (16, 64)], "group_size": 32,
-    "nf4": (8, 64), "cache_tokens": 16, "norm": (4, 64),
-    "check": {"decode": (2, 40), "prefill": (2, 9, 30), "dequant": (3, 64)},
-    "tune_decode": (2, 40), "tune_prefill": (1, 20), "decode_configs": [(32, 4, 3)],
-    "prefill_configs": [(32, 32, 4, 2)],
-}
-# Extra tile configs tried for the small-M dequant cases; the best is reported with its config.
-SWEEP = {
-    # M = 1 runs the GEMV kernels (kernels/dequant_gemv.py); the first two are the GPTQ/W8A16
-    # and the AWQ defaults. Static sm_90 counts for the GPTQ default: 64 registers (8 CTAs/SM),
-    # ~5.9 SASS instructions per weight in the loop; the device decides which is fastest.
-    1: [{"BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 4},
-        {"BLOCK_M": 1, "BLOCK_N": 128, "BLOCK_K": 32, "SPLIT_K": 4, "num_warps": 4},
-        {"BLOCK_M": 1, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 2, "num_warps": 4},
-        {"BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "num_warps": 4,
-         "num_stages": 4},
-        {"BLOCK_M": 1, "BLOCK_N": 256, "BLOCK_K": 32, "SPLIT_K": 4, "num_warps": 4},
-        {"BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 8, "num_warps": 4}],
-    16: [{"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 4},
-         {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 2, "num_warps": 4},
-         {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 4}],
-    128: [{"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 8},
-          {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 4}],
-}
 
 
 def _wall_ms(fn: Callable[..., Any], args: tuple = ()) -> float:
@@ -219,6 +176,29 @@ def _decode_case(b: Bench, nseq: int, ctx: int) -> None:
         b.add("paged_attention_decode" + (" (no split)" if forced else ""), shape,
               b.measure(fn, q, kc, vc), "SDPA on gathered KV", base, nbytes=nbytes,
               num_splits=splits, rel_err_vs_sdpa=err)
+
+
+def sec_decode_int8(b: Bench) -> None:
+    """The INT8 KV cache's decode at the headline shape, beside the bf16 rows: D + 2 bytes per
+    (token, head) for K or V instead of 2D, so ideally ~1.9x less time when memory-bound."""
+    from labkit.kernels.paged_attention import paged_attention_decode
+    from labkit.quant.kv_int8 import quantize_kv_per_head
+
+    hq, hkv, d = b.sizes["heads"]
+    bs, scale = b.sizes["block_size"], d**-0.5
+    nseq, ctx = b.sizes["tune_decode"]
+    q, kc, vc, bt, lens = sc.paged_setup(nseq, ctx, (hq, hkv, d), bs, BF16, b.device, b.gen)
+    (kq, ks), (vq, vs) = quantize_kv_per_head(kc), quantize_kv_per_head(vc)
+    ref = paged_attention_decode(q, kc, vc, bt, lens, scale)
+    del kc, vc
+
+    def fn(q, kq, vq):
+        return paged_attention_decode(q, kq, vq, bt, lens, scale, k_scale=ks, v_scale=vs)
+
+    err = sc.rel_err(fn(q, kq, vq), ref)  # int8 rounding vs the bf16 cache it came from
+    b.add("paged_attention_decode (int8 KV)", f"B={nseq} ctx={ctx} Hq={hq} Hkv={hkv} D={d} "
+          f"bs={bs}", b.measure(fn, q, kq, vq), nbytes=2 * nseq * ctx * hkv * (d + 2),
+          rel_err_vs_bf16_cache=err)
 
 
 def sec_prefill(b: Bench) -> None:
@@ -402,6 +382,7 @@ def sec_tuning(b: Bench) -> None:
 
 SECTIONS = [("copy bandwidth", sec_copy), ("correctness", sec_checks),
             ("correctness, odd shapes", sec_odd_shapes), ("decode", sec_decode),
+            ("decode, int8 KV", sec_decode_int8),
             ("prefill", sec_prefill), ("dequant", sec_dequant),
             ("memory-bound", sec_memory_bound), ("tuning", sec_tuning)]
 

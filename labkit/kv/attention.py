@@ -32,22 +32,30 @@ from labkit.kv.metadata import AttentionMetadata
 
 class AttentionBackend(Protocol):
     """``meta`` is the step's AttentionMetadata (built once per step). The engine passes it only
-    to backends whose class sets ``accepts_metadata = True``; others get the plain arguments."""
+    to backends whose class sets ``accepts_metadata = True``; others get the plain arguments.
+    ``k_scale``/``v_scale`` ([num_blocks, block_size, Hkv] fp16) come with an INT8 cache
+    (``kv_cache_dtype="int8"``): reshape_and_cache quantizes into them, attention reads them."""
 
     name: str
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                          meta: AttentionMetadata | None = None) -> None: ...
+                          meta: AttentionMetadata | None = None,
+                          k_scale: torch.Tensor | None = None,
+                          v_scale: torch.Tensor | None = None) -> None: ...
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_tables: torch.Tensor, context_lens: torch.Tensor,
-               scale: float, meta: AttentionMetadata | None = None) -> torch.Tensor: ...
+               scale: float, meta: AttentionMetadata | None = None,
+               k_scale: torch.Tensor | None = None,
+               v_scale: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                 context_lens: torch.Tensor, scale: float,
-                meta: AttentionMetadata | None = None) -> torch.Tensor: ...
+                meta: AttentionMetadata | None = None,
+                k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, scale: torch.Tensor | None = None,

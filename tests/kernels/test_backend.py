@@ -14,11 +14,14 @@ def test_protocol_signatures_match():
     assert isinstance(get_attention_backend("triton"), TritonBackend)
     for method in ("reshape_and_cache", "decode", "prefill"):
         want = list(inspect.signature(getattr(AttentionBackend, method)).parameters)
-        got = list(inspect.signature(getattr(TritonBackend, method)).parameters)
-        # the protocol's parameters in order, plus an INT8 cache's scales as TorchBackend takes
-        int8 = ["k_scale", "v_scale"]
-        assert [p for p in got if p not in int8] == want and set(int8) <= set(got), method
-        assert set(int8) <= set(inspect.signature(getattr(TorchBackend, method)).parameters)
+        sig = inspect.signature(getattr(AttentionBackend, method)).parameters
+        required = [p for p in want if sig[p].default is inspect.Parameter.empty]
+        for backend in (TritonBackend, TorchBackend):
+            params = inspect.signature(getattr(backend, method)).parameters
+            # positional ones in the protocol's order; the optional ones (meta, the INT8
+            # scales) are passed by keyword, so the backend only has to take them
+            assert list(params)[:len(required)] == required, (backend.__name__, method)
+            assert set(want) <= set(params), (backend.__name__, method, set(want) - set(params))
 
 
 def test_write_then_attend_equals_torch_backend():

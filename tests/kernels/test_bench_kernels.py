@@ -25,7 +25,9 @@ def test_smoke_run_checks_every_kernel_and_reports():
         assert odd in shapes
     kernels = {r["kernel"] for r in payload["results"]}
     assert {"paged_attention_decode", "paged_prefill_attention", "gptq_matmul",
-            "reshape_and_cache"} <= kernels
+            "reshape_and_cache", "paged_attention_decode (int8 KV)"} <= kernels
+    int8 = next(r for r in payload["results"] if r["kernel"].endswith("(int8 KV)"))
+    assert int8["rel_err_vs_bf16_cache"] < 2e-2  # int8 rounding of the cache, no more
     for r in payload["results"]:
         assert r["ms"] > 0
         assert r.get("rel_err_vs_sdpa", 0) < 2e-2 and r.get("rel_err", 0) < 5e-3
