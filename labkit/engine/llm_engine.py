@@ -345,7 +345,7 @@ class LLMEngine:
     def _step_output(self, seq: Sequence, added: list[int], reason: str | None) -> StepOutput:
         delta = ""
         if self.tokenizer is not None and seq.request.params.detokenize:
-            delta, hit = update_text(self.tokenizer, seq)
+            delta, hit = update_text(self.tokenizer, seq, finished=reason is not None)
             if hit and reason is None:  # the stop string, not EOS / length, ended it
                 reason = "stop"
                 self._finish_by_stop_string(seq)

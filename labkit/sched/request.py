@@ -46,6 +46,7 @@ class Sequence:
         self.token_times: list[float] = []
         self.num_cached_tokens = 0  # prefix-cache hit tokens at first admission
         self.output_text = ""
+        self.streamed_text = ""  # the part of output_text streams have been sent (detokenizer)
         self.sort_key: tuple = ()
 
     @property

@@ -70,3 +70,27 @@ def test_stop_string_at_the_start_leaves_empty_text(llm):
     assert first.startswith(stop) and out.finish_reason == "stop"
     assert out.text == "" and out.token_ids == full.outputs[0].token_ids[:1]
     assert_no_leaks(llm.llm_engine)
+
+
+def test_stream_never_shows_text_a_stop_string_later_cuts(llm):
+    """Streamed deltas hold back the tail that could still become a stop string (vLLM does the
+    same), so every prefix of the stream is a prefix of the final text, and they add up to it."""
+    from labkit.engine.sampling_params import SamplingParams
+
+    full = llm.generate(["import os\n"], SamplingParams(temperature=0, max_tokens=24))[0]
+    text = full.outputs[0].text
+    for i, stop in enumerate((text[8:14], text[2:3], "no such stop string")):
+        eng = llm.llm_engine
+        eng.add_request(f"stream-{i}", "import os\n", SamplingParams(temperature=0, max_tokens=24,
+                                                           stop=[stop, "zz"]))
+        streamed, final = "", None
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                streamed += out.text_delta
+                want = text[: text.find(stop)] if stop in text else text
+                assert want.startswith(streamed), (stop, streamed)  # nothing shown is cut later
+                if out.finished:
+                    final = out
+        assert final is not None and streamed == (text[: text.find(stop)] if stop in text
+                                                  else text)
+    assert_no_leaks(llm.llm_engine)
