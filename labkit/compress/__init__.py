@@ -1,0 +1,1 @@
+"""Model compression beyond quantization: knowledge distillation and pruning."""

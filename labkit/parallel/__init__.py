@@ -1,0 +1,1 @@
+"""Tensor parallelism over torch.distributed: process groups, sharded layers and workers."""
