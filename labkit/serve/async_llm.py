@@ -41,6 +41,7 @@ class StreamItem:
     outputs: list[StepOutput] = field(default_factory=list)
     finished: bool = False
     error: BaseException | None = None
+    step_start: float = 0.0  # time.monotonic() when the step that made these began
 
 
 class RequestStream:
@@ -230,6 +231,7 @@ class AsyncLLM:
 
     def _step(self) -> None:
         eng = self.engine
+        t0 = time.monotonic()
         try:
             outputs = eng.step()
         except EngineStepError as e:  # those requests were aborted and freed; others go on
@@ -258,7 +260,7 @@ class AsyncLLM:
             done = len(stream.finish_reasons) >= stream.n
             if done:
                 del self._streams[rid]
-            self._post(stream._put, StreamItem(outs, finished=done))
+            self._post(stream._put, StreamItem(outs, finished=done, step_start=t0))
         self.stats = dict(eng.stats())
         if self.on_step is not None:
             self.on_step(self.stats, outputs)
