@@ -50,7 +50,7 @@ class Call:
     texts: dict[int, list[str]] = field(default_factory=dict)
     token_ids: dict[int, list[int]] = field(default_factory=dict)
     reasons: dict[int, str] = field(default_factory=dict)
-    last_token_time: float | None = None
+    last_token_time: dict[int, float] = field(default_factory=dict)  # per choice (ITL)
     first_step_start: float | None = None
     first_token_time: float | None = None
 
@@ -128,9 +128,9 @@ def account(call: Call, i: int, item: StreamItem, itl: Callable[[float], None] |
         if o.new_token_ids:
             if call.first_token_time is None:
                 call.first_token_time, call.first_step_start = now, item.step_start
-            elif itl is not None and call.last_token_time is not None:
-                itl(now - call.last_token_time)
-            call.last_token_time = now
+            if itl is not None and c in call.last_token_time:
+                itl(now - call.last_token_time[c])
+            call.last_token_time[c] = now
         call.completion_tokens += len(o.new_token_ids)
         call.texts.setdefault(c, []).append(o.text_delta)
         call.token_ids.setdefault(c, []).extend(o.new_token_ids)

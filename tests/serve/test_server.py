@@ -11,8 +11,8 @@ import time
 import httpx
 import openai
 import pytest
+from serve_helpers import NAME, idle, sse_events
 
-from labkit.engine.invariants import assert_no_leaks
 from labkit.engine.llm import LLM
 from labkit.engine.llm_engine import LLMEngine
 from labkit.engine.sampling_params import SamplingParams
@@ -20,7 +20,6 @@ from labkit.serve.api_server import ServeConfig
 from labkit.serve.chat import chatml
 from labkit.serve.launcher import ServerThread
 
-NAME = "labkit-tiny"
 PROMPTS = ["def fib(n):", "import os\n", "class Stack:\n    def push(self, x):"]
 
 
@@ -41,30 +40,6 @@ def server(labkit_tiny):
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
                          timeout=60)
-
-
-def idle(server, timeout=10.0):
-    """Wait until the engine holds nothing, then check its KV accounting on its thread."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = server.call(lambda e: e.stats())
-        if s["num_running"] == s["num_waiting"] == s["num_used_blocks"] == 0:
-            server.call(assert_no_leaks)
-            return s
-        time.sleep(0.02)
-    raise AssertionError(f"engine not idle after {timeout} s: {s}")
-
-
-def sse_events(raw: bytes) -> list[str]:
-    """Split an SSE body into its data payloads, checking OpenAI's exact framing."""
-    assert raw.endswith(b"data: [DONE]\n\n")
-    parts = raw.decode().split("\n\n")
-    assert parts[-1] == ""
-    events = []
-    for p in parts[:-1]:
-        assert p.startswith("data: ") and "\n" not in p, p
-        events.append(p[len("data: "):])
-    return events
 
 
 def test_greedy_completions_equal_in_process_generate(client, ref, server):
