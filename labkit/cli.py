@@ -1,4 +1,4 @@
-"""The ``labkit`` command: info, generate, train, bench, drill.
+"""The ``labkit`` command: info, generate, train, bench, drill, serve.
 
 Subcommands that need heavy modules import them only when run, so ``labkit --help`` is instant.
 """
@@ -135,13 +135,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="benchmark flags, e.g. --quick --json PATH")
     b.set_defaults(func=_cmd_bench, parser=b)
 
+    sv = sub.add_parser("serve", help="OpenAI-compatible server: labkit serve MODEL --port P",
+                        add_help=False)
+    sv.add_argument("rest", nargs=argparse.REMAINDER)
+    sv.set_defaults(func=lambda a: _delegate("labkit.serve.launcher", a.rest))
+
     d = sub.add_parser("drill", help="interview drills by topic", add_help=False)
     d.add_argument("rest", nargs=argparse.REMAINDER)
     d.set_defaults(func=lambda a: _delegate("labkit.exercises.drills", a.rest))
     return p
 
 
-_PASSTHROUGH = {"train": "labkit.train.cli", "drill": "labkit.exercises.drills"}
+_PASSTHROUGH = {"train": "labkit.train.cli", "drill": "labkit.exercises.drills",
+                "serve": "labkit.serve.launcher"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

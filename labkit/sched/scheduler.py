@@ -12,7 +12,8 @@ Each call to ``schedule()`` decides one engine step, the way vLLM's scheduler do
    A new request first picks up its longest prefix-cache hit.
 
 Policies order the waiting queue, the running queue and the choice of preemption victim:
-``fcfs`` (arrival), ``priority`` (lower value first, then arrival), ``sjf`` (shortest prompt).
+``fcfs`` (arrival), ``priority`` (lower value first, then arrival), ``sjf`` (shortest prompt),
+``fair`` (least-served tenant first) and priority preemption: see policies_fair.py.
 
 Watermark admission (TGI-style hysteresis): once KV usage reaches ``watermark_high`` no new
 request is admitted until usage falls to ``watermark_low``; running work is never blocked. It
@@ -32,9 +33,10 @@ from dataclasses import dataclass, field
 
 from labkit.engine.errors import EngineConfigError
 from labkit.kv.block_manager import BlockManager, cdiv
+from labkit.sched.policies_fair import FairShare, preempt_for_priority
 from labkit.sched.request import Request, Sequence, SequenceStatus
 
-POLICIES = ("fcfs", "priority", "sjf")
+POLICIES = ("fcfs", "priority", "sjf", "fair")
 PREEMPTION_MODES = ("recompute", "swap")
 BATCHING = ("continuous", "static")
 
@@ -93,6 +95,8 @@ def policy_key(policy: str, req: Request, seq_index: int) -> tuple:
         return (req.priority, req.arrival_time, req.index, seq_index)
     if policy == "sjf":
         return (req.prompt_len, req.arrival_time, req.index, seq_index)
+    if policy == "fair":  # served-token counter first: FairShare.rekey sets it every step
+        return (0.0, req.arrival_time, req.index, seq_index)
     return (req.arrival_time, req.index, seq_index)
 
 
@@ -110,6 +114,7 @@ class Scheduler:
         self.admitting = True  # watermark hysteresis state
         self.num_preemptions = 0
         self.static_queue: list[Sequence] = []  # static batching: the current batch's waiting
+        self.fair = FairShare() if config.policy == "fair" else None  # policies_fair.py
 
     # ---- queues ---------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -169,6 +174,9 @@ class Scheduler:
         now = self.clock()
         while self.pending and self.pending[0][0] <= now:
             self._push_waiting(heapq.heappop(self.pending)[2])
+        if self.fair:
+            self.fair.rekey(self)
+        vip = preempt_for_priority(self) if cfg.policy == "priority" else []
         budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[tuple[Sequence, str]] = []
@@ -205,8 +213,10 @@ class Scheduler:
             budget = self._swap_in(scheduled, budget)
             if not self.swapped:
                 budget = self._admit(scheduled, budget)
-        self.num_preemptions += len(preempted)
-        return SchedulerOutput(scheduled, preempted, cfg.max_num_batched_tokens - budget,
+        if self.fair:
+            self.fair.charge(scheduled)
+        self.num_preemptions += len(preempted) + len(vip)
+        return SchedulerOutput(scheduled, vip + preempted, cfg.max_num_batched_tokens - budget,
                                cfg.max_num_batched_tokens)
 
     def _scheduled(self, seq: Sequence, num_new: int, is_prefill: bool) -> ScheduledSeq:
