@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from labkit.engine.errors import EngineConfigError
 from labkit.kv.block_manager import BlockManager, cdiv
-from labkit.sched.policies_fair import FairShare, preempt_for_priority
+from labkit.sched.policies_fair import FairShare, preempt_for_waiting
 from labkit.sched.request import Request, Sequence, SequenceStatus
 
 POLICIES = ("fcfs", "priority", "sjf", "fair")
@@ -176,7 +176,7 @@ class Scheduler:
             self._push_waiting(heapq.heappop(self.pending)[2])
         if self.fair:
             self.fair.rekey(self)
-        vip = preempt_for_priority(self) if cfg.policy == "priority" else []
+        vip = preempt_for_waiting(self) if cfg.policy in ("priority", "fair") else []
         budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[tuple[Sequence, str]] = []

@@ -82,8 +82,9 @@ def test_fair_weights():
     assert _six("fair", {"A": 2.0}) == ["A1", "B1", "A2", "A3", "B2", "B3"]
 
 
-def test_fair_lifts_a_returning_tenant_instead_of_banking_credit():
+def _returning_tenant(credit):
     d = Driver(max_num_seqs=1, policy="fair")
+    d.s.fair.credit = credit
     d.add("A1", 4, "A")
     d.add("A2", 4, "A")
     while len(d.admitted) < 2 or d.s.running:
@@ -91,9 +92,36 @@ def test_fair_lifts_a_returning_tenant_instead_of_banking_credit():
     assert d.s.fair.served == {"A": 10.0}
     for rid, t in (("B1", "B"), ("B2", "B"), ("A3", "A"), ("A4", "A")):
         d.add(rid, 4, t)
-    # B is lifted to A's 10 when it arrives; without the lift B1 and B2 (0, 5 < 10) would
-    # both go before A3
-    assert d.run()[2:] == ["B1", "A3", "B2", "A4"]
+    return d.run()[2:]
+
+
+def test_fair_lifts_a_returning_tenant_instead_of_banking_credit():
+    # credit 0 (VTC): B is lifted to A's 10; B1 (B=15), A3 (A=15), B2 (tie, earlier), A4
+    assert _returning_tenant(0) == ["B1", "A3", "B2", "A4"]
+    # credit 6: B starts at 4; B1 (B=9), B2 (9 < 10; B=14), A3, A4
+    assert _returning_tenant(6) == ["B1", "B2", "A3", "A4"]
+    # no lift at all would be B=0: the same order as credit >= 10
+    assert _returning_tenant(256) == ["B1", "B2", "A3", "A4"]
+
+
+def test_fair_preempts_a_tenant_far_ahead():
+    for credit, preempted in ((256, ["A2"]), (0, [])):
+        d = Driver(max_num_seqs=1, policy="fair")
+        d.s.fair.credit = credit
+        d.add("A1", 4, "A")
+        while d.s.has_unfinished():
+            d.step()
+        d.add("A2", 4, "A", max_tokens=20)
+        d.step()
+        d.step()  # A2 computed 5 tokens, A has been served 5 + 5 = 10
+        assert d.s.fair.served["A"] == 10.0
+        d.add("B1", 4, "B")
+        out = d.step()
+        # credit 256: B starts at 0, A is 10 ahead, more than A2's 5 computed tokens: B1 goes
+        # now; credit 0: B starts level with A, no reason to redo A2's work
+        assert [s.request_id for s, _ in out.preempted] == preempted
+        assert ("B1" in [sc.seq.request_id for sc in out.scheduled]) == bool(preempted)
+        d.run()
 
 
 def _two_low_running(vip_priority, vip_len, low=(5, 5), policy="priority"):
