@@ -13,4 +13,5 @@ BENCHMARKS = {
     "quant": "labkit.bench.quant",
     "spec": "labkit.bench.spec",
     "serve": "labkit.bench.serve",
+    "serve-soak": "labkit.bench.serve_soak",
 }
