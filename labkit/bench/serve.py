@@ -98,8 +98,7 @@ def fairness(model_path: str, cfg: dict[str, Any], bar: Any) -> dict[str, Any]:
                 "--num-blocks", "512", "--dtype", "float32", "--api-key", "k-light:light",
                 "--api-key", "k-heavy:heavy"]
         with ServerProcess(model_path, args) as srv:
-            _load(srv.url, "labkit-tiny", light[:2], None)  # warm-up
-            solo, d_solo = _load(srv.url, "labkit-tiny", light, bar, rate=rate, seed=1)
+            _load(srv.url, "labkit-tiny", [light[0], heavy[0]], None)  # warm-up, both tenants
 
             async def both() -> tuple:
                 return await asyncio.gather(
@@ -107,7 +106,10 @@ def fairness(model_path: str, cfg: dict[str, Any], bar: Any) -> dict[str, Any]:
                              extra={"ignore_eos": True}),
                     run_load(srv.url, "labkit-tiny", heavy, rate * k, seed=2, progress=bar,
                              extra={"ignore_eos": True}))
+            # mixed first: a solo run before it would leave the light tenant's counter ahead of
+            # the heavy one's, a head start for the heavy tenant that is not the steady state
             (mixed, d_mixed), (hv, d_hv) = asyncio.run(both())
+            solo, d_solo = _load(srv.url, "labkit-tiny", light, bar, rate=rate, seed=1)
         s_solo, s_mixed = summarize(solo, d_solo), summarize(mixed, d_mixed)
         s_heavy = summarize(hv, d_hv)
         out[policy] = {"light_solo_p99_ttft_ms": s_solo["p99_ttft_ms"],
@@ -118,6 +120,38 @@ def fairness(model_path: str, cfg: dict[str, Any], bar: Any) -> dict[str, Any]:
         out[f"{policy}_light_p99_ttft_ratio"] = (s_mixed["p99_ttft_ms"] /
                                                  s_solo["p99_ttft_ms"])
     return out
+
+
+def noisy_neighbour_steps(model: Any, tokenizer: Any = None, policy: str = "fcfs",
+                          steps: int = 400, max_num_seqs: int = 4) -> dict[str, Any]:
+    """The noisy neighbour in process, counted in engine steps (no clocks, so it is the same
+    on any machine): a heavy tenant adds a request every 2 steps, a light one every 20 (10x
+    less); returns each light request's wait, in steps, from arrival to its first token."""
+    from labkit.engine.llm_engine import LLMEngine
+    from labkit.engine.sampling_params import SamplingParams
+
+    eng = LLMEngine.from_model(model, tokenizer, block_size=16, num_blocks=256,
+                               max_num_seqs=max_num_seqs, policy=policy)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, detokenize=False)
+    added: dict[str, int] = {}
+    first: dict[str, int] = {}
+    for step in range(steps):
+        if step % 2 == 0 and step < 160:
+            rid = f"heavy{step // 2}"
+            eng.add_request(rid, [1 + step % 50] * 12, sp, cache_salt="heavy")
+            added[rid] = step
+        if step % 20 == 0 and step < 160:
+            rid = f"light{step // 20}"
+            eng.add_request(rid, [2 + step // 20] * 12, sp, cache_salt="light")
+            added[rid] = step
+        for o in eng.step():
+            first.setdefault(o.request_id, step)
+        if step >= 160 and not eng.has_unfinished_requests():
+            break
+    waits = {r: first[r] - added[r] for r in added}
+    return {"policy": policy, "light_waits": [w for r, w in waits.items() if r[0] == "l"],
+            "heavy_waits": [w for r, w in waits.items() if r[0] == "h"],
+            "num_preemptions": eng.stats()["num_preemptions"], "engine": eng}
 
 
 def write_chart(payload: dict[str, Any], path: Path) -> None:

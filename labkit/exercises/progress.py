@@ -27,6 +27,8 @@ EXERCISES: dict[str, tuple[str, str]] = {
     "spec_speedup": ("07_speculative_decoding", "Expected speculative speed-up"),
     "triton_vector_add": ("08_triton_kernels", "Triton warm-up: vector add"),
     "triton_paged_attention": ("08_triton_kernels", "Triton paged-attention decode, one head"),
+    "token_bucket": ("09_serving", "Per-key token bucket (429 + Retry-After)"),
+    "disconnect_abort": ("09_serving", "Streaming endpoint that aborts on disconnect"),
 }
 
 

@@ -49,6 +49,7 @@ class ServeConfig:
     max_body_bytes: int = 1 << 20
     max_n: int = 16
     drain_timeout: float = 30.0
+    bucket: Any = None  # the token-bucket class (None: labkit.serve.limits.TokenBucket)
 
 
 class ServerState:
@@ -61,7 +62,7 @@ class ServerState:
         self.metrics = ServerMetrics(llm, config.model_name)
         llm.on_step = self.metrics.on_step
         self.auth = Authenticator(config.api_keys, config.rate_limit_rps,
-                                  config.rate_limit_tps)
+                                  config.rate_limit_tps, bucket=config.bucket)
         self.draining = False
         self.counts = {"accepted": 0, "finished": 0, "aborted": 0, "timed_out": 0,
                        "rejected": 0}

@@ -55,3 +55,17 @@ def test_fair_interleaves_tenants_and_tokens_stay_exact(tiny_model):
     for rid, (p, _) in prompts.items():
         assert eng.requests[rid].seqs[0].output_token_ids == generate(tiny_model, p, 3)
     assert_no_leaks(eng)
+
+
+def test_noisy_neighbour_in_steps(tiny_model):
+    from labkit.bench.serve import noisy_neighbour_steps
+
+    fcfs = noisy_neighbour_steps(tiny_model, policy="fcfs")
+    fair = noisy_neighbour_steps(tiny_model, policy="fair")
+    assert len(fcfs["light_waits"]) == len(fair["light_waits"]) == 8
+    # fair: the light tenant's requests start in the step they arrive (preempting the heavy
+    # tenant's work when the batch is full); fcfs: they queue behind the heavy backlog
+    assert max(fair["light_waits"]) <= 1 < 10 < max(fcfs["light_waits"])
+    assert fair["num_preemptions"] >= 1 and fcfs["num_preemptions"] == 0
+    for r in (fcfs, fair):
+        assert_no_leaks(r["engine"])
