@@ -46,6 +46,24 @@ def _record() -> bool:
     return "token_bucket" in EXERCISES
 
 
+def _run(coro: Any) -> Any:
+    """``asyncio.run`` in a fresh thread: a notebook kernel already runs an event loop."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = asyncio.run(coro)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=target)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
 class _Clock:
     def __init__(self) -> None:
         self.t = 1000.0
@@ -269,7 +287,7 @@ def _queued_case(sse_stream: Any) -> str:
                                  timeout=0.3)  # B's client gives up while B is queued
 
     with _App(sse_stream, max_num_seqs=1) as app:
-        asyncio.run(main(app))
+        _run(main(app))
         s = app.wait_idle(6.0)
         from labkit.engine.invariants import assert_no_leaks
 
@@ -284,8 +302,26 @@ def _queued_case(sse_stream: Any) -> str:
     return "a client that left while queued was aborted before it ran; nothing leaked"
 
 
+class _EmptyStream:
+    """A finished stream with no outputs: probes a stub before any server starts."""
+
+    def __aiter__(self) -> _EmptyStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def _probe(sse_stream: Any) -> list:
+    return [e async for e in sse_stream(_EmptyStream())]
+
+
 def check_disconnect(sse_stream: Any) -> Any:
     def body() -> str:
+        _run(_probe(sse_stream))  # a stub raises NotImplementedError here
         with _App(sse_stream) as app:
             first = _stream_cases(app)
         return f"{first}; {_queued_case(sse_stream)}."
