@@ -123,10 +123,12 @@ def fairness(model_path: str, cfg: dict[str, Any], bar: Any) -> dict[str, Any]:
 
 
 def noisy_neighbour_steps(model: Any, tokenizer: Any = None, policy: str = "fcfs",
-                          steps: int = 400, max_num_seqs: int = 4) -> dict[str, Any]:
+                          steps: int = 400, max_num_seqs: int = 4,
+                          horizon: int = 160) -> dict[str, Any]:
     """The noisy neighbour in process, counted in engine steps (no clocks, so it is the same
     on any machine): a heavy tenant adds a request every 2 steps, a light one every 20 (10x
-    less); returns each light request's wait, in steps, from arrival to its first token."""
+    less) until step ``horizon``; returns each light request's wait, in steps, from arrival to
+    its first token."""
     from labkit.engine.llm_engine import LLMEngine
     from labkit.engine.sampling_params import SamplingParams
 
@@ -136,17 +138,17 @@ def noisy_neighbour_steps(model: Any, tokenizer: Any = None, policy: str = "fcfs
     added: dict[str, int] = {}
     first: dict[str, int] = {}
     for step in range(steps):
-        if step % 2 == 0 and step < 160:
+        if step % 2 == 0 and step < horizon:
             rid = f"heavy{step // 2}"
             eng.add_request(rid, [1 + step % 50] * 12, sp, cache_salt="heavy")
             added[rid] = step
-        if step % 20 == 0 and step < 160:
+        if step % 20 == 0 and step < horizon:
             rid = f"light{step // 20}"
             eng.add_request(rid, [2 + step // 20] * 12, sp, cache_salt="light")
             added[rid] = step
         for o in eng.step():
             first.setdefault(o.request_id, step)
-        if step >= 160 and not eng.has_unfinished_requests():
+        if step >= horizon and not eng.has_unfinished_requests():
             break
     waits = {r: first[r] - added[r] for r in added}
     return {"policy": policy, "light_waits": [w for r, w in waits.items() if r[0] == "l"],
