@@ -5,36 +5,13 @@ drives both through a real server."""
 from __future__ import annotations
 
 import json
-import math
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
+from labkit.serve.limits import TokenBucket as _TokenBucket
 
-class TokenBucket:
-    """Holds up to ``burst`` tokens, refills ``rate`` per second; ``try_take(cost)`` returns
-    0.0 when it took ``cost``, else the seconds until it could (taking nothing); ``inf`` when
-    ``cost`` exceeds ``burst``."""
-
-    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic
-                 ) -> None:
-        self.rate, self.burst, self.clock = float(rate), float(burst), clock
-        self.tokens = self.burst
-        self.last = clock()
-
-    def try_take(self, cost: float = 1.0) -> float:
-        now = self.clock()
-        self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
-        self.last = now
-        if cost > self.burst:
-            return math.inf
-        if self.tokens >= cost:
-            self.tokens -= cost
-            return 0.0
-        return (cost - self.tokens) / self.rate
-
-    def give_back(self, cost: float) -> None:
-        self.tokens = min(self.burst, self.tokens + cost)
+# The reference bucket is the server's own: the checker compares the learner's with it.
+TokenBucket = _TokenBucket
 
 
 async def sse_stream(stream: Any) -> AsyncIterator[str]:
