@@ -12,12 +12,27 @@ from textwrap import dedent
 
 
 @dataclass(frozen=True)
+class Claim:
+    """One statement a drill makes about a named system, and where that system says so (a
+    repository path at the file that implements it, or the documentation page)."""
+
+    system: str
+    claim: str
+    source: str
+
+
+@dataclass(frozen=True)
 class Drill:
     id: str
     topic: str
     question: str
     answer: str
     snippet: str | None = None
+    # Filled in by ``drills.py`` from ``drills_zh_*`` (the Chinese text an interviewer in China
+    # would hear) and ``drills_sources`` (the audited claims about named systems).
+    question_zh: str = ""
+    answer_zh: str = ""
+    claims: tuple[Claim, ...] = ()
 
 
 def d(id: str, topic: str, question: str, answer: str, snippet: str | None = None) -> Drill:
@@ -225,8 +240,9 @@ CORE = [
       "tokens generated so far; swap copies its KV to CPU memory over PCIe (~25 GB/s) and back. "
       "For a 7B model with a 2k context on an A100 both cost on the order of 100 ms; prefill cost "
       "grows faster than linearly with context, so swap gains on long contexts, while recompute "
-      "needs no CPU pool and no small-transfer overhead. vLLM defaults to recompute (its V1 "
-      "engine only recomputes).",
+      "needs no CPU pool and no small-transfer overhead. vLLM's V0 engine offered both "
+      "(recompute by default, swap for beam search); its V1 engine only recomputes, and since "
+      "freed blocks keep their prefix-cache keys, the recompute often hits the cache.",
       """
       from labkit.sim.cost import step_time
       from labkit.sim.presets import get_model_preset
@@ -259,11 +275,20 @@ CORE = [
       assert sjf < fcfs
       """),
     d("watermark", "watermarks",
-      "What are the high and low KV watermarks in admission control?",
-      "Admitting new requests while KV usage is near full just causes preemptions later. TGI and "
-      "similar servers stop admitting when usage crosses a high watermark and resume only below a "
-      "lower one. The gap (hysteresis) stops admission from flapping on and off every step, and "
-      "the headroom lets running sequences keep growing without being preempted.",
+      "What are high and low KV watermarks in admission control, and what do TGI and vLLM "
+      "actually do?",
+      "Admitting new requests while KV usage is near full just causes preemptions later. The "
+      "textbook technique is hysteresis: stop admitting when usage crosses a high watermark and "
+      "resume only below a lower one, so admission does not flap on and off every step and the "
+      "headroom lets running sequences grow without being preempted. The servers differ. TGI "
+      "admits by token budget: a request joins the batch only if blocks for its prompt plus "
+      "max_new_tokens can be reserved within max_batch_total_tokens (and its prefill fits "
+      "max_batch_prefill_tokens), so a running request never runs out of KV and is never "
+      "preempted; waiting_served_ratio (default 0.3) and max_waiting_tokens (default 20) decide "
+      "when decoding pauses to prefill newcomers. vLLM's V0 block manager kept a single "
+      "watermark: admit only if 1% of the blocks stay free after the allocation. Its V1 engine "
+      "allocates blocks as tokens arrive, admits while enough blocks are free, and preempts "
+      "(recomputes) the last admitted request when a decode finds none.",
       """
       def admit_trace(usage, high=0.9, low=0.7):
           admitting, out = True, []

@@ -400,3 +400,60 @@ def test_cli_new_topic(capsys):
     out = capsys.readouterr().out
     assert "[parallelism / tp-split]" in out and "[parallelism / tp-vs-pp]" in out
     assert "4,587,520 B per GPU" in out
+
+
+# --- Search by id, topic and word stem (issue 19) -------------------------------------------------
+
+@pytest.mark.parametrize("query", ["preemption", "preempt", "Preempted", "preempting",
+                                   "preemptions", "sched-preempt"])
+def test_search_finds_preemption_drill_first(query):
+    assert [x.id for x in drills.search(query)][0] == "sched-preempt"
+
+
+@pytest.mark.parametrize("query,drill_id", [
+    ("watermark", "watermark"), ("watermarks", "watermark"), ("hysteresis", "watermark"),
+    ("block table", "block-table"), ("block tables", "block-table"), ("kv-size", "kv-size"),
+    ("quantize", "quant-per-channel"), ("quantized", "quant-gptq-awq"), ("caching", "prefix-hash"),
+    ("cached", "prefix-evict"), ("streamed", "sse"), ("batches", "batching-static"),
+    ("speculative decoding", "spec-speedup"), ("draining", "hot-update"),
+])
+def test_search_stems(query, drill_id):
+    assert drill_id in [x.id for x in drills.search(query)]
+
+
+def test_stem_is_shared_by_word_forms():
+    forms = {"preempt": ["preemption", "preemptions", "preempted", "preempting", "preempts"],
+             "cach": ["cache", "caches", "cached", "caching"],
+             "quantiz": ["quantize", "quantized", "quantization", "Quantization"]}
+    for root, words in forms.items():
+        assert {drills.stem(w) for w in words} == {root}, root
+    assert drills.stem("MIG") != drills.stem("might") and drills.stem("kv") == "kv"
+
+
+def test_search_ranks_id_and_topic_before_mentions():
+    ids = [x.id for x in drills.search("watermark")]
+    assert ids[0] == "watermark" and "tail-latency" in ids  # the tail drill only mentions it
+    topic_hits = [x.topic for x in drills.search("prefix-caching")]
+    assert topic_hits[:3] == ["prefix-caching"] * 3
+
+
+def test_search_topic_alias():
+    ids = [x.id for x in drills.search("ttft")]  # "ttft" is an alias of the metrics topic
+    assert ids[0] == "prefix-ttft"  # named in its id: first
+    assert {"metrics-defs", "metrics-roofline", "metrics-tradeoff"} <= set(ids[1:5])
+
+
+def test_search_matches_words_not_substrings():
+    assert "mig" not in [x.id for x in drills.search("might")]
+    assert drills.search("reempt") == []  # no substring matches inside words
+
+
+def test_search_empty_query_is_an_error():
+    with pytest.raises(ValueError, match="empty search"):
+        drills.search("  ")
+
+
+def test_cli_search_preempt(capsys):
+    assert main(["--search", "preempt"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("[scheduling / sched-preempt]")

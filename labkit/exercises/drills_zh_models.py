@@ -1,0 +1,3 @@
+"""Chinese drill text, part models."""
+
+ZH_MODELS: dict[str, tuple[str, str]] = {}
