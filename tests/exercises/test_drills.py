@@ -457,3 +457,67 @@ def test_cli_search_preempt(capsys):
     assert main(["--search", "preempt"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("[scheduling / sched-preempt]")
+
+
+# --- Claims about named systems carry their source (issue 19) ------------------------------------
+
+from labkit.exercises.drills_sources import SOURCES, SYSTEMS  # noqa: E402
+
+
+def named_systems(drill) -> set[str]:
+    text = f"{drill.question} {drill.answer}"
+    return {name for name, pattern in SYSTEMS.items() if re.search(pattern, text)}
+
+
+@pytest.mark.parametrize("drill", DRILLS, ids=lambda x: x.id)
+def test_every_named_system_has_a_sourced_claim(drill):
+    missing = named_systems(drill) - {c.system for c in drill.claims}
+    assert not missing, f"{drill.id} names {sorted(missing)} without a Claim in drills_sources"
+    for claim in drill.claims:
+        assert claim.claim.strip() and claim.system in SYSTEMS, (drill.id, claim)
+        # a repository path ("owner/repo: path") or a documentation / paper URL
+        assert re.search(r"https://\S+|^[\w.-]+/[\w.-]+: \S+", claim.source), (drill.id, claim)
+
+
+def test_sources_only_for_existing_drills():
+    assert set(SOURCES) <= {x.id for x in DRILLS}
+
+
+def test_audit_finds_the_systems_the_bank_names():
+    # the detector is not vacuous: these drills name these systems
+    by_id = {x.id: x for x in DRILLS}
+    assert {"TGI", "vLLM"} <= named_systems(by_id["watermark"])
+    assert {"Transformers", "vLLM", "SGLang", "llama.cpp"} <= named_systems(by_id["frameworks"])
+    assert sum(bool(named_systems(x)) for x in DRILLS) >= 20
+
+
+def test_watermark_drill_says_what_each_server_does():
+    answer = next(x for x in DRILLS if x.id == "watermark").answer
+    for term in ("max_batch_total_tokens", "waiting_served_ratio", "hysteresis", "V1",
+                 "never preempted"):
+        assert term in answer
+    assert "TGI and similar servers stop admitting" not in answer  # the old, wrong claim
+
+
+@pytest.mark.slow
+def test_transformers_cache_claims_hold_for_the_installed_transformers():
+    """The frameworks drill: DynamicCache (generate's default) grows token by token, StaticCache
+    pre-allocates max_cache_len. Checked against transformers itself, not against the text."""
+    import torch
+    from transformers import DynamicCache, LlamaConfig, StaticCache
+
+    answer = next(x for x in DRILLS if x.id == "frameworks").answer
+    assert "DynamicCache grows" in answer and "pre-allocates KV contiguously" not in answer
+    dynamic = DynamicCache()
+    lengths = []
+    for n in (5, 1, 1):
+        k = torch.zeros(1, 2, n, 16)
+        dynamic.update(k, k, layer_idx=0)
+        lengths.append(dynamic.layers[0].keys.shape[-2])
+    assert lengths == [5, 6, 7]
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=1, intermediate_size=128, vocab_size=100)
+    static = StaticCache(config=cfg, max_cache_len=32)
+    k = torch.zeros(1, 2, 5, 16)
+    static.update(k, k, layer_idx=0, cache_kwargs={"cache_position": torch.arange(5)})
+    assert static.layers[0].keys.shape[-2] == 32
