@@ -170,22 +170,26 @@ def _width(text: str) -> int:
 
 def wrap(text: str, indent: str, width: int = 96) -> str:
     """textwrap.fill for mixed Chinese and English: breaks between any two CJK characters (they
-    have no spaces between them), never inside an English word or number, never before closing
-    punctuation, and counts a CJK character as two columns."""
+    have no spaces between them), never inside an English word or number, and never before
+    closing punctuation (the character before it moves down with it); counts a CJK character as
+    two columns."""
     if not _CJK.search(text):
         return textwrap.fill(text, width, initial_indent=indent,
                              subsequent_indent=" " * _width(indent))
-    units = re.findall(r"[\x21-\x7e]+ *|\S *| +", text)
-    lines, line = [], indent
-    for unit in units:
-        fits = _width(line + unit.rstrip()) <= width
-        if fits or line.strip() == "" or unit[0] in _NO_BREAK_BEFORE:
-            line += unit
+    pad = " " * _width(indent)
+    lines: list[list[str]] = [[indent]]
+    for unit in re.findall(r"[\x21-\x7e]+ *|\S *| +", text):
+        line = lines[-1]
+        if _width("".join(line) + unit.rstrip()) <= width or len(line) == 1:
+            line.append(unit)
+        elif unit[0] in _NO_BREAK_BEFORE and len(line) > 2:
+            moved = [unit]
+            while len(line) > 2 and (len(moved) == 1 or moved[0][0] in _NO_BREAK_BEFORE):
+                moved.insert(0, line.pop())
+            lines.append([pad, moved[0].lstrip(), *moved[1:]])
         else:
-            lines.append(line.rstrip())
-            line = " " * _width(indent) + unit.lstrip()
-    lines.append(line.rstrip())
-    return "\n".join(lines)
+            lines.append([pad, unit.lstrip()])
+    return "\n".join("".join(line).rstrip() for line in lines)
 
 
 def _text(drill: Drill, lang: str) -> list[tuple[str, str, str]]:
@@ -289,7 +293,7 @@ def _list_topics(lang: str) -> None:
     for topic in TOPICS:
         n = sum(1 for x in DRILLS if x.topic == topic)
         zh = f"  {TOPICS_ZH[topic]}" if lang != "en" else ""
-        print(f"  {topic:<22} {n} drill{'s' if n > 1 else ''}{zh}")
+        print(f"  {topic:<22} {n} drill{'s' if n > 1 else ' '}{zh}")
 
 
 if __name__ == "__main__":  # pragma: no cover

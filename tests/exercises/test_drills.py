@@ -31,7 +31,7 @@ def test_drill_ids_unique_and_fields_filled():
 
 @pytest.mark.parametrize("drill", [x for x in DRILLS if x.snippet], ids=lambda x: x.id)
 def test_snippet_runs_and_prints(drill):
-    out = run_snippet(drill)
+    out = output_of(drill.id)
     assert out.strip(), f"snippet {drill.id} printed nothing"
 
 
@@ -521,3 +521,128 @@ def test_transformers_cache_claims_hold_for_the_installed_transformers():
     k = torch.zeros(1, 2, 5, 16)
     static.update(k, k, layer_idx=0, cache_kwargs={"cache_position": torch.arange(5)})
     assert static.layers[0].keys.shape[-2] == 32
+
+
+# --- Drills in Chinese (issue 19) -----------------------------------------------------------------
+
+from labkit.exercises.drills_zh_core import TOPICS_ZH  # noqa: E402
+
+CJK = re.compile(r"[\u4e00-\u9fff]")
+
+
+def numbers(text: str) -> set[str]:
+    """Every number as written (1,000 and 1000 are the same number)."""
+    return {re.sub(r"(?<=\d),(?=\d{3})", "", n) for n in re.findall(r"\d+(?:[.,]\d+)*", text)}
+
+
+@pytest.mark.parametrize("drill", DRILLS, ids=lambda x: x.id)
+def test_drill_has_both_languages(drill):
+    for en, zh in ((drill.question, drill.question_zh), (drill.answer, drill.answer_zh)):
+        assert en.strip() and zh.strip(), drill.id
+        assert not CJK.search(en), f"{drill.id}: the English text must stay English"
+        letters = [c for c in zh if not c.isspace()]
+        share = sum(bool(CJK.match(c)) for c in letters) / len(letters)
+        assert share > 0.2, f"{drill.id}: only {share:.0%} of the Chinese text is Chinese"
+    assert drill.question_zh.endswith("？"), drill.id  # a question, with Chinese punctuation
+    assert len(drill.answer_zh) > 40, drill.id
+
+
+@pytest.mark.parametrize("drill", DRILLS, ids=lambda x: x.id)
+def test_chinese_states_the_same_numbers(drill):
+    """Every number of the English question and answer appears in the Chinese one and no other,
+    so a figure a snippet computes (and the English quotes) is the same in both languages."""
+    assert numbers(drill.question_zh) == numbers(drill.question), drill.id
+    assert numbers(drill.answer_zh) == numbers(drill.answer), drill.id
+
+
+@pytest.mark.parametrize("drill", [x for x in DRILLS if x.snippet], ids=lambda x: x.id)
+def test_computed_numbers_quoted_in_both_languages(drill):
+    quoted = numbers(output_of(drill.id)) & numbers(drill.answer)
+    assert quoted <= numbers(drill.answer_zh), (drill.id, sorted(quoted - numbers(drill.answer_zh)))
+
+
+def test_numbers_detector():
+    assert numbers("57,344 bytes, 0.9 and 4k at P99, Llama-2-7B") == {
+        "57344", "0.9", "4", "99", "2", "7"}
+    assert numbers("约 120k 个 token，60 个 2k 请求") == {"120", "60", "2"}
+
+
+@pytest.mark.parametrize("drill_id,terms", [
+    ("prefix-ttft", ["首 token 延迟", "前缀缓存"]), ("batching-static", ["连续批处理"]),
+    ("paged-why", ["分页注意力", "碎片"]), ("sched-preempt", ["抢占", "重算"]),
+    ("kv-size", ["KV 缓存", "分组查询注意力"]), ("quant-memory", ["显存"]),
+    ("quant-per-channel", ["量化"]), ("spec-speedup", ["投机解码", "接受率"]),
+    ("tp-split", ["张量并行"]), ("tp-vs-pp", ["流水线并行"]), ("watermark", ["水位线", "迟滞"]),
+    ("cold-start", ["冷启动"]), ("canary", ["灰度发布"]), ("rate-limit", ["限流", "令牌桶"]),
+])
+def test_chinese_uses_the_interview_terms(drill_id, terms):
+    drill = next(x for x in DRILLS if x.id == drill_id)
+    for term in terms:
+        assert term in drill.question_zh + drill.answer_zh, (drill_id, term)
+
+
+def test_every_topic_has_a_chinese_name():
+    assert set(TOPICS_ZH) == set(TOPICS)
+    assert all(CJK.search(name) for name in TOPICS_ZH.values())
+    assert drills.resolve_topic("前缀缓存") == "prefix-caching"
+    assert drills.resolve_topic("KV缓存") == "kv-cache"
+
+
+def test_format_drill_languages():
+    drill = next(x for x in DRILLS if x.id == "kv-size")
+    zh = drills.format_drill(drill, lang="zh")
+    both = drills.format_drill(drill, lang="both")
+    assert "问：" in zh and "答：" in zh and "Q: " not in zh and "动手试试：" in zh
+    assert both.index("问：") < both.index("Q: ") < both.index("答：") < both.index("A: ")
+    assert "Q: " in drills.format_drill(drill) and "问：" not in drills.format_drill(drill)
+    with pytest.raises(ValueError, match="unknown language 'fr'"):
+        drills.format_drill(drill, lang="fr")
+
+
+@pytest.mark.parametrize("drill", DRILLS, ids=lambda x: x.id)
+def test_wrap_keeps_text_and_width(drill):
+    from labkit.exercises.drills import _width, wrap
+
+    for text in (drill.answer_zh, drill.answer):
+        lines = wrap(text, "答：").splitlines()
+        assert "".join("".join(lines)[len("答："):].split()) == "".join(text.split()), drill.id
+        for line in lines:  # 96 columns (+2 for a closing mark kept off the next line's start)
+            assert _width(line) <= 98 or len(line.split()) == 1, (drill.id, line)
+        for a, b in zip(lines, lines[1:]):  # never inside an English word or a number
+            tail, head = re.findall(r"[A-Za-z0-9_]*$", a)[0], re.findall(r"^[A-Za-z0-9_]*",
+                                                                          b.strip())[0]
+            if tail and head:  # a break between two words must be where a space was
+                assert f"{tail} {head}" in text, (drill.id, a, b)
+            assert b.strip()[0] not in "，。、；：！？）》」』”", (drill.id, b)  # kinsoku
+        assert len(lines) > 1
+
+
+def test_cli_lang_zh(capsys):
+    assert main(["prefix-caching", "--lang", "zh"]) == 0
+    out = capsys.readouterr().out
+    assert "问：" in out and "前缀缓存" in out and "Q: " not in out
+    assert main(["--lang", "zh"]) == 0
+    assert "前缀缓存" in capsys.readouterr().out  # the topic list shows the Chinese names
+    with pytest.raises(SystemExit) as e:
+        main(["--lang", "fr"])
+    assert e.value.code == 2
+
+
+def test_cli_quiz_both_languages(capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin.isatty", lambda: False, raising=False)
+    assert main(["watermarks", "--quiz", "--lang", "both"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("问：") < out.index("Q: ") < out.index("答：") < out.index("A: ")
+    assert "动手试试" not in out  # the quiz shows no snippet
+
+
+@pytest.mark.parametrize("query,first", [
+    ("抢占", "sched-preempt"), ("前缀缓存", "prefix-ttft"), ("投机解码", "spec-speedup"),
+    ("首 token 延迟", "prefix-ttft"), ("张量并行", "tp-split"),
+])
+def test_search_chinese_terms(query, first):
+    assert [x.id for x in drills.search(query)][0] == first
+
+
+def test_search_chinese_ignores_spaces():
+    assert drills.search("KV缓存") == drills.search("KV 缓存") != []
