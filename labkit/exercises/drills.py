@@ -174,7 +174,7 @@ def wrap(text: str, indent: str, width: int = 96) -> str:
     closing punctuation (the character before it moves down with it); counts a CJK character as
     two columns."""
     if not _CJK.search(text):
-        return textwrap.fill(text, width, initial_indent=indent,
+        return textwrap.fill(text, width, initial_indent=indent, break_on_hyphens=False,
                              subsequent_indent=" " * _width(indent))
     pad = " " * _width(indent)
     lines: list[list[str]] = [[indent]]
@@ -202,13 +202,16 @@ def _text(drill: Drill, lang: str) -> list[tuple[str, str, str]]:
 
 
 def format_drill(drill: Drill, *, show_answer: bool = True, output: str | None = None,
-                 lang: str = "en") -> str:
+                 lang: str = "en", sources: bool = False) -> str:
     """The drill as ``labkit drill`` prints it; ``lang`` is en, zh or both (Chinese, then the
-    English original)."""
+    English original); ``sources`` adds where each statement about a named system comes from."""
     texts = _text(drill, lang)
     lines = [format_question(drill, lang)]
     if show_answer:
         lines += [wrap(answer, _LABELS[code][1]) for code, _, answer in texts]
+    if sources and drill.claims:
+        lines.append("   " + ("来源：" if texts[0][0] == "zh" else "sources:"))
+        lines += [wrap(f"{c.system}: {c.claim}. {c.source}", "     - ") for c in drill.claims]
     try_it, out_label = _LABELS[texts[0][0]][2:]
     if drill.snippet:
         lines.append("   " + try_it)
@@ -236,6 +239,9 @@ def _parser() -> argparse.ArgumentParser:
         epilog="topics: " + ", ".join(TOPICS))
     p.add_argument("topic", nargs="?", help="a topic (or alias); omit to list topics")
     p.add_argument("--run", action="store_true", help="execute each drill's snippet")
+    p.add_argument("--sources", action="store_true",
+                   help="show where each statement about a named system (vLLM, TGI, ...) comes "
+                        "from: a repository path or documentation page")
     p.add_argument("--quiz", action="store_true",
                    help="show one question at a time; press Enter for the answer")
     p.add_argument("--search", metavar="WORD",
@@ -283,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             print(format_answer(drill, args.lang))
             continue
         output = run_snippet(drill) if args.run else None
-        print(format_drill(drill, output=output, lang=args.lang))
+        print(format_drill(drill, output=output, lang=args.lang, sources=args.sources))
     return 0
 
 

@@ -646,3 +646,13 @@ def test_search_chinese_terms(query, first):
 
 def test_search_chinese_ignores_spaces():
     assert drills.search("KV缓存") == drills.search("KV 缓存") != []
+
+
+def test_cli_sources(capsys):
+    assert main(["watermarks", "--sources"]) == 0
+    out = capsys.readouterr().out
+    assert "sources:" in out and "backends/v3/src/queue.rs" in out
+    assert "vllm/core/block_manager.py" in out
+    assert main(["watermarks"]) == 0 and "sources:" not in capsys.readouterr().out
+    assert main(["watermarks", "--sources", "--lang", "zh"]) == 0
+    assert "来源：" in capsys.readouterr().out
