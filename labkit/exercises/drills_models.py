@@ -232,13 +232,13 @@ MODELS = [
     d("trtllm", "tensorrt-llm",
       "What does TensorRT-LLM buy you, and what became of its engine compilation?",
       "It started as a compiler: build a TensorRT engine for one GPU architecture and shape "
-      "range, with fused kernels (QKV projection, attention, norm with residual, activation "
-      "with matmul) that cut memory round-trips and launch overhead, and kernel auto-tuning. The "
-      "price was build time and engines tied to GPU and version. Since 1.0 its default backend "
-      "is PyTorch (no engine build, Hugging Face checkpoints load directly) and the newest "
-      "releases removed the TensorRT engine backend; what you pick it for now is the same "
-      "library of hand-tuned NVIDIA kernels (attention, FP8/FP4/INT4 GEMMs on tensor cores), "
-      "in-flight (continuous) batching and a paged, reusable KV cache.",
+      "range, with fused kernels (QKV projection, attention, norm with residual, activation with "
+      "matmul) that cut memory round-trips and launch overhead, and kernel auto-tuning. The price"
+      " was build time and engines tied to GPU and version. In the 1.x releases its default "
+      "backend is PyTorch (no engine build, Hugging Face checkpoints load directly) and the "
+      "newest releases removed the TensorRT engine backend; what you pick it for now is the same "
+      "library of hand-tuned NVIDIA kernels (attention, FP8/FP4/INT4 GEMMs on tensor cores), in-"
+      "flight (continuous) batching and a paged, reusable KV cache.",
       """
       hidden, bytes_per = 4096, 2
       tokens = 2048

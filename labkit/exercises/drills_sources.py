@@ -130,8 +130,9 @@ SOURCES: dict[str, list[Claim]] = {
               "(llama_model_params)"),
     ],
     "trtllm": [
-        Claim("TensorRT-LLM", "the PyTorch backend is the default since 1.0 and needs no engine "
-              "build", TRTLLM_DOCS + "torch.html"),
+        Claim("TensorRT-LLM", "in the 1.x releases tensorrt_llm.LLM runs the PyTorch backend (the "
+              "engine path moved to tensorrt_llm._tensorrt_engine) and needs no engine build",
+              TRTLLM_DOCS + "1.1.0rc3/torch.html"),
         Claim("TensorRT-LLM", "the TensorRT engine backend was later removed; checkpoints load "
               "directly", TRTLLM_DOCS + "legacy/tensorrt-backend-removal.html"),
         Claim("PyTorch", "that default backend runs the models as PyTorch modules with "

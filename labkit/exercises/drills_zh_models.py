@@ -109,9 +109,9 @@ ZH_MODELS: dict[str, tuple[str, str]] = {
         "TensorRT-LLM 能给你带来什么？它的引擎编译后来怎么样了？",
         "它一开始是个编译器：针对一种 GPU 架构和一段 shape 范围构建 TensorRT 引擎，里面是融合 "
         "kernel（QKV 投影、注意力、带残差的 norm、激活和矩阵乘融合），减少显存往返和 kernel 启动"
-        "开销，还有 kernel 自动调优。代价是构建时间长，引擎和 GPU 型号、版本绑死。从 1.0 起它的默"
-        "认后端是 PyTorch（不用构建引擎，直接加载 Hugging Face checkpoint），最新版本干脆移除了 "
-        "TensorRT 引擎后端；现在选它，看中的还是那套 NVIDIA 手工调优的 kernel（注意力，tensor "
+        "开销，还有 kernel 自动调优。代价是构建时间长，引擎和 GPU 型号、版本绑死。到 1.x 版本，它"
+        "的默认后端是 PyTorch（不用构建引擎，直接加载 Hugging Face checkpoint），最新版本干脆移除"
+        "了 TensorRT 引擎后端；现在选它，看中的还是那套 NVIDIA 手工调优的 kernel（注意力，tensor "
         "core 上的 FP8/FP4/INT4 GEMM）、in-flight（连续）批处理，以及分页、可复用的 KV 缓存。",
     ),
     "frameworks": (
