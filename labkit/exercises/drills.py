@@ -47,6 +47,7 @@ def _complete(drill: Drill) -> Drill:
 
 DRILLS: list[Drill] = [_complete(x) for x in (*CORE, *MODELS, *SERVING, *SCALE, *DEPLOY)]
 TOPICS: list[str] = list(dict.fromkeys(drill.topic for drill in DRILLS))
+BY_ID: dict[str, Drill] = {drill.id: drill for drill in DRILLS}
 # What people type -> topic.
 ALIASES = {
     "paged": "paged-attention", "pagedattention": "paged-attention", "kv": "kv-cache",
@@ -161,6 +162,7 @@ def run_snippet(drill: Drill) -> str:
 _LABELS = {"en": ("Q: ", "A: ", "try it:", "output:"),
            "zh": ("问：", "答：", "动手试试：", "输出：")}
 _NO_BREAK_BEFORE = set("，。、；：！？）》」』”’,.;:!?)")
+_NO_BREAK_AFTER = set("（《「『“‘")
 
 
 def _width(text: str) -> int:
@@ -170,9 +172,9 @@ def _width(text: str) -> int:
 
 def wrap(text: str, indent: str, width: int = 96) -> str:
     """textwrap.fill for mixed Chinese and English: breaks between any two CJK characters (they
-    have no spaces between them), never inside an English word or number, and never before
-    closing punctuation (the character before it moves down with it); counts a CJK character as
-    two columns."""
+    have no spaces between them), never inside an English word or number, never before closing
+    or after opening punctuation (the neighbouring character moves down with it); counts a CJK
+    character as two columns."""
     if not _CJK.search(text):
         return textwrap.fill(text, width, initial_indent=indent, break_on_hyphens=False,
                              subsequent_indent=" " * _width(indent))
@@ -182,13 +184,12 @@ def wrap(text: str, indent: str, width: int = 96) -> str:
         line = lines[-1]
         if _width("".join(line) + unit.rstrip()) <= width or len(line) == 1:
             line.append(unit)
-        elif unit[0] in _NO_BREAK_BEFORE and len(line) > 2:
-            moved = [unit]
-            while len(line) > 2 and (len(moved) == 1 or moved[0][0] in _NO_BREAK_BEFORE):
-                moved.insert(0, line.pop())
-            lines.append([pad, moved[0].lstrip(), *moved[1:]])
-        else:
-            lines.append([pad, unit.lstrip()])
+            continue
+        moved = [unit]
+        while len(line) > 2 and (moved[0][0] in _NO_BREAK_BEFORE
+                                 or line[-1].rstrip()[-1:] in _NO_BREAK_AFTER):
+            moved.insert(0, line.pop())
+        lines.append([pad, moved[0].lstrip(), *moved[1:]])
     return "\n".join("".join(line).rstrip() for line in lines)
 
 
@@ -237,7 +238,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="labkit drill", description="Interview drills on LLM inference and serving.",
         epilog="topics: " + ", ".join(TOPICS))
-    p.add_argument("topic", nargs="?", help="a topic (or alias); omit to list topics")
+    p.add_argument("topic", nargs="?",
+                   help="a topic (alias, Chinese name) or one drill's id; omit to list topics")
     p.add_argument("--run", action="store_true", help="execute each drill's snippet")
     p.add_argument("--sources", action="store_true",
                    help="show where each statement about a named system (vLLM, TGI, ...) comes "
@@ -269,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         if not chosen:
             print(f"no drill mentions {args.search!r}; topics: {', '.join(TOPICS)}")
             return 1
+    elif args.topic in BY_ID:  # one drill by its id: labkit drill sched-preempt
+        chosen = [BY_ID[args.topic]]
     elif args.topic:
         try:
             chosen = drills_for(args.topic)

@@ -614,6 +614,7 @@ def test_wrap_keeps_text_and_width(drill):
             if tail and head:  # a break between two words must be where a space was
                 assert f"{tail} {head}" in text, (drill.id, a, b)
             assert b.strip()[0] not in "，。、；：！？）》」』”", (drill.id, b)  # kinsoku
+            assert a[-1] not in "（《「『“", (drill.id, a)
         assert len(lines) > 1
 
 
@@ -656,3 +657,9 @@ def test_cli_sources(capsys):
     assert main(["watermarks"]) == 0 and "sources:" not in capsys.readouterr().out
     assert main(["watermarks", "--sources", "--lang", "zh"]) == 0
     assert "来源：" in capsys.readouterr().out
+
+
+def test_cli_one_drill_by_id(capsys):
+    assert main(["sched-preempt", "--lang", "zh"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("[scheduling / sched-preempt]") and out.count("[scheduling") == 1
