@@ -59,6 +59,24 @@ SOURCES: dict[str, list[Claim]] = {
         Claim("SGLang", "RadixAttention keeps cached prefixes in a radix tree of token sequences",
               "sgl-project/sglang: python/sglang/srt/mem_cache/radix_cache.py"),
     ],
+    "prefix-last-token": [
+        Claim("vLLM", "a full hit is capped at num_tokens - 1, which recomputes the whole last "
+              "block because cached prefixes are block-aligned",
+              VLLM + "vllm/v1/core/kv_cache_manager.py (get_computed_blocks: "
+              "max_cache_hit_length)"),
+    ],
+    "prefix-evict": [
+        Claim("vLLM", "a finished request's blocks are freed tail first, so tails are evicted "
+              "first; free cached blocks are reused least recently used first",
+              VLLM + "vllm/v1/core/kv_cache_manager.py (free); vllm/v1/core/block_pool.py "
+              "(free_block_queue)"),
+    ],
+    "sched-decode-first": [
+        Claim("vLLM", "the V1 scheduler spends the token budget on running requests first, then "
+              "admits waiting ones; chunked prefill cuts the last prompt to the budget left",
+              VLLM + "vllm/v1/core/sched/scheduler.py (schedule: running loop, then waiting "
+              "loop, token_budget)"),
+    ],
     "sched-preempt": [
         Claim("vLLM", "V1 preempts by freeing the victim's blocks and resetting its computed "
               "tokens to 0 (recompute), the freed blocks keeping their hashes",
