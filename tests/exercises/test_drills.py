@@ -663,3 +663,38 @@ def test_cli_one_drill_by_id(capsys):
     assert main(["sched-preempt", "--lang", "zh"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("[scheduling / sched-preempt]") and out.count("[scheduling") == 1
+
+
+class _NotATensor:  # a pickled object torch.load must refuse by default (safetensors-mmap)
+    pass
+
+
+def test_torch_load_refuses_code_by_default(tmp_path):
+    """safetensors-mmap: torch.load's weights_only mode is the default (PyTorch >= 2.6), so a
+    pickle that would build an arbitrary object is refused unless the caller opts out."""
+    import pickle
+
+    import torch
+
+    path = tmp_path / "model.bin"
+    torch.save({"w": torch.ones(2), "extra": _NotATensor()}, path)
+    with pytest.raises(pickle.UnpicklingError, match="[Ww]eights only load failed"):
+        torch.load(path)
+    assert torch.equal(torch.load(path, weights_only=False)["w"], torch.ones(2))
+
+
+@pytest.mark.slow
+def test_bitsandbytes_nf4_defaults():
+    """quant-nf4: bitsandbytes quantizes NF4 in blocks of 64 and Linear4bit double-quantizes the
+    block scales by default."""
+    import inspect
+
+    import torch
+
+    functional = pytest.importorskip("bitsandbytes.functional")
+    from bitsandbytes.nn import Linear4bit
+
+    _, state = functional.quantize_4bit(torch.randn(256, dtype=torch.float16), quant_type="nf4")
+    assert state.blocksize == 64
+    assert inspect.signature(Linear4bit).parameters["compress_statistics"].default is True
+    assert "Blocks of 64" in next(x for x in DRILLS if x.id == "quant-nf4").answer
