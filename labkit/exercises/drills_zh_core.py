@@ -125,9 +125,10 @@ ZH_CORE: dict[str, tuple[str, str]] = {
         "量也让运行中的序列能继续增长而不被抢占。各家服务器的实际做法不一样。TGI 按 token 预算准"
         "入：只有在 max_batch_total_tokens 之内能为它的提示词加 max_new_tokens 预留出块（并且 "
         "prefill 放得进 max_batch_prefill_tokens），请求才会加入批次，所以运行中的请求永远不会缺 "
-        "KV，也不会被抢占；waiting_served_ratio（默认 0.3）和 max_waiting_tokens（默认 20）决定什"
-        "么时候暂停 decode 去给新请求做 prefill。vLLM 的 V0 块管理器只有一条水位线：分配之后至少"
-        "还要剩 1% 的空闲块才接纳。它的 V1 引擎随 token 到来按需分配块，只要空闲块够就接纳，某个 "
-        "decode 拿不到块时，抢占（重算）最后接纳的那个请求。",
+        "KV，也不会被抢占，代价是并发度：为 max_new_tokens 预留的块，大多数请求根本用不完；"
+        "waiting_served_ratio（默认 0.3）和 max_waiting_tokens（默认 20）决定什么时候暂停 decode "
+        "去给新请求做 prefill。vLLM 的 V0 块管理器只有一条水位线：分配之后至少还要剩 1% 的空闲块"
+        "才接纳。它的 V1 引擎随 token 到来按需分配块，只要空闲块够就接纳，某个 decode 拿不到块时"
+        "，抢占（重算）最后接纳的那个请求。",
     ),
 }
