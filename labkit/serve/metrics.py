@@ -81,8 +81,8 @@ class ServerMetrics:
                                      m, registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated", m,
                                          registry=r)
-        self.request_success = Counter(P + "request_success", "Requests finished, by finish "
-                                       "reason", m + ["finished_reason"], registry=r)
+        self.request_success = Counter(P + "request_success", "Sequences (choices) finished, "
+                                       "by finish reason", m + ["finished_reason"], registry=r)
         self.rejected = Counter(P + "request_rejected", "Requests refused before admission, "
                                 "by reason (queue_full, rate_limit, draining)", m + ["reason"],
                                 registry=r)

@@ -69,6 +69,7 @@ def test_keys_compared_in_constant_time(monkeypatch):
     assert len(calls) == 9
 
 
+@pytest.mark.slow
 def test_queue_full_gets_429_with_retry_after(labkit_tiny):
     async def main(url):
         async with httpx.AsyncClient(base_url=url, timeout=60) as c:
@@ -91,6 +92,7 @@ def test_queue_full_gets_429_with_retry_after(labkit_tiny):
         assert (c["accepted"], c["aborted"], c["rejected"]) == (2, 2, 1)
 
 
+@pytest.mark.slow
 def test_api_keys_and_per_key_rate_limit(labkit_tiny):
     keys = {"k-alice": "alice", "k-bob": "bob"}
     with _server(labkit_tiny, api_keys=keys, rate_limit_rps=0.5) as srv:
@@ -114,6 +116,7 @@ def test_api_keys_and_per_key_rate_limit(labkit_tiny):
         assert r.status_code == 429 and int(r.headers["Retry-After"]) == 1
 
 
+@pytest.mark.slow
 def test_queue_and_request_timeouts_free_blocks(labkit_tiny):
     async def main(url):
         async with httpx.AsyncClient(base_url=url, timeout=60) as c:
@@ -138,6 +141,7 @@ def test_queue_and_request_timeouts_free_blocks(labkit_tiny):
         assert srv.state.counts["timed_out"] == 2
 
 
+@pytest.mark.slow
 def test_drain_finishes_in_flight_then_exits(labkit_tiny):
     srv = _server(labkit_tiny, drain_timeout=30).start()
     try:
@@ -161,6 +165,7 @@ def test_drain_finishes_in_flight_then_exits(labkit_tiny):
         srv.stop()
 
 
+@pytest.mark.slow
 def test_metrics_parse_and_match_what_was_served(labkit_tiny):
     with _server(labkit_tiny) as srv:
         usage = [0, 0]

@@ -62,6 +62,7 @@ def test_labkit_serve_process_drains_on_sigterm():
             proc.wait(10)
 
 
+@pytest.mark.slow
 def test_labkit_serve_bad_arguments_exit_2(capsys):
     from labkit.serve.launcher import main
 

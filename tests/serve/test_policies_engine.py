@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from labkit.engine.invariants import assert_no_leaks
 from labkit.engine.llm_engine import LLMEngine
 from labkit.engine.sampling_params import SamplingParams
@@ -57,6 +59,7 @@ def test_fair_interleaves_tenants_and_tokens_stay_exact(tiny_model):
     assert_no_leaks(eng)
 
 
+@pytest.mark.slow
 def test_noisy_neighbour_in_steps(tiny_model):
     from labkit.bench.serve import noisy_neighbour_steps
 

@@ -184,6 +184,7 @@ def test_chat_mistakes_and_oversize_body(server):
     idle(server)
 
 
+@pytest.mark.slow
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
     before = server.state.counts["aborted"]
     body = {"model": NAME, "prompt": "def main():", "max_tokens": 900, "stream": True,
@@ -202,6 +203,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
     assert server.state.counts["aborted"] == before + 1
 
 
+@pytest.mark.slow
 def test_disconnect_while_waiting_non_streaming(server):
     before = server.state.counts["aborted"]
     body = {"model": NAME, "prompt": "def main():", "max_tokens": 900, "ignore_eos": True}
