@@ -311,6 +311,11 @@ class _EmptyStream:
     async def __anext__(self) -> Any:
         raise StopAsyncIteration
 
+    async def get(self, timeout: float | None = None) -> Any:
+        from labkit.serve.async_llm import StreamItem
+
+        return StreamItem([], finished=True)
+
     async def aclose(self) -> None:
         return None
 
@@ -321,7 +326,13 @@ async def _probe(sse_stream: Any) -> list:
 
 def check_disconnect(sse_stream: Any) -> Any:
     def body() -> str:
-        _run(_probe(sse_stream))  # a stub raises NotImplementedError here
+        try:
+            _run(_probe(sse_stream))  # a stub raises NotImplementedError here
+        except NotImplementedError:
+            raise
+        except Exception as e:  # noqa: BLE001 - reported as a failed check, not a crash
+            raise CheckFailure(f"sse_stream raised {type(e).__name__}: {e} on a request that "
+                               "finished with no output", show_values=False) from None
         with _App(sse_stream) as app:
             first = _stream_cases(app)
         return f"{first}; {_queued_case(sse_stream)}."

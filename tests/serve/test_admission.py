@@ -95,7 +95,9 @@ def test_queue_full_gets_429_with_retry_after(labkit_tiny):
 @pytest.mark.slow
 def test_api_keys_and_per_key_rate_limit(labkit_tiny):
     keys = {"k-alice": "alice", "k-bob": "bob"}
-    with _server(labkit_tiny, api_keys=keys, rate_limit_rps=0.5) as srv:
+    clock0 = FakeClock()
+    with _server(labkit_tiny, api_keys=keys, rate_limit_rps=0.5,
+                 bucket=lambda r, b, _: TokenBucket(r, b, clock0)) as srv:
         url, body = srv.url + "/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 1}
         assert httpx.post(url, json=body).status_code == 401
         r = httpx.post(url, json=body, headers={"Authorization": "Bearer k-eve"})
@@ -107,13 +109,17 @@ def test_api_keys_and_per_key_rate_limit(labkit_tiny):
         assert 1 <= int(r.headers["Retry-After"]) <= 2
         bob = {"Authorization": "Bearer k-bob"}
         assert httpx.post(url, json=body, headers=bob).status_code == 200  # own bucket
-    with _server(labkit_tiny, rate_limit_tps=10) as srv:  # cost = prompt + max_tokens
+    clock = FakeClock()  # the buckets' clock stands still: no refill while requests run
+    with _server(labkit_tiny, rate_limit_tps=10,
+                 bucket=lambda r, b, _: TokenBucket(r, b, clock)) as srv:  # cost = prompt + mt
         url, one = srv.url + "/v1/completions", {"model": NAME, "prompt": [5]}
         r = httpx.post(url, json={**one, "max_tokens": 10})  # 11 > the bucket's 10
         assert r.status_code == 400 and r.json()["error"]["code"] == "rate_limit_cost"
         assert httpx.post(url, json={**one, "max_tokens": 8}).status_code == 200
-        r = httpx.post(url, json={**one, "max_tokens": 8})  # 9 more before ~0.9 s passed
+        r = httpx.post(url, json={**one, "max_tokens": 8})  # 9 more, 1 left: 0.8 s to wait
         assert r.status_code == 429 and int(r.headers["Retry-After"]) == 1
+        clock.t += 1.0
+        assert httpx.post(url, json={**one, "max_tokens": 8}).status_code == 200
 
 
 @pytest.mark.slow
