@@ -122,7 +122,8 @@ class PrefixAffinity:
             raise ValueError(f"eps must be > 0 (or None for no bound), got {eps}")
         if vnodes < 1:
             raise ValueError(f"vnodes must be >= 1, got {vnodes}")
-        self.block_size, self.num_blocks, self.eps, self.vnodes = block_size, num_blocks, eps, vnodes
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.eps, self.vnodes = eps, vnodes
         self._ring_for: tuple[str, ...] | None = None
         self._points: list[int] = []
         self._owners: list[str] = []

@@ -14,16 +14,17 @@ hits are the same blocks) and the step budget counts k real tokens per engine to
 - each real step costs ``labkit.sim.cost.step_time`` with that step's token counts and the
   average KV context, and the causal attention pairs are exact.
 
-What it costs in fidelity (``scale=1`` is exactly ``SimExecutor``; tests compare the two):
-a request arriving mid-step is admitted at the coarse step's end, up to k - 1 real steps later
-than a real engine would (~(k - 1) * 6 ms for Llama-3-8B on an H100): ``first_token_early``
-takes back all but one real step of that wait (an upper bound on the real wait). Its first
-token, too, is dated where it would have come within the coarse step: chunked prefill runs the decodes plus ``budget - decodes``
-prompt tokens per real step, so a prompt whose chunk ends after C prompt tokens of this step
-samples at real step ceil(C / (budget - decodes)); ``first_token_early`` adds how much earlier
-than the step's end that is, and the fleet subtracts the total from TTFT. Both are first-order
-corrections (the request's later steps stay shifted), checked against ``scale=1`` in the tests. Per-token gaps (ITL) are
-averaged over k tokens. KV usage and prefix hits are exact to the block.
+What it costs in fidelity (``scale=1`` is exactly ``SimExecutor``; tests compare the two): a
+request arriving mid-step is admitted at the coarse step's end, up to k - 1 real steps later than
+a real engine would (~(k - 1) * 6 ms for Llama-3-8B on an H100); ``first_token_early`` takes back
+all but one real step of that wait (an upper bound on the real wait). Its first token, too, is
+dated where it would have come within the coarse step: chunked prefill runs the decodes plus
+``budget - decodes`` prompt tokens per real step, so a prompt whose chunk ends after C prompt
+tokens of this step samples at real step ceil(C / (budget - decodes)); ``first_token_early`` adds
+how much earlier than the step's end that is, and the fleet subtracts the total from TTFT. Both
+are first-order corrections (the request's later steps stay shifted): at k = 4 TTFT percentiles
+stay within ~20 ms + 15% of k = 1. Per-token gaps (ITL) are averaged over k tokens. KV usage and
+prefix hits are exact to the block.
 """
 
 from __future__ import annotations
