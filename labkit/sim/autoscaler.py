@@ -6,7 +6,11 @@ every ``interval_s`` read a per-replica metric from the ready replicas and ask f
     desired = ceil(sum(metric) / target)          (= ceil(ready * mean / target))
 
 clamped to ``[min_replicas, max_replicas]``. Metrics: ``outstanding`` (requests in a replica,
-running + waiting: Knative's concurrency), ``waiting`` (its queue) or ``kv`` (KV-cache usage, 0..1).
+running + waiting: Knative's concurrency), ``waiting`` (its queue), ``kv`` (KV-cache usage,
+0..1), or ``rps`` (requests per second routed to it over the last ``window_s``: Knative's RPS
+target). The first three are symptoms: they grow only once a replica is busy, and past its knee
+the queue grows without bound, so the recommendation overshoots. Arrivals measure the load
+itself, linearly, and are the router's own count.
 Three damping rules keep it from flapping, as the HPA's do:
 
 - **tolerance**: within ``tolerance`` of the target (10%), keep the current count;
@@ -26,7 +30,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-METRICS = ("outstanding", "waiting", "kv")
+METRICS = ("outstanding", "waiting", "kv", "rps")
 
 
 @dataclass
@@ -39,6 +43,7 @@ class AutoscalerConfig:
     tolerance: float = 0.1
     cooldown_s: float = 30.0
     scale_up_cooldown_s: float = 0.0
+    window_s: float = 10.0  # for rps: arrivals counted over this trailing window
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
@@ -51,6 +56,8 @@ class AutoscalerConfig:
                              f"{self.max_replicas}")
         if self.tolerance < 0 or self.cooldown_s < 0 or self.scale_up_cooldown_s < 0:
             raise ValueError("tolerance, cooldown_s and scale_up_cooldown_s must be >= 0")
+        if not self.window_s > 0:
+            raise ValueError(f"window_s must be > 0, got {self.window_s}")
 
 
 class Autoscaler:

@@ -19,6 +19,7 @@ billed up to the end of the trace (or the last finish, if later) for every fleet
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,8 +80,8 @@ class SimReplica:
             return float(self.outstanding)
         if kind == "waiting":
             return float(self.engine.scheduler.num_waiting + len(self.engine.scheduler.pending))
-        pool = self.engine.block_manager.pool
-        return (pool.num_blocks - pool.num_free) / pool.num_blocks
+        pool = self.engine.block_manager.pool  # blocks held by requests (not idle cached ones)
+        return pool.num_used / pool.num_blocks
 
 
 @dataclass
@@ -134,6 +135,7 @@ class Fleet:
         self.interval_s = interval_s or (autoscaler.config.interval_s if autoscaler else 1.0)
         self.replicas: list[SimReplica] = []
         self.timeline: list[dict[str, Any]] = []
+        self._arrivals: deque[float] = deque()  # for the rps metric
         for _ in range(num_replicas):
             self._launch(0.0, ready_at=0.0)
 
@@ -164,7 +166,13 @@ class Fleet:
         live = self._live()
         a = self.autoscaler
         metric = a.config.metric if a else "outstanding"
-        values = [r.metric(metric) for r in ready]
+        if metric == "rps":  # the router's arrival count, shared evenly over the ready replicas
+            while self._arrivals and self._arrivals[0] < now - a.config.window_s:
+                self._arrivals.popleft()
+            rps = len(self._arrivals) / min(a.config.window_s, max(now, self.interval_s))
+            values = [rps / len(ready)] * len(ready)
+        else:
+            values = [r.metric(metric) for r in ready]
         desired = a.desired(now, values, len(live)) if a else len(live)
         for _ in range(desired - len(live)):
             self._launch(now, now + self.cold_start_s)
@@ -197,6 +205,7 @@ class Fleet:
             rid = f"r{i}"
             add_coarse_request(r.engine, rid, spec, t, ids)
             r.outstanding += 1
+            self._arrivals.append(t)
         while next_tick <= end:
             self._tick(next_tick)
             next_tick += self.interval_s

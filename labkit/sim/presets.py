@@ -191,8 +191,9 @@ STORAGE: dict[str, StoragePreset] = {
 }
 
 # Process start, CUDA context, memory profiling and CUDA-graph capture before the first request:
-# our assumption, of the order vLLM's start-up log shows for an 8B model (tens of seconds).
-DEFAULT_INIT_S = 20.0
+# our assumption, of the order vLLM's start-up log shows for an 8B model with its compile cache
+# warm (about ten seconds; a cold torch.compile adds tens of seconds more).
+DEFAULT_INIT_S = 10.0
 
 
 def get_storage(name: str | StoragePreset) -> StoragePreset:

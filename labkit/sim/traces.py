@@ -129,12 +129,14 @@ def poisson_trace(rate: float, duration: float, num_tenants: int = 32, seed: int
 
 def bursty_day(day_s: float, peak_rate: float, trough_frac: float = 0.2,
                num_bursts: int = 4, burst_factor: float = 1.5, burst_s: float | None = None,
-               num_tenants: int = 32, seed: int = 0, **kw: Any) -> Trace:
+               num_tenants: int = 32, seed: int = 0, busy: tuple[float, float] = (0.45, 0.9),
+               **kw: Any) -> Trace:
     """A compressed day: diurnal rate times ``num_bursts`` bursts of ``burst_factor`` lasting
-    ``burst_s`` (default 2% of the day) at random times in the busy half of the day."""
+    ``burst_s`` (default 2% of the day) at random times in the busy part of the day
+    (``busy`` = (0.45, 0.9) of it, where the diurnal rate is above ~65% of the peak)."""
     rng = np.random.default_rng([6, seed])
     burst_s = 0.02 * day_s if burst_s is None else burst_s
-    starts = rng.uniform(0.3 * day_s, 0.9 * day_s - burst_s, num_bursts)
+    starts = rng.uniform(busy[0] * day_s, busy[1] * day_s - burst_s, num_bursts)
     bursts = [Burst(float(s), burst_s, burst_factor) for s in sorted(starts)]
     rate = with_bursts(diurnal(day_s, peak_rate, trough_frac), bursts)
     overlap = max((sum(c.start <= b.start < c.start + c.duration for c in bursts)
@@ -143,6 +145,6 @@ def bursty_day(day_s: float, peak_rate: float, trough_frac: float = 0.2,
     arrivals = thinning(rate, rate_max, day_s, rng)
     specs = multi_tenant_requests(arrivals, make_tenants(num_tenants, seed), seed, **kw)
     meta = {"kind": "bursty-day", "day_s": day_s, "peak_rate": peak_rate,
-            "trough_frac": trough_frac, "bursts": [vars(b) for b in bursts],
+            "trough_frac": trough_frac, "bursts": [vars(b) for b in bursts], "busy": busy,
             "num_tenants": num_tenants, "seed": seed}
     return Trace(specs, day_s, rate, meta)
