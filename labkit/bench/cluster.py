@@ -70,8 +70,9 @@ def run_sweep(sizes: tuple[int, ...], rate: float, duration: float, token_scale:
 def _day_fleet(n: int, token_scale: int, autoscaler: Autoscaler | None, cold: float) -> Fleet:
     # a tight load bound: under an autoscaler the fleet runs hot, and the busiest replica, not
     # the average one, hits the knee first
-    return Fleet(get_policy("prefix-affinity", eps=DAY_EPS), n, FleetConfig(MODEL, GPU, token_scale),
-                 autoscaler, cold_start_s=cold, interval_s=AUTOSCALER["interval_s"])
+    return Fleet(get_policy("prefix-affinity", eps=DAY_EPS), n,
+                 FleetConfig(MODEL, GPU, token_scale), autoscaler, cold_start_s=cold,
+                 interval_s=AUTOSCALER["interval_s"])
 
 
 def run_static(tr: Any, n: int, token_scale: int, slo_s: float,
