@@ -138,10 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("drill", help="interview drills by topic", add_help=False)
     d.add_argument("rest", nargs=argparse.REMAINDER)
     d.set_defaults(func=lambda a: _delegate("labkit.exercises.drills", a.rest))
+
+    r = sub.add_parser("router", help="route over labkit serve replicas", add_help=False)
+    r.add_argument("rest", nargs=argparse.REMAINDER)
+    r.set_defaults(func=lambda a: _delegate("labkit.router.proxy", a.rest))
     return p
 
 
-_PASSTHROUGH = {"train": "labkit.train.cli", "drill": "labkit.exercises.drills"}
+_PASSTHROUGH = {"train": "labkit.train.cli", "drill": "labkit.exercises.drills",
+                "router": "labkit.router.proxy"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

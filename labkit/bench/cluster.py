@@ -48,7 +48,7 @@ TTFT_SLO_S = 2.0
 DAY_REQUESTS = {"user_mean": 200, "output_mean": 600, "max_len": 4096}
 DAY_EPS = 0.1
 AUTOSCALER = {"metric": "rps", "target": 16.0, "interval_s": 1.0, "cooldown_s": 15.0,
-              "window_s": 5.0, "min_replicas": 2, "max_replicas": 32}
+              "window_s": 10.0, "min_replicas": 2, "max_replicas": 32}
 
 
 def run_sweep(sizes: tuple[int, ...], rate: float, duration: float, token_scale: int,

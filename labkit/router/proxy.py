@@ -184,3 +184,23 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
         return Response(generate_latest(metrics.registry), media_type="text/plain")
 
     return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``labkit router --replica URL --replica URL [--policy P] [--host H] [--port P]``."""
+    import argparse
+
+    import uvicorn
+
+    from labkit.router.policies import POLICIES
+
+    p = argparse.ArgumentParser(prog="labkit router", description=__doc__.splitlines()[0])
+    p.add_argument("--replica", action="append", required=True, metavar="URL",
+                   help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeat)")
+    p.add_argument("--policy", default="prefix-affinity", choices=list(POLICIES))
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    args = p.parse_args(argv)
+    uvicorn.run(create_app(args.replica, args.policy), host=args.host, port=args.port,
+                log_level="warning")
+    return 0

@@ -133,15 +133,19 @@ def bursty_day(day_s: float, peak_rate: float, trough_frac: float = 0.2,
                **kw: Any) -> Trace:
     """A compressed day: diurnal rate times ``num_bursts`` bursts of ``burst_factor`` lasting
     ``burst_s`` (default 2% of the day) at random times in the busy part of the day
-    (``busy`` = (0.45, 0.9) of it, where the diurnal rate is above ~65% of the peak)."""
+    (``busy`` = (0.45, 0.9) of it, where the diurnal rate is above ~65% of the peak), one in
+    each of ``num_bursts`` equal slices of it so that two bursts never stack."""
     rng = np.random.default_rng([6, seed])
     burst_s = 0.02 * day_s if burst_s is None else burst_s
-    starts = rng.uniform(busy[0] * day_s, busy[1] * day_s - burst_s, num_bursts)
-    bursts = [Burst(float(s), burst_s, burst_factor) for s in sorted(starts)]
+    seg = (busy[1] - busy[0]) * day_s / max(num_bursts, 1)  # one burst per segment: no overlap
+    if num_bursts and burst_s > seg:
+        raise ValueError(f"{num_bursts} bursts of {burst_s} s do not fit apart in the busy "
+                         f"part of the day ({seg * num_bursts:.0f} s)")
+    starts = busy[0] * day_s + seg * np.arange(num_bursts) + rng.uniform(0, seg - burst_s,
+                                                                           num_bursts)
+    bursts = [Burst(float(s), burst_s, burst_factor) for s in starts]
     rate = with_bursts(diurnal(day_s, peak_rate, trough_frac), bursts)
-    overlap = max((sum(c.start <= b.start < c.start + c.duration for c in bursts)
-                   for b in bursts), default=0)
-    rate_max = peak_rate * max(burst_factor, 1.0) ** overlap
+    rate_max = peak_rate * max(burst_factor, 1.0)
     arrivals = thinning(rate, rate_max, day_s, rng)
     specs = multi_tenant_requests(arrivals, make_tenants(num_tenants, seed), seed, **kw)
     meta = {"kind": "bursty-day", "day_s": day_s, "peak_rate": peak_rate,

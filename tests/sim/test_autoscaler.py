@@ -64,6 +64,7 @@ def test_cold_start_then_drain():
     assert res.replica_seconds == pytest.approx(billed) and billed < 4 * 12.0
 
 
+@pytest.mark.slow
 def test_affinity_beats_round_robin_on_hit_rate_and_respects_the_bound():
     tr = poisson_trace(rate=60, duration=4.0, num_tenants=24, seed=1)
     cfg = FleetConfig(token_scale=8)
