@@ -82,7 +82,7 @@ class WorkerGroup:
     """
 
     def __init__(self, world: int, factory: Callable[[TPGroup], Any],
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, start_timeout_s: float = 300.0) -> None:
         ctx = mp.get_context("spawn")
         self.world, self.timeout_s = world, timeout_s
         port = _free_port()
@@ -96,24 +96,31 @@ class WorkerGroup:
             self._conns.append(parent)
             self._procs.append(p)
         self._finalizer = weakref.finalize(self, _stop_all, self._procs, self._conns)
-        self._gather("start")
+        self._gather("start", start_timeout_s)  # importing torch N times is slow on a busy box
 
     def call(self, method: str, *args: Any) -> list[Any]:
         if not self._finalizer.alive:
             raise WorkerError("the worker group was shut down")
         for c in self._conns:
             c.send((method, args))
-        return self._gather(method)
+        return self._gather(method, self.timeout_s)
 
-    def _gather(self, what: str) -> list[Any]:
+    def _gather(self, what: str, timeout_s: float) -> list[Any]:
         results: list[Any] = [None] * self.world
         pending = set(range(self.world))
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + timeout_s
         while pending:
             for rank in sorted(pending):
                 c = self._conns[rank]
                 if c.poll(0.05):
-                    status, value = c.recv()
+                    try:
+                        status, value = c.recv()
+                    except (EOFError, OSError):  # the pipe closed: the process is gone
+                        self._procs[rank].join(2.0)
+                        code = self._procs[rank].exitcode
+                        self.shutdown()
+                        raise WorkerError(f"rank {rank} died (exit code {code}) during "
+                                          f"{what}") from None
                     if status == "err":
                         self.shutdown()
                         raise WorkerError(f"rank {rank} failed in {what}:\n{value}")
@@ -126,7 +133,7 @@ class WorkerGroup:
             if pending and time.monotonic() > deadline:
                 self.shutdown()
                 raise WorkerError(f"ranks {sorted(pending)} did not answer {what} within "
-                                  f"{self.timeout_s:.0f} s")
+                                  f"{timeout_s:.0f} s")
         return results
 
     def shutdown(self) -> None:
