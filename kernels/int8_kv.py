@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 from labkit.kernels._common import check
+from labkit.kv.ops import dequantize_kv_per_head
 
 SCALE_DTYPE = torch.float16  # as labkit.quant.kv_int8.quantize_kv_per_head and the engine
 
@@ -116,8 +117,7 @@ def scale_args(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
 
 def dequantize_cache(cache: torch.Tensor, scale: torch.Tensor | None,
                      dtype: torch.dtype) -> torch.Tensor:
-    """Plain PyTorch, for the kernels' references: the whole cache back to ``dtype``."""
-    if scale is None:
-        return cache
-    return (cache.float() * scale.float()[..., None]).to(dtype)
+    """Plain PyTorch, for the kernels' references: the whole cache back to ``dtype`` (labkit's
+    one INT8-KV dequantization, :func:`labkit.kv.ops.dequantize_kv_per_head`)."""
+    return dequantize_kv_per_head(cache, scale, dtype)
 

@@ -25,13 +25,30 @@ _LAZY = {
     "LLM": "labkit.engine.llm",
     "LLMEngine": "labkit.engine.llm_engine",
     "SamplingParams": "labkit.engine.sampling_params",
-    "SamplingParamsError": "labkit.engine.errors",
-    "InvalidPromptError": "labkit.engine.errors",
-    "EngineConfigError": "labkit.engine.errors",
-    "EngineStepError": "labkit.engine.errors",
+    "SamplingParamsError": "labkit.errors",
+    "InvalidPromptError": "labkit.errors",
+    "EngineConfigError": "labkit.errors",
+    "EngineStepError": "labkit.errors",
 }
 
 __all__ = ["__version__", *_LAZY]
+
+
+def _register_executors() -> None:
+    """The composition root: executors that live above the engine are plugged into it here,
+    so ``labkit.engine`` never imports ``labkit.spec`` (layers only import downward). The
+    factory imports speculative decoding only when an engine asks for it."""
+    from labkit.engine.executor import register_executor_factory
+
+    def speculative(base: Any, config: Any) -> Any:
+        from labkit.spec.executor import make_spec_executor
+
+        return make_spec_executor(base, config)
+
+    register_executor_factory("speculative", speculative)
+
+
+_register_executors()
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,5 @@
-"""Incremental detokenization and stop strings (vLLM's detokenizer / stop checker).
+"""Incremental detokenization (vLLM's detokenizer); stop strings are found by the scheduler's
+stop checker (:mod:`labkit.sched.stop`) and cut from the text here.
 
 Text is re-decoded from all output ids every step (not token by token), because a byte-level
 BPE token can be half a UTF-8 character: only the full decode is right. The delta a stream sees
@@ -6,20 +7,14 @@ is what the text grew by, minus a tail that could still turn into a stop string.
 ends the sample and is cut from the text, like vLLM; the token that completed it stays in
 ``token_ids``.
 
-Speculative decoding appends several tokens in one step. The engine then checks stop strings
-after each of them (``stop_string_hit``) and drops the rest, so token ids come out exactly as a
-one-token-per-step run's would.
+Speculative decoding appends several tokens in one step; the stop checker checks stop strings
+after each of them and drops the rest, so token ids come out exactly as a one-token-per-step
+run's would.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-
-def stop_string_hit(tokenizer: Any, seq: Any) -> bool:
-    """Does ``seq``'s output text so far contain one of its stop strings?"""
-    text = tokenizer.decode(seq.output_token_ids)
-    return any(s in text for s in seq.request.params.stop)
 
 
 def update_text(tokenizer: Any, seq: Any, finished: bool = False) -> tuple[str, bool]:

@@ -15,32 +15,25 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from labkit.engine.errors import EngineConfigError, InvalidPromptError
 from labkit.engine.llm_engine import LLMEngine
 from labkit.engine.outputs import CompletionOutput, RequestOutput
 from labkit.engine.sampling_params import SamplingParams
-from labkit.engine.validate import is_int
+from labkit.errors import EngineConfigError, InvalidPromptError
+from labkit.utils import is_int
 
 
 class LLM:
-    def __init__(self, model: Any = "labkit-tiny", *, tokenizer: Any = None, block_size: int = 16,
-                 num_blocks: int | None = None, kv_cache_bytes: int | None = None,
-                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 policy: str = "fcfs", max_num_seqs: int = 64,
-                 max_num_batched_tokens: int | None = None, batching: str = "continuous",
-                 preemption_mode: str = "recompute", num_cpu_blocks: int = 0,
-                 watermark_high: float = 1.0, watermark_low: float = 1.0,
-                 attention_backend: str | None = None, speculative_config: Any = None,
+    """``LLM(model, **engine_settings)``: ``model`` is a shipped name, a checkpoint folder, a
+    model object or a ``(model, tokenizer)`` pair; the settings are :class:`EngineConfig`'s flat
+    fields (``block_size``, ``max_num_seqs``, ``enable_prefix_caching``, ``policy``,
+    ``kv_cache_dtype``, ``attention_backend``, ``speculative_config``, ...), checked once there.
+    ``dtype`` ("auto" | "float32" | "bfloat16" | "float16") and ``device`` place the model."""
+
+    def __init__(self, model: Any = "labkit-tiny", *, tokenizer: Any = None,
                  device: str | torch.device | None = None, dtype: Any = None,
-                 max_model_len: int | None = None, kv_cache_dtype: str = "auto") -> None:
+                 **engine_settings: Any) -> None:
         name = ""
-        if dtype == "auto":  # vLLM's default: keep the checkpoint's / model's dtype
-            dtype = None
-        if isinstance(dtype, str):  # "bfloat16" was silently ignored for a model object
-            if dtype not in ("float32", "bfloat16", "float16"):
-                raise EngineConfigError(f"dtype must be 'auto', float32, bfloat16 or float16, "
-                                        f"got {dtype!r}")
-            dtype = getattr(torch, dtype)
+        dtype = _torch_dtype(dtype)
         if isinstance(model, (tuple, list)):
             model, tokenizer = model
         elif not isinstance(model, torch.nn.Module):
@@ -49,21 +42,12 @@ class LLM:
             name = str(model)
             model, tok = load_pretrained(model, dtype=dtype, device=device)
             tokenizer = tokenizer or tok
-        if isinstance(model, torch.nn.Module) and (device is not None or dtype is not None):
+        if device is not None or dtype is not None:
             model = model.to(device=device, dtype=dtype)
         model.eval()
         self.model = model
         self.tokenizer = tokenizer
-        self.llm_engine = LLMEngine.from_model(
-            model, tokenizer, block_size=block_size, num_blocks=num_blocks,
-            kv_cache_bytes=kv_cache_bytes, num_cpu_blocks=num_cpu_blocks,
-            attention_backend=attention_backend, max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype,
-            enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill, policy=policy,
-            max_num_batched_tokens=max_num_batched_tokens, batching=batching,
-            preemption_mode=preemption_mode, watermark_high=watermark_high,
-            watermark_low=watermark_low, model_name=name, speculative_config=speculative_config)
+        self.llm_engine = LLMEngine.from_model(model, tokenizer, name=name, **engine_settings)
         self._counter = 0
 
     @classmethod
@@ -150,3 +134,16 @@ def make_request_output(engine: LLMEngine, request_id: str,
         outs.append(CompletionOutput(s.index, text, list(s.output_token_ids), s.finish_reason))
     return RequestOutput(request_id, prompt, list(req.prompt_token_ids), outs, req.is_finished,
                          req.seqs[0].num_cached_tokens)
+
+
+def _torch_dtype(dtype: Any) -> torch.dtype | None:
+    """"auto" (vLLM's default: keep the checkpoint's / model's dtype) -> None; a name -> torch's
+    dtype (a string used to be silently ignored for a model object)."""
+    if dtype == "auto" or dtype is None:
+        return None
+    if isinstance(dtype, str):
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise EngineConfigError(f"dtype must be 'auto', float32, bfloat16 or float16, "
+                                    f"got {dtype!r}")
+        return getattr(torch, dtype)
+    return dtype

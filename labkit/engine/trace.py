@@ -134,14 +134,43 @@ def replay(trace: Trace | dict, step: int) -> PoolSnapshot:
     )
 
 
-def step_record(engine: Any, out: Any, t0: float, dur: float, results: dict[str, list[int]],
-                finished: list[dict], events: list[dict]) -> dict[str, Any]:
-    """One step's record (the schema in the module docstring) from the engine's live state."""
-    bm, sched = engine.block_manager, engine.scheduler
+class TraceObserver:
+    """Appends one record per engine step to ``trace`` (called once per step by the engine).
+
+    Everything it needs comes in the call or is drained from where it accumulates: block events
+    from the block manager, finish records (including aborts between steps) from the
+    scheduler. ``enabled = False`` (long simulations) still drains both, so nothing grows."""
+
+    def __init__(self, trace: Trace, real_tokens: bool = True) -> None:
+        self.trace = trace
+        self.real_tokens = real_tokens
+        self.enabled = True
+
+    def on_request(self, request_id: str, ids: list[int], params: Any, priority: int,
+                   arrival: float) -> None:
+        if self.enabled:
+            self.trace.requests[request_id] = {
+                "prompt_token_ids": ids if self.real_tokens else None, "prompt_len": len(ids),
+                "priority": priority, "arrival_time": arrival, "n": params.n,
+                "max_tokens": params.max_tokens}
+
+    def on_step(self, scheduler: Any, out: Any, t0: float, dur: float,
+                appended: dict[str, list[int]], spec: list[dict]) -> None:
+        events = scheduler.bm.take_events()
+        finished = scheduler.take_finished()
+        if self.enabled:
+            self.trace.steps.append(step_record(len(self.trace.steps), scheduler, out, t0, dur,
+                                                appended, finished, events, spec))
+
+
+def step_record(index: int, sched: Any, out: Any, t0: float, dur: float,
+                results: dict[str, list[int]], finished: list[dict], events: list[dict],
+                spec: list[dict]) -> dict[str, Any]:
+    """One step's record (the schema in the module docstring) from the scheduler's live state."""
+    bm = sched.bm
     pool = bm.pool
-    pop = getattr(engine.executor, "pop_spec_records", None)
     return {
-        "step": len(engine.trace.steps), "time": t0, "duration": dur,
+        "step": index, "time": t0, "duration": dur,
         "scheduled": [{"request_id": s.seq.request_id, "seq_id": s.seq.seq_id,
                        "phase": "prefill" if s.is_prefill else "decode",
                        "num_tokens": s.num_new_tokens, "start_pos": s.start_pos,
@@ -155,5 +184,5 @@ def step_record(engine: Any, out: Any, t0: float, dur: float, results: dict[str,
                "total": pool.num_blocks, "token_slots_used": bm.token_slots_used()},
         "queues": {"waiting": sched.num_waiting, "running": len(sched.running),
                    "swapped": len(sched.swapped)},
-        "spec": pop() if pop else [],
+        "spec": spec,
     }

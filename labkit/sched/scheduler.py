@@ -30,40 +30,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from labkit.engine.errors import EngineConfigError
-from labkit.kv.block_manager import BlockManager, cdiv
+from labkit.config import BATCHING, POLICIES, PREEMPTION_MODES, SchedulerConfig
+from labkit.kv.block_manager import BlockManager, BlockOps
 from labkit.sched.request import Request, Sequence, SequenceStatus
+from labkit.sched.stop import StopChecker
+from labkit.utils import cdiv
 
-POLICIES = ("fcfs", "priority", "sjf")
-PREEMPTION_MODES = ("recompute", "swap")
-BATCHING = ("continuous", "static")
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    enable_chunked_prefill: bool = True
-    policy: str = "fcfs"
-    batching: str = "continuous"
-    preemption_mode: str = "recompute"
-    watermark_high: float = 1.0
-    watermark_low: float = 1.0
-    num_lookahead_slots: int = 0  # extra KV slots per decoding sequence (speculative decoding)
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise EngineConfigError(f"unknown policy {self.policy!r}; choose one of {POLICIES}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise EngineConfigError(f"unknown preemption_mode {self.preemption_mode!r}; "
-                             f"choose one of {PREEMPTION_MODES}")
-        if self.batching not in BATCHING:
-            raise EngineConfigError(f"unknown batching {self.batching!r}; choose one of {BATCHING}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise EngineConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if not 0.0 < self.watermark_low <= self.watermark_high <= 1.0:
-            raise EngineConfigError("need 0 < watermark_low <= watermark_high <= 1, got "
-                             f"{self.watermark_low}, {self.watermark_high}")
+__all__ = ["BATCHING", "POLICIES", "PREEMPTION_MODES", "ScheduledSeq", "Scheduler",
+           "SchedulerConfig", "SchedulerOutput", "SeqOutput", "policy_key"]
 
 
 @dataclass
@@ -82,10 +56,21 @@ class SchedulerOutput:
     preempted: list[tuple[Sequence, str]]
     num_batched_tokens: int
     token_budget: int
+    block_ops: BlockOps = field(default_factory=BlockOps)  # apply before the forward
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass
+class SeqOutput:
+    """What one step did to one sequence (``update_from_output``): the tokens it kept, and why
+    it finished (``"stop"`` | ``"length"``), if it did."""
+
+    seq: Sequence
+    new_token_ids: list[int]
+    finish_reason: str | None
 
 
 def policy_key(policy: str, req: Request, seq_index: int) -> tuple:
@@ -98,10 +83,12 @@ def policy_key(policy: str, req: Request, seq_index: int) -> tuple:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], stop_checker: StopChecker | None = None) -> None:
         self.config = config
         self.bm = block_manager
         self.clock = clock
+        self.stop_checker = stop_checker or StopChecker()
+        self.finished: list[dict] = []  # finish records since the trace last took them
         self.pending: list[tuple[float, int, Sequence]] = []  # not yet arrived (simulator)
         self.waiting: list[tuple[tuple, Sequence]] = []  # heap by policy key; lazy deletion
         self.num_waiting = 0
@@ -159,9 +146,30 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         self.bm.free(seq)
 
+    def abort_request(self, req: Request) -> None:
+        """Finish every unfinished sample of ``req`` with reason ``"abort"``, wherever it is
+        (waiting, running, swapped); all its blocks are released and no fork will follow."""
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.abort_seq(seq)
+                self._record_finish(seq, "abort")
+        req.num_pending_forks = 0
+        req.finish_time = self.clock()
+
     def remove_finished(self) -> None:
-        """Drop sequences the engine marked finished this step (their blocks are freed)."""
+        """Drop finished sequences from the running list (their blocks are already freed)."""
         self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+
+    def take_finished(self) -> list[dict]:
+        """Finish records (request_id, seq_id, reason) since the last call, for the trace."""
+        out, self.finished = self.finished, []
+        return out
+
+    def _record_finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.finished.append({"request_id": seq.request_id, "seq_id": seq.seq_id,
+                              "reason": reason})
 
     # ---- scheduling -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -207,14 +215,54 @@ class Scheduler:
                 budget = self._admit(scheduled, budget)
         self.num_preemptions += len(preempted)
         return SchedulerOutput(scheduled, preempted, cfg.max_num_batched_tokens - budget,
-                               cfg.max_num_batched_tokens)
+                               cfg.max_num_batched_tokens, self.bm.take_block_ops())
+
+    # ---- after the forward ----------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: dict[str, list[int]]) -> list[SeqOutput]:
+        """Book a step's results (vLLM v1's ``update_from_output``). A chunk that did not reach
+        its sequence's end only advances ``num_computed_tokens``. A sequence that sampled gets
+        its tokens appended up to the first stop condition (a speculative step may bring
+        several; the rest are dropped), then every token but the last one has KV; a finished
+        sequence is freed; slots reserved for rejected drafts are released."""
+        now = self.clock()
+        outputs: list[SeqOutput] = []
+        for sc in out.scheduled:
+            if not sc.samples:
+                sc.seq.num_computed_tokens += sc.num_new_tokens
+                self.bm.cache_full_blocks(sc.seq)
+                continue
+            for seq in (sc.seq, *sc.children):
+                o = self._append(seq, sampled.get(seq.seq_id, []), now)
+                if o.new_token_ids or o.finish_reason:
+                    outputs.append(o)
+        if any(o.finish_reason for o in outputs):
+            self.remove_finished()
+        return outputs
+
+    def _append(self, seq: Sequence, new: list[int], now: float) -> SeqOutput:
+        added, reason = self.stop_checker.append(seq, new, now)
+        seq.num_computed_tokens = len(seq.token_ids) - 1
+        self.bm.cache_full_blocks(seq)
+        req = seq.request
+        if req.first_token_time is None and added:
+            req.first_token_time = now
+        if reason is not None:
+            self.bm.free(seq)
+            self._record_finish(seq, reason)
+            if req.is_finished:
+                req.finish_time = now
+        elif len(seq.block_table) > cdiv(seq.num_tokens + self.config.num_lookahead_slots,
+                                         self.bm.block_size):
+            self.bm.truncate(seq, seq.num_tokens)  # drop the slots of rejected drafts
+        return SeqOutput(seq, added, reason)
 
     def _scheduled(self, seq: Sequence, num_new: int, is_prefill: bool) -> ScheduledSeq:
         start = seq.num_computed_tokens
         samples = start + num_new == seq.num_tokens
         s = ScheduledSeq(seq, num_new, start, is_prefill, samples)
         req = seq.request
-        if samples and not req.forked:
+        if samples and req.num_pending_forks:
             s.children = req.fork_children()
             for c in s.children:
                 self.bm.fork(seq, c)
@@ -288,7 +336,7 @@ class Scheduler:
             if seq is None:
                 break
             req = seq.request
-            width = 1 if req.forked else req.n  # samples it will fork into
+            width = 1 + req.num_pending_forks  # samples it will fork into
             if len(self.running) + width > cfg.max_num_seqs:
                 break
             blocks, hashes = bm.find_cached_prefix(seq)
