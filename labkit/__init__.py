@@ -45,7 +45,13 @@ def _register_executors() -> None:
 
         return make_spec_executor(base, config)
 
+    def tensor_parallel(model: Any, config: Any) -> Any:
+        from labkit.parallel.executor import build_tp_executor
+
+        return build_tp_executor(model, config)
+
     register_executor_factory("speculative", speculative)
+    register_executor_factory("tensor_parallel", tensor_parallel)
 
 
 _register_executors()

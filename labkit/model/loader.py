@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -135,6 +136,28 @@ def load_model(path_or_name: str | os.PathLike, dtype: torch.dtype | str | None 
         model.lm_head.weight = model.model.embed_tokens.weight
     load_weights(model, path)
     return model.eval()
+
+
+@dataclass
+class CheckpointHandle:
+    """A checkpoint the driver does not load: with tensor parallelism each worker process reads
+    only its own slices from ``folder``. Has the three attributes an engine reads of a model."""
+
+    config: ModelConfig
+    folder: Path
+    dtype: torch.dtype = torch.float32
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+def open_checkpoint(path_or_name: str | os.PathLike, dtype: torch.dtype | None = None
+                    ) -> tuple[CheckpointHandle, Tokenizer]:
+    """Config and tokenizer of a checkpoint, and a handle to its weights (not read here)."""
+    path = resolve_model_path(path_or_name)
+    config = load_config(path)
+    _weight_files(path)  # fail now if there are none
+    eos = config.eos_token_ids
+    tok = Tokenizer.from_dir(path, config.bos_token_id, eos[0] if eos else None)
+    return CheckpointHandle(config, path, dtype or torch.float32), tok
 
 
 def load_pretrained(path_or_name: str | os.PathLike, dtype: torch.dtype | str | None = None,
