@@ -21,15 +21,19 @@ class CollectiveLog:
 
     counts: dict[str, int] = field(default_factory=dict)
     bytes: dict[str, int] = field(default_factory=dict)
+    #: (site, kind, bytes) of every call since the last reset, e.g. ("layer 3 mlp", ...)
+    calls: list[tuple[str, str, int]] = field(default_factory=list)
 
-    def add(self, kind: str, t: torch.Tensor) -> None:
+    def add(self, kind: str, t: torch.Tensor, site: str = "") -> None:
+        n = t.numel() * t.element_size()
         self.counts[kind] = self.counts.get(kind, 0) + 1
-        self.bytes[kind] = self.bytes.get(kind, 0) + t.numel() * t.element_size()
+        self.bytes[kind] = self.bytes.get(kind, 0) + n
+        self.calls.append((site, kind, n))
 
     def reset(self) -> dict[str, dict[str, int]]:
         """Return {kind: {"count", "bytes"}} and start counting afresh."""
         out = {k: {"count": self.counts[k], "bytes": self.bytes[k]} for k in self.counts}
-        self.counts, self.bytes = {}, {}
+        self.counts, self.bytes, self.calls = {}, {}, []
         return out
 
 
@@ -44,16 +48,16 @@ class TPGroup:
         self.rank, self.world = rank, world
         self.log = CollectiveLog()
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, site: str = "") -> torch.Tensor:
         """Sum ``x`` over ranks, in place."""
-        self.log.add("all_reduce", x)
+        self.log.add("all_reduce", x, site)
         if self.world > 1:
             dist.all_reduce(x)
         return x
 
-    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+    def all_gather_last_dim(self, x: torch.Tensor, site: str = "") -> torch.Tensor:
         """Concatenate every rank's ``x`` along the last dimension (rank order)."""
-        self.log.add("all_gather", x)
+        self.log.add("all_gather", x, site)
         if self.world == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.world)]

@@ -20,12 +20,13 @@ class RowParallelLinear(nn.Linear):
     The bias is added once, after the sum (adding it on every rank would count it N times).
     """
 
-    def __init__(self, in_local: int, out_features: int, bias: bool, group: TPGroup) -> None:
+    def __init__(self, in_local: int, out_features: int, bias: bool, group: TPGroup,
+                 site: str = "") -> None:
         super().__init__(in_local, out_features, bias=bias)
-        self.group = group
+        self.group, self.site = group, site
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.group.all_reduce(F.linear(x, self.weight))
+        y = self.group.all_reduce(F.linear(x, self.weight), self.site)
         return y + self.bias if self.bias is not None else y
 
 
@@ -43,7 +44,7 @@ class VocabParallelEmbedding(nn.Module):
         mine = (ids >= self.start) & (ids < self.stop)
         local = torch.where(mine, ids - self.start, torch.zeros_like(ids))
         x = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
-        return self.group.all_reduce(x)
+        return self.group.all_reduce(x, "embedding")
 
 
 class ParallelLMHead(nn.Module):
@@ -56,5 +57,5 @@ class ParallelLMHead(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.group.all_gather_last_dim(F.linear(x, self.weight))
+        logits = self.group.all_gather_last_dim(F.linear(x, self.weight), "lm_head")
         return logits[..., : self.vocab_size]

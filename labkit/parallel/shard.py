@@ -101,10 +101,11 @@ def slice_spec(name: str, plan: ShardPlan) -> _Slice:
 def _swap_parallel_layers(model: LlamaForCausalLM, config: ModelConfig, plan: ShardPlan,
                           group: TPGroup) -> None:
     h, d = config.hidden_size, config.head_dim
-    for layer in model.model.layers:
+    for i, layer in enumerate(model.model.layers):
         layer.self_attn.o_proj = RowParallelLinear(plan.num_heads * d, h, config.o_proj_bias,
-                                                   group)
-        layer.mlp.down_proj = RowParallelLinear(plan.intermediate, h, False, group)
+                                                   group, f"layer {i} attention")
+        layer.mlp.down_proj = RowParallelLinear(plan.intermediate, h, False, group,
+                                                f"layer {i} mlp")
     model.model.embed_tokens = VocabParallelEmbedding(plan.vocab_rows, plan.vocab_per_rank, h,
                                                       group)
     model.lm_head = ParallelLMHead(plan.vocab_per_rank, h, config.vocab_size, group)

@@ -55,6 +55,10 @@ class ShardWorker:
         """Collectives since the last call: {kind: {count, bytes}}."""
         return self.group.log.reset()
 
+    def collective_calls(self) -> list[tuple[str, str, int]]:
+        """Every collective since the last reset, in order: (site, kind, bytes)."""
+        return list(self.group.log.calls)
+
     def kv_heads(self) -> int:
         return self.model.config.num_key_value_heads
 

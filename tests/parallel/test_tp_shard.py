@@ -67,8 +67,11 @@ def test_world_size_one_is_the_same_model(checkpoints, name):
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=g)
     with torch.inference_mode():
         assert torch.equal(shard(ids), model(ids))
-    log = group.log.reset()
     L, h = model.config.num_hidden_layers, model.config.hidden_size
+    sites = [site for site, _, _ in group.log.calls]
+    assert sites == ["embedding"] + [f"layer {i} {part}" for i in range(L)
+                                     for part in ("attention", "mlp")] + ["lm_head"]
+    log = group.log.reset()
     assert log["all_reduce"] == {"count": 2 * L + 1, "bytes": (2 * L + 1) * 2 * 9 * h * 4}
     assert log["all_gather"] == {"count": 1, "bytes": 2 * 9 * 101 * 4}
 
