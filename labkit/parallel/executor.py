@@ -62,8 +62,9 @@ class RankWorker:
 
     def forward(self, chunks: list[Chunk], rows: list[list[int]]) -> Any:
         logits = self.runner.forward(chunks, rows)
+        calls = list(self.group.log.calls)
         log = self.group.log.reset()
-        return (logits, log) if self.group.rank == 0 else None  # one copy is enough
+        return (logits, log, calls) if self.group.rank == 0 else None  # one copy is enough
 
     def apply_block_ops(self, ops: BlockOps) -> None:
         kv = self.runner.kv_cache
@@ -87,9 +88,12 @@ class TPRunner:
         self.workers, self.model, self.block_size = workers, model, block_size
         self.device = model.device
         self.last_collectives: dict[str, dict[str, int]] = {}
+        #: (site, kind, bytes) of each collective of the last forward, in order
+        self.last_calls: list[tuple[str, str, int]] = []
 
     def forward(self, chunks: list[Chunk], rows: list[list[int]]) -> torch.Tensor:
-        logits, self.last_collectives = self.workers.call("forward", chunks, rows)[0]
+        logits, self.last_collectives, self.last_calls = \
+            self.workers.call("forward", chunks, rows)[0]
         return logits
 
 
