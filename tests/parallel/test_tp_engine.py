@@ -98,3 +98,19 @@ def test_sizes_that_do_not_divide_fail_before_spawning(checkpoints):
     folder, model = checkpoints["llama_gqa"]  # 4 heads
     with pytest.raises(TensorParallelError, match="not divisible by tensor_parallel_size 3"):
         LLM((CheckpointHandle(model.config, folder), None), tensor_parallel_size=3)
+
+
+def test_cli_generate_tp_equals_single_process():
+    import subprocess
+    import sys
+
+    def run(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "labkit.cli", "generate", "--max-tokens",
+                               "12", *extra, "def add(a, b):"], capture_output=True, text=True,
+                              timeout=300)
+
+    one, two = run(), run("--tp", "2")
+    assert one.returncode == two.returncode == 0, two.stderr
+    assert two.stdout == one.stdout
+    bad = run("--tp", "3")
+    assert bad.returncode == 2 and "not divisible by tensor_parallel_size 3" in bad.stderr
