@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 from labkit.kernels._common import check
+
 from labkit.kv.ops import dequantize_kv_per_head
 
 SCALE_DTYPE = torch.float16  # as labkit.quant.kv_int8.quantize_kv_per_head and the engine

@@ -30,6 +30,7 @@ from labkit.kernels._common import (
     on_host,
 )
 from labkit.kernels.int8_kv import check_kv_scales, quantize_rows, scale_args
+
 from labkit.kv.ops import quantize_kv_per_head
 
 

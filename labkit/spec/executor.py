@@ -48,9 +48,10 @@ class SpecDecodeExecutor(Executor):
         self.config = config
         self.gamma = config.num_speculative_tokens
         self.max_model_len = max_model_len
+        self.proposer: NgramProposer | DraftModelProposer
         if config.method == "ngram":
-            self.proposer: Any = NgramProposer(self.gamma, config.prompt_lookup_max,
-                                               config.prompt_lookup_min)
+            self.proposer = NgramProposer(self.gamma, config.prompt_lookup_max,
+                                          config.prompt_lookup_min)
         else:
             kv = base.kv_cache
             self.proposer = DraftModelProposer(config.draft_model, self.gamma,
@@ -134,12 +135,13 @@ class SpecDecodeExecutor(Executor):
         """Drop the draft state of sequences that left (finished / aborted) now and then: once
         it holds many, keep only the sequences in this step (a running sequence that sat this
         step out only recomputes its draft KV later)."""
-        state = getattr(self.proposer, "_computed", None)
-        if state is None or len(state) < _MAX_DRAFT_STATES:
+        tracked = self.proposer.tracked()
+        if len(tracked) < _MAX_DRAFT_STATES:
             return
         live = {sc.seq.seq_id for sc in out.scheduled}
-        for sid in [sid for sid in state if sid not in live]:
-            self.proposer.free(sid)
+        for sid in tracked:
+            if sid not in live:
+                self.proposer.free(sid)
 
 
 def make_spec_executor(base: ModelExecutor, config: EngineConfig) -> SpecDecodeExecutor:
