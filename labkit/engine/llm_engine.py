@@ -170,15 +170,15 @@ class LLMEngine:
         try:
             self.executor.apply_block_ops(out.block_ops)
             result = self.executor.execute(out)
-            seq_outputs = self.scheduler.update_from_output(out, result.sampled_token_ids)
+            t1 = self.clock.now()
+            seq_outputs = self.scheduler.update_from_output(out, result.sampled_token_ids, t1)
             outputs = [self._step_output(o) for o in seq_outputs]
         except BaseException as exc:
             self._fail_step(out, t0, exc)
             raise
         self.num_steps += 1
         appended = {o.seq.seq_id: o.new_token_ids for o in seq_outputs}
-        self.observer.on_step(self.scheduler, out, t0, self.clock.now() - t0, appended,
-                              result.spec_records)
+        self.observer.on_step(self.scheduler, out, t0, t1 - t0, appended, result.spec_records)
         return outputs
 
     def _idle(self, out: SchedulerOutput, t0: float) -> None:

@@ -223,14 +223,15 @@ class Scheduler:
                                cfg.max_num_batched_tokens, self.bm.take_block_ops())
 
     # ---- after the forward ----------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput,
-                           sampled: dict[str, list[int]]) -> list[SeqOutput]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]],
+                           now: float | None = None) -> list[SeqOutput]:
         """Book a step's results (vLLM v1's ``update_from_output``). A chunk that did not reach
         its sequence's end only advances ``num_computed_tokens``. A sequence that sampled gets
         its tokens appended up to the first stop condition (a speculative step may bring
         several; the rest are dropped), then every token but the last one has KV; a finished
-        sequence is freed; slots reserved for rejected drafts are released."""
-        now = self.clock()
+        sequence is freed; slots reserved for rejected drafts are released. ``now`` stamps the
+        tokens (the engine passes the time the forward ended, which the trace records too)."""
+        now = self.clock() if now is None else now
         outputs: list[SeqOutput] = []
         for sc in out.scheduled:
             if not sc.samples:
