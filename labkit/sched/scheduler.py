@@ -178,15 +178,27 @@ class Scheduler:
 
     # ---- scheduling -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        cfg, bm = self.config, self.bm
+        cfg = self.config
         now = self.clock()
         while self.pending and self.pending[0][0] <= now:
             self._push_waiting(heapq.heappop(self.pending)[2])
-        budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[tuple[Sequence, str]] = []
+        budget = self._schedule_running(cfg.max_num_batched_tokens, scheduled, preempted)
+        # swapped back in, then new admissions, only when nothing had to be preempted
+        if not preempted:
+            budget = self._swap_in(scheduled, budget)
+            if not self.swapped:
+                budget = self._admit(scheduled, budget)
+        self.num_preemptions += len(preempted)
+        return SchedulerOutput(scheduled, preempted, cfg.max_num_batched_tokens - budget,
+                               cfg.max_num_batched_tokens, self.bm.take_block_ops())
 
-        # 1. running sequences, best first; preempt from the worst end when blocks run out
+    def _schedule_running(self, budget: int, scheduled: list[ScheduledSeq],
+                          preempted: list[tuple[Sequence, str]]) -> int:
+        """Running sequences, best first, each its next chunk; when blocks run out, preempt from
+        the worst end (possibly the sequence itself). Returns the budget left."""
+        cfg, bm = self.config, self.bm
         self.running.sort(key=lambda s: s.sort_key)
         queue = deque(self.running)
         kept: list[Sequence] = []
@@ -207,20 +219,11 @@ class Scheduler:
                 if victim is seq:
                     break
                 ok = bm.allocate_slots(seq, num_new, num_lookahead=lookahead)
-            if not ok:
-                continue
-            kept.append(seq)
-            scheduled.append(self._scheduled(seq, num_new, is_prefill))
-            budget -= num_new
-
-        # 2. swapped back in, then new admissions, only when nothing had to be preempted
-        if not preempted:
-            budget = self._swap_in(scheduled, budget)
-            if not self.swapped:
-                budget = self._admit(scheduled, budget)
-        self.num_preemptions += len(preempted)
-        return SchedulerOutput(scheduled, preempted, cfg.max_num_batched_tokens - budget,
-                               cfg.max_num_batched_tokens, self.bm.take_block_ops())
+            if ok:
+                kept.append(seq)
+                scheduled.append(self._scheduled(seq, num_new, is_prefill))
+                budget -= num_new
+        return budget
 
     # ---- after the forward ----------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]],
