@@ -6,7 +6,7 @@ which is how the tests check the engine end to end).
 
 ``k_scale``/``v_scale`` (the engine passes them for ``kv_cache_dtype="int8"``) mark an INT8 cache,
 as for the torch backend: ``reshape_and_cache`` quantizes in the kernel (the same codes and
-scales as ``labkit.quant.kv_int8.quantize_kv_per_head``) and the attention kernels dequantize the
+scales as ``labkit.kv.ops.quantize_kv_per_head``) and the attention kernels dequantize the
 tiles they read (``labkit.kernels.int8_kv``).
 """
 

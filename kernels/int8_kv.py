@@ -1,6 +1,6 @@
 """INT8 KV cache pieces the attention kernels share: quantize on write, scale on read.
 
-The layout is ``labkit.quant.kv_int8``'s per-(token, head) one, which the engine uses for
+The layout is ``labkit.kv.ops``' per-(token, head) one, which the engine uses for
 ``kv_cache_dtype="int8"``: caches ``[num_blocks, block_size, Hkv, D]`` int8 plus fp16 scales
 ``[num_blocks, block_size, Hkv]``, value = code * scale. ``reshape_and_cache`` quantizes each new
 token's head vector once (:func:`quantize_rows`); the decode and prefill kernels load int8 tiles
@@ -23,15 +23,16 @@ import torch
 import triton
 import triton.language as tl
 from labkit.kernels._common import check
+
 from labkit.kv.ops import dequantize_kv_per_head
 
-SCALE_DTYPE = torch.float16  # as labkit.quant.kv_int8.quantize_kv_per_head and the engine
+SCALE_DTYPE = torch.float16  # as labkit.kv.ops.quantize_kv_per_head and the engine
 
 
 @triton.jit
 def quantize_rows(x):
     """x [H, D] (padding = 0) -> (int8 codes [H, D], fp16 scales [H]), bit for bit
-    ``labkit.quant.kv_int8.quantize_kv_per_head``:
+    ``labkit.kv.ops.quantize_kv_per_head``:
 
         scale = fp16(max(absmax / 127, 1e-8));  code = clamp(round_half_even(x / scale), ±127)
 

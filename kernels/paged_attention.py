@@ -54,6 +54,7 @@ from labkit.kernels.int8_kv import (
     load_token_scales,
     scale_args,
 )
+
 from labkit.kv.ops import gather_blocks
 
 LOG2E = 1.4426950408889634

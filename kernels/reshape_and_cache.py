@@ -11,7 +11,7 @@ What bounds it: memory, pure copy (0 FLOPs): 2 * N * Hkv * D * bytes read and as
 
 INT8 KV cache (``k_scale``/``v_scale`` given, caches int8): each token's [Hkv, D] rows are
 quantized in registers, one absmax scale per (token, head), exactly as
-``labkit.quant.kv_int8.quantize_kv_per_head`` (same codes and fp16 scales, bit for bit; see
+``labkit.kv.ops.quantize_kv_per_head`` (same codes and fp16 scales, bit for bit; see
 ``int8_kv.quantize_rows``). It writes D + 2 bytes per (token, head) instead of 2 * D (bf16) and
 adds a row max and a divide per element, which a copy-bound kernel hides.
 """
@@ -30,6 +30,7 @@ from labkit.kernels._common import (
     on_host,
 )
 from labkit.kernels.int8_kv import check_kv_scales, quantize_rows, scale_args
+
 from labkit.kv.ops import quantize_kv_per_head
 
 

@@ -34,11 +34,13 @@ _LAZY = {
 __all__ = ["__version__", *_LAZY]
 
 
-def _register_executors() -> None:
-    """The composition root: executors that live above the engine are plugged into it here,
-    so ``labkit.engine`` never imports ``labkit.spec`` (layers only import downward). The
-    factory imports speculative decoding only when an engine asks for it."""
+def _register_plugins() -> None:
+    """The composition root: pieces that live above (or beside) the layer that uses them are
+    plugged in here, so no layer imports upward: the speculative executor (``labkit.spec``)
+    into the engine, the Triton attention backend (``labkit.kernels``) into ``labkit.kv``. Each
+    factory imports its package only when it is first asked for."""
     from labkit.engine.executor import register_executor_factory
+    from labkit.kv.backends import register_attention_backend
 
     def speculative(base: Any, config: Any) -> Any:
         from labkit.spec.executor import make_spec_executor
@@ -50,11 +52,17 @@ def _register_executors() -> None:
 
         return build_tp_executor(model, config)
 
+    def triton() -> Any:
+        from labkit.kernels.backend import TritonBackend
+
+        return TritonBackend()
+
     register_executor_factory("speculative", speculative)
     register_executor_factory("tensor_parallel", tensor_parallel)
+    register_attention_backend("triton", triton)
 
 
-_register_executors()
+_register_plugins()
 
 
 def __getattr__(name: str) -> Any:

@@ -69,23 +69,7 @@ class LLM:
                  use_tqdm: bool = False, priority: Sequence[int] | None = None,
                  cache_salt: str | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order."""
-        if prompt_token_ids is not None:
-            if prompts is not None:
-                raise InvalidPromptError("give prompts or prompt_token_ids, not both")
-            if hasattr(prompt_token_ids, "tolist"):  # a tensor / array of [B, T] ids
-                prompt_token_ids = prompt_token_ids.tolist()
-            items: list[Any] = list(prompt_token_ids)
-            if items and all(is_int(t) for t in items):
-                items = [items]  # one prompt as a flat list of ids (vLLM accepts it too)
-        elif isinstance(prompts, str):
-            items = [prompts]
-        elif prompts is None:
-            raise InvalidPromptError("give prompts or prompt_token_ids")
-        else:
-            items = list(prompts)
-            if any(is_int(p) for p in items):
-                raise InvalidPromptError("prompts are strings (or lists of token ids); pass "
-                                         "token ids as prompt_token_ids=[[...], ...]")
+        items = _prompt_items(prompts, prompt_token_ids)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
@@ -94,8 +78,14 @@ class LLM:
             raise InvalidPromptError(f"{len(params)} sampling params for {len(items)} prompts")
         if priority is not None and len(priority) != len(items):
             raise InvalidPromptError(f"{len(priority)} priorities for {len(items)} prompts")
-        eng = self.llm_engine
-        ids = []
+        ids = self._add_all(items, params, priority, cache_salt)
+        self._run(ids, use_tqdm)
+        return [self.request_output(rid, items[i] if isinstance(items[i], str) else None)
+                for i, rid in enumerate(ids)]
+
+    def _add_all(self, items: list[Any], params: list[SamplingParams],
+                 priority: Sequence[int] | None, cache_salt: str | None) -> list[str]:
+        eng, ids = self.llm_engine, []
         try:
             for i, (p, sp) in enumerate(zip(items, params)):
                 rid = f"gen-{self._counter}"
@@ -107,6 +97,10 @@ class LLM:
             for rid in ids:
                 eng.abort(rid)
             raise
+        return ids
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> None:
+        eng = self.llm_engine
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
         pending = set(ids)
         try:
@@ -123,11 +117,32 @@ class LLM:
             raise
         finally:
             bar.close()
-        return [self.request_output(rid, items[i] if isinstance(items[i], str) else None)
-                for i, rid in enumerate(ids)]
 
     def request_output(self, request_id: str, prompt: str | None = None) -> RequestOutput:
         return make_request_output(self.llm_engine, request_id, prompt)
+
+
+def _prompt_items(prompts: Any, prompt_token_ids: Any) -> list[Any]:
+    """Text prompts, or token-id prompts (a [B, T] tensor / array, a list of lists, or one
+    flat list), as one list with an item per request."""
+    if prompt_token_ids is not None:
+        if prompts is not None:
+            raise InvalidPromptError("give prompts or prompt_token_ids, not both")
+        if hasattr(prompt_token_ids, "tolist"):  # a tensor / array of [B, T] ids
+            prompt_token_ids = prompt_token_ids.tolist()
+        items: list[Any] = list(prompt_token_ids)
+        if items and all(is_int(t) for t in items):
+            items = [items]  # one prompt as a flat list of ids (vLLM accepts it too)
+        return items
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts is None:
+        raise InvalidPromptError("give prompts or prompt_token_ids")
+    items = list(prompts)
+    if any(is_int(p) for p in items):
+        raise InvalidPromptError("prompts are strings (or lists of token ids); pass "
+                                 "token ids as prompt_token_ids=[[...], ...]")
+    return items
 
 
 def make_request_output(engine: LLMEngine, request_id: str,

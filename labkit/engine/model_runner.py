@@ -69,7 +69,7 @@ class ModelRunner:
             slots.extend([table[p // bs] * bs + p % bs for p in span])
             qlens.append(len(toks))
         ctx = [start + n for (_, start, _), n in zip(chunks, qlens)]
-        self.kv_cache.begin_step(slots, [list(c[0]) for c in chunks], qlens, ctx)
+        self.kv_cache.begin_step(slots, [c[0] for c in chunks], qlens, ctx)
         dev = self.device
         try:
             return self.model(torch.tensor([ids], device=dev), torch.tensor([pos], device=dev),

@@ -64,8 +64,8 @@ def check_on_engine(paged_attention_kernel: Any, model: torch.nn.Module | None =
     """Greedy generation through LLMEngine with your kernel doing every decode step."""
 
     def body() -> str:
-        from labkit.engine.llm_engine import LLMEngine
         from labkit.config import EngineConfig
+        from labkit.engine.llm_engine import LLMEngine
         from labkit.engine.model_runner import ModelExecutor, ModelRunner
         from labkit.engine.sampling_params import SamplingParams
         from labkit.exercises.allocator_engine import tiny_model

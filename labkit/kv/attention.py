@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from labkit.errors import EngineConfigError
+from labkit.kv.backends import registered_backends
 from labkit.kv.metadata import AttentionMetadata
 from labkit.kv.ops import gather_blocks, quantize_kv_per_head
 
@@ -237,11 +238,11 @@ class TorchBackend:
 
 def get_attention_backend(name: str | None = "torch") -> AttentionBackend:
     """``"torch"`` (reference, any device) or ``"triton"`` (labkit.kernels; GPU, or CPU under
-    TRITON_INTERPRET=1)."""
+    TRITON_INTERPRET=1; registered in :mod:`labkit.kv.backends`)."""
     if name in (None, "torch"):
         return TorchBackend()
-    if name == "triton":
-        from labkit.kernels.backend import TritonBackend
-
-        return TritonBackend()
-    raise EngineConfigError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")
+    factories = registered_backends()
+    if name not in factories:
+        raise EngineConfigError(f"unknown attention backend {name!r}; choose one of "
+                                f"{['torch', *sorted(factories)]}")
+    return factories[name]()

@@ -56,10 +56,8 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         num_cpu_blocks: int = 0,
     ) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        # the one place pool settings are checked (EngineConfigError, a ValueError)
+        CacheConfig(block_size, num_blocks, num_cpu_blocks, enable_prefix_caching)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)

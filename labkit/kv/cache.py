@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from labkit.config import KV_CACHE_DTYPES, CacheConfig
-from labkit.errors import EngineConfigError
 from labkit.kv.attention import AttentionBackend, TorchBackend
 from labkit.kv.metadata import AttentionMetadata
 from labkit.kv.ops import KV_SCALE_DTYPE
@@ -134,13 +133,14 @@ class PagedKVCache:
         kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
         ks = self.k_scales[layer_idx] if self.k_scales else None
         vs = self.v_scales[layer_idx] if self.v_scales else None
-        be.reshape_and_cache(k[0], v[0], kc, vc, m.slot_mapping, ks, vs, meta=m)
+        kw = {"k_scale": ks, "v_scale": vs, "meta": m}
+        be.reshape_and_cache(k[0], v[0], kc, vc, m.slot_mapping, **kw)
+        kw["sliding_window"] = self.sliding_window
         if m.decode_only:
-            out = be.decode(q[0], kc, vc, m.block_tables, m.context_lens, self.scale, ks, vs,
-                            meta=m, sliding_window=self.sliding_window)
+            out = be.decode(q[0], kc, vc, m.block_tables, m.context_lens, self.scale, **kw)
         else:
             out = be.prefill(q[0], kc, vc, m.block_tables, m.query_start_loc, m.context_lens,
-                             self.scale, ks, vs, meta=m, sliding_window=self.sliding_window)
+                             self.scale, **kw)
         return out[None]
 
     # ---- block copies the block manager queued ------------------------------------------------

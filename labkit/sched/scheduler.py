@@ -20,6 +20,11 @@ trades some batch size for fewer preemptions.
 
 ``batching="static"``: take a batch of up to max_num_seqs waiting requests when nothing runs, run
 it to completion, then the next — the baseline continuous batching is compared with.
+
+After the forward, ``update_from_output`` books the results: tokens appended up to the one stop
+checker (:class:`StopChecker`: EOS, stop ids, max_tokens / context end, stop strings; a
+speculative step's extra tokens are checked one by one and dropped after a stop),
+``num_computed_tokens`` advanced, finished sequences freed, rejected-draft slots released.
 """
 
 from __future__ import annotations
@@ -28,49 +33,49 @@ import bisect
 import heapq
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from typing import Any
 
 from labkit.config import BATCHING, POLICIES, PREEMPTION_MODES, SchedulerConfig
-from labkit.kv.block_manager import BlockManager, BlockOps
+from labkit.kv.block_manager import BlockManager
+from labkit.sched.output import ScheduledSeq, SchedulerOutput, SeqOutput
 from labkit.sched.request import Request, Sequence, SequenceStatus
-from labkit.sched.stop import StopChecker
 from labkit.utils import cdiv
 
 __all__ = ["BATCHING", "POLICIES", "PREEMPTION_MODES", "ScheduledSeq", "Scheduler",
-           "SchedulerConfig", "SchedulerOutput", "SeqOutput", "policy_key"]
+           "SchedulerConfig", "SchedulerOutput", "SeqOutput", "StopChecker", "policy_key"]
 
 
-@dataclass
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
-    start_pos: int
-    is_prefill: bool
-    samples: bool  # the chunk reaches the end of the sequence: a token is sampled
-    children: list[Sequence] = field(default_factory=list)  # forked at this step (n > 1)
+def stop_string_hit(tokenizer: Any, seq: Any) -> bool:
+    """Does ``seq``'s output text so far contain one of its stop strings?"""
+    text = tokenizer.decode(seq.output_token_ids)
+    return any(s in text for s in seq.request.params.stop)
 
 
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq]
-    preempted: list[tuple[Sequence, str]]
-    num_batched_tokens: int
-    token_budget: int
-    block_ops: BlockOps = field(default_factory=BlockOps)  # apply before the forward
+class StopChecker:
+    def __init__(self, eos_token_ids: tuple[int, ...] = (), max_model_len: int | None = None,
+                 tokenizer: Any = None) -> None:
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class SeqOutput:
-    """What one step did to one sequence (``update_from_output``): the tokens it kept, and why
-    it finished (``"stop"`` | ``"length"``), if it did."""
-
-    seq: Sequence
-    new_token_ids: list[int]
-    finish_reason: str | None
+    def append(self, seq: Any, new: list[int], now: float) -> tuple[list[int], str | None]:
+        """Append ``new`` to ``seq`` up to its first stop; returns (appended, reason or None)."""
+        p = seq.request.params
+        eos = () if p.ignore_eos else self.eos_token_ids
+        limit = seq.num_prompt_tokens + p.max_tokens
+        if self.max_model_len is not None:
+            limit = min(limit, self.max_model_len)
+        strings = bool(p.stop) and self.tokenizer is not None
+        for i, tok in enumerate(new):
+            seq.token_ids.append(tok)
+            seq.token_times.append(now)
+            if tok in eos or tok in p.stop_token_ids:
+                return new[: i + 1], "stop"
+            if len(seq.token_ids) >= limit:
+                return new[: i + 1], "length"
+            if strings and stop_string_hit(self.tokenizer, seq):
+                return new[: i + 1], "stop"
+        return new, None
 
 
 def policy_key(policy: str, req: Request, seq_index: int) -> tuple:
@@ -173,15 +178,27 @@ class Scheduler:
 
     # ---- scheduling -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        cfg, bm = self.config, self.bm
+        cfg = self.config
         now = self.clock()
         while self.pending and self.pending[0][0] <= now:
             self._push_waiting(heapq.heappop(self.pending)[2])
-        budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[tuple[Sequence, str]] = []
+        budget = self._schedule_running(cfg.max_num_batched_tokens, scheduled, preempted)
+        # swapped back in, then new admissions, only when nothing had to be preempted
+        if not preempted:
+            budget = self._swap_in(scheduled, budget)
+            if not self.swapped:
+                budget = self._admit(scheduled, budget)
+        self.num_preemptions += len(preempted)
+        return SchedulerOutput(scheduled, preempted, cfg.max_num_batched_tokens - budget,
+                               cfg.max_num_batched_tokens, self.bm.take_block_ops())
 
-        # 1. running sequences, best first; preempt from the worst end when blocks run out
+    def _schedule_running(self, budget: int, scheduled: list[ScheduledSeq],
+                          preempted: list[tuple[Sequence, str]]) -> int:
+        """Running sequences, best first, each its next chunk; when blocks run out, preempt from
+        the worst end (possibly the sequence itself). Returns the budget left."""
+        cfg, bm = self.config, self.bm
         self.running.sort(key=lambda s: s.sort_key)
         queue = deque(self.running)
         kept: list[Sequence] = []
@@ -202,30 +219,22 @@ class Scheduler:
                 if victim is seq:
                     break
                 ok = bm.allocate_slots(seq, num_new, num_lookahead=lookahead)
-            if not ok:
-                continue
-            kept.append(seq)
-            scheduled.append(self._scheduled(seq, num_new, is_prefill))
-            budget -= num_new
-
-        # 2. swapped back in, then new admissions, only when nothing had to be preempted
-        if not preempted:
-            budget = self._swap_in(scheduled, budget)
-            if not self.swapped:
-                budget = self._admit(scheduled, budget)
-        self.num_preemptions += len(preempted)
-        return SchedulerOutput(scheduled, preempted, cfg.max_num_batched_tokens - budget,
-                               cfg.max_num_batched_tokens, self.bm.take_block_ops())
+            if ok:
+                kept.append(seq)
+                scheduled.append(self._scheduled(seq, num_new, is_prefill))
+                budget -= num_new
+        return budget
 
     # ---- after the forward ----------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput,
-                           sampled: dict[str, list[int]]) -> list[SeqOutput]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]],
+                           now: float | None = None) -> list[SeqOutput]:
         """Book a step's results (vLLM v1's ``update_from_output``). A chunk that did not reach
         its sequence's end only advances ``num_computed_tokens``. A sequence that sampled gets
         its tokens appended up to the first stop condition (a speculative step may bring
         several; the rest are dropped), then every token but the last one has KV; a finished
-        sequence is freed; slots reserved for rejected drafts are released."""
-        now = self.clock()
+        sequence is freed; slots reserved for rejected drafts are released. ``now`` stamps the
+        tokens (the engine passes the time the forward ended, which the trace records too)."""
+        now = self.clock() if now is None else now
         outputs: list[SeqOutput] = []
         for sc in out.scheduled:
             if not sc.samples:

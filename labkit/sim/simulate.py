@@ -71,23 +71,22 @@ def simulate(model: str = "llama-2-7b", gpu: str = "a100-80gb",
     engine = LLMEngine(config, SimExecutor(m, g, clock, vocab, block_size), clock=clock)
     engine.record_trace = record_trace
     engine.trace.meta.update({"gpu": g.name, "kv_cache_bytes": int(kv_cache_bytes)})
-    for i, s in enumerate(specs):
-        params = SamplingParams(temperature=0.0, max_tokens=s.output_len, ignore_eos=True,
-                                detokenize=False)
-        engine.add_request(f"r{i}", s.prompt_token_ids(vocab), params, priority=s.priority,
-                           arrival_time=s.arrival_time)
-    bar = tqdm(total=len(specs), desc=f"simulate {m.name} on {g.name}", disable=not progress)
-    done = 0
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                done += 1
-        if progress and done:
-            bar.update(done)
-            done = 0
-    bar.close()
+    _run(engine, specs, vocab, f"simulate {m.name} on {g.name}" if progress else None)
     timings = engine.request_timings()
     stats = engine.stats()
     stats["busy_s"] = engine.executor.busy_s
     stats["block_ops_s"] = engine.executor.block_ops_s
     return SimResult(engine.trace, compute_metrics(timings), timings, stats, engine)
+
+
+def _run(engine: LLMEngine, specs: list[RequestSpec], vocab: int, progress: str | None) -> None:
+    """Add every request (its arrival time on the virtual clock) and step to the end."""
+    for i, s in enumerate(specs):
+        params = SamplingParams(temperature=0.0, max_tokens=s.output_len, ignore_eos=True,
+                                detokenize=False)
+        engine.add_request(f"r{i}", s.prompt_token_ids(vocab), params, priority=s.priority,
+                           arrival_time=s.arrival_time)
+    bar = tqdm(total=len(specs), desc=progress, disable=progress is None)
+    while engine.has_unfinished_requests():
+        bar.update(sum(o.finished for o in engine.step()))
+    bar.close()

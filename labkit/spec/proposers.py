@@ -101,6 +101,9 @@ class NgramProposer:
     def free(self, seq_id: str) -> None:
         """Stateless: nothing to release."""
 
+    def tracked(self) -> list[str]:
+        return []
+
 
 def _pick(logits: torch.Tensor, r: ProposalRequest) -> tuple[int, torch.Tensor | None]:
     """Greedy: the argmax, no distribution. Sampled: a draw from the filtered q, and q itself
@@ -154,6 +157,10 @@ class DraftModelProposer:
         """Forget a finished/aborted sequence (its blocks go back to the target's pool)."""
         self._computed.pop(seq_id, None)
         self._blocks.pop(seq_id, None)
+
+    def tracked(self) -> list[str]:
+        """Sequences whose draft KV state is kept."""
+        return list(self._computed)
 
     def _valid_prefix(self, r: ProposalRequest) -> int:
         old = self._blocks.get(r.seq_id, [])

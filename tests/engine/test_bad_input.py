@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from labkit.errors import EngineConfigError, InvalidPromptError, SamplingParamsError
 from labkit.engine.invariants import assert_no_leaks
 from labkit.engine.llm import LLM
 from labkit.engine.llm_engine import LLMEngine
 from labkit.engine.sampling_params import SamplingParams
+from labkit.errors import EngineConfigError, InvalidPromptError, SamplingParamsError
 
 
 @pytest.fixture()

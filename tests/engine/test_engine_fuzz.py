@@ -13,10 +13,10 @@ import random
 import pytest
 import torch
 
-from labkit.errors import EngineStepError
 from labkit.engine.invariants import assert_no_leaks, check_kv_invariants
 from labkit.engine.llm_engine import LLMEngine
 from labkit.engine.sampling_params import SamplingParams
+from labkit.errors import EngineStepError
 from labkit.model.config import ModelConfig
 from labkit.model.generate import generate
 from labkit.model.llama import LlamaForCausalLM

@@ -13,12 +13,12 @@ import sys
 
 import pytest
 
-from labkit.errors import EngineStepError
 from labkit.engine.invariants import KVInvariantError, assert_no_leaks, check_kv_invariants
 from labkit.engine.llm import LLM
 from labkit.engine.llm_engine import LLMEngine
 from labkit.engine.sampling_params import SamplingParams
 from labkit.engine.trace import replay
+from labkit.errors import EngineStepError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
