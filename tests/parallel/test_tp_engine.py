@@ -114,3 +114,22 @@ def test_cli_generate_tp_equals_single_process():
     assert two.stdout == one.stdout
     bad = run("--tp", "3")
     assert bad.returncode == 2 and "not divisible by tensor_parallel_size 3" in bad.stderr
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_speculative_verify_pass_on_two_ranks(checkpoints, method):
+    _, draft = checkpoints["llama_mqa"]  # same vocabulary, different weights: some rejections
+    spec = ({"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
+            if method == "draft_model" else {"method": "ngram", "num_speculative_tokens": 3})
+    llm, model = _llm(checkpoints, "llama_gqa", speculative_config=spec)
+    try:
+        prompts = _prompts(model.config.vocab_size)[:3]
+        prompts[1] = prompts[1] * 6  # repetition gives the n-gram proposer something to find
+        outs = llm.generate(prompt_token_ids=prompts,
+                            sampling_params=SamplingParams(temperature=0, max_tokens=12))
+        for p, o in zip(prompts, outs):
+            assert o.outputs[0].token_ids == generate(model, p, 12)
+        assert any(s["spec"] for s in llm.llm_engine.trace.steps)
+        assert_no_leaks(llm.llm_engine)
+    finally:
+        llm.shutdown()
