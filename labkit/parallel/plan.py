@@ -21,10 +21,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from labkit.errors import EngineConfigError
 from labkit.model.config import ModelConfig
 
 
-class TensorParallelError(ValueError):
+class TensorParallelError(EngineConfigError):
     """A model that cannot be split over this many ranks; the message says which count."""
 
 
