@@ -54,8 +54,12 @@ def test_compare_flags_a_process_that_barely_ran():
 
 def test_compare_flags_rounds_that_disagree():
     costs = itertools.cycle([1, 4])   # b costs 1/2, then 2x a's work, in turn
-    rounds = {"a": lambda: (lambda: _spin(100_000)),
-              "b": lambda: (lambda n=next(costs): _spin(100_000 * n // 2))}
+
+    def b():
+        n = next(costs)
+        return lambda: _spin(100_000 * n // 2)
+
+    rounds = {"a": lambda: (lambda: _spin(100_000)), "b": b}
     c = compare(rounds, min_rounds=4, max_rounds=4, max_load=float("inf"))
     assert c.rounds == 4
     assert not c.trusted and "disagree" in c.problems[0]
