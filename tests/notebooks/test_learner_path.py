@@ -14,27 +14,12 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-
-CHROMIUM = "/usr/bin/chromium"   # as tests/notebooks/test_browser.py (install_browser.sh)
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update"]
-ROOT = Path(__file__).resolve().parents[2]
-ARTIFACTS = ROOT / "test-artifacts"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from browser_support import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, ROOT, free_port, serving
 
 NOTEBOOKS = [p.name for p in sorted((ROOT / "notebooks").glob("0[0-5]_*.ipynb"))]
 SETTINGS = {  # user settings for the temporary lab (file name -> JSON)
@@ -67,37 +52,19 @@ def lab_url(tmp_path):
     for rel, value in SETTINGS.items():
         (settings / rel).parent.mkdir(parents=True, exist_ok=True)
         (settings / rel).write_text(json.dumps(value))
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, LABKIT_INJECT_SOLUTIONS="1", OMP_NUM_THREADS="1",
                JUPYTERLAB_SETTINGS_DIR=str(settings),
                JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces"))
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    log = open(tmp_path / "lab.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}",
-         "--ServerApp.ip=127.0.0.1", "--IdentityProvider.token=", "--ServerApp.password=",
-         "--ServerApp.disable_check_xsrf=True", f"--ServerApp.root_dir={work}",
-         "--LabApp.news_url=", "--allow-root"],
-        cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("jupyter lab did not start:\n"
-                                       + (tmp_path / "lab.log").read_text()) from None
-                time.sleep(0.5)
-        yield f"http://127.0.0.1:{port}/"
+        with serving([sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}",
+                      "--ServerApp.ip=127.0.0.1", "--IdentityProvider.token=",
+                      "--ServerApp.password=", "--ServerApp.disable_check_xsrf=True",
+                      f"--ServerApp.root_dir={work}", "--LabApp.news_url=", "--allow-root"],
+                     port, tmp_path / "lab.log", cwd=work, env=env, startup_s=90) as url:
+            yield url
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
         ARTIFACTS.mkdir(exist_ok=True)
         shutil.copy(tmp_path / "lab.log", ARTIFACTS / "learner_path_lab.log")
 
@@ -123,9 +90,11 @@ def _run_all(page, name: str, timeout_s: float) -> None:
 
     On a loaded machine the kernel can report idle before its session settles, and a restart
     then drops the queued cells (every prompt back to "[ ]"): Run All is clicked again then."""
-    page.goto(page.url.split("/lab")[0] + f"/lab/tree/{name}", wait_until="domcontentloaded")
+    page.goto(page.url.split("/lab")[0] + f"/lab/tree/{name}?reset",
+              wait_until="domcontentloaded")
     page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell", timeout=60_000)
-    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
+    page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) "
+                           ".jp-Notebook-ExecutionIndicator[data-status='idle']",
                            timeout=120_000)
     page.wait_for_timeout(2000)   # let the kernel connection settle
     _click_run_all(page)
@@ -168,10 +137,12 @@ def test_run_all_in_jupyterlab(lab_url):
                 text = page.evaluate(OUTPUT_TEXT)
                 page.screenshot(path=str(ARTIFACTS / f"lab_{Path(name).stem}.png"))
                 tables = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .labkit-pagetable")
-                if tables.count():
-                    tables.first.scroll_into_view_if_needed()
-                    tables.first.screenshot(
-                        path=str(ARTIFACTS / f"lab_{Path(name).stem}_page_table.png"))
+                for i in range(tables.count()):   # each page table drew its block grid
+                    tables.nth(i).scroll_into_view_if_needed()
+                    tables.nth(i).locator(".scatterlayer path.point").first.wait_for(
+                        timeout=60_000)
+                    tables.nth(i).screenshot(
+                        path=str(ARTIFACTS / f"lab_{Path(name).stem}_page_table{i}.png"))
                 assert "Traceback" not in text, f"{name}: a cell failed:\n{text[-3000:]}"
                 assert "Error displaying widget" not in text, f"{name}: a widget failed"
                 for summary in page.evaluate(PAGE_TABLES):
