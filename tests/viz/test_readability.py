@@ -3,7 +3,7 @@ fit their box, widgets that open at the informative step."""
 
 import pytest
 
-from labkit.engine.simulate import simulate
+from labkit.sim.simulate import simulate
 from labkit.viz import LatencyWidget, MemoryWidget, PageTableWidget, ScheduleWidget
 from labkit.viz import tracedata as td
 
