@@ -32,19 +32,19 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from labkit.config import EngineConfig
 from labkit.engine.clock import VirtualClock
-from labkit.engine.errors import EngineConfigError
 from labkit.engine.llm_engine import LLMEngine
 from labkit.engine.sampling_params import SamplingParams
-from labkit.engine.sim_executor import SimExecutor
+from labkit.errors import EngineConfigError
 from labkit.sched.scheduler import SchedulerOutput
 from labkit.sim.cost import attention_pairs, max_kv_tokens, step_time
+from labkit.sim.executor import SimExecutor
 from labkit.sim.presets import get_gpu, get_model_preset
 from labkit.sim.workloads import RequestSpec
 
 
 class CoarseSimExecutor(SimExecutor):
-    kind = "sim"
 
     def __init__(self, model: Any, gpu: Any, clock: VirtualClock, vocab_size: int,
                  block_size: int, scale: int, budget_tokens: int) -> None:
@@ -53,7 +53,7 @@ class CoarseSimExecutor(SimExecutor):
         self.first_token_early: dict[str, float] = {}  # seq_id -> seconds (module doc)
         self.real_step_s = 0.0  # duration of one real step in the last coarse step
 
-    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+    def execute(self, out: SchedulerOutput) -> Any:
         clock, busy = self.clock, self.busy_s
         self.clock = VirtualClock()  # the parent emits the placeholder tokens; we charge time
         try:
@@ -122,11 +122,12 @@ def coarse_engine(model: str, gpu: str, scale: int = 1, block_size: int = 16,
                                 f"block of {m.name}")
     clock = VirtualClock(start)
     ex = CoarseSimExecutor(m, g, clock, m.vocab_size, block_size, scale, max_num_batched_tokens)
-    eng = LLMEngine(ex, num_blocks=num_blocks, block_size=block_size // scale,
-                    max_model_len=math.ceil(max_model_len / scale) + 1, vocab_size=m.vocab_size,
-                    enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
-                    max_num_batched_tokens=max_num_batched_tokens, clock=clock,
-                    model_name=m.name, **engine_kw)
+    config = EngineConfig.from_kwargs(
+        num_blocks=num_blocks, block_size=block_size // scale,
+        max_model_len=math.ceil(max_model_len / scale) + 1, vocab_size=m.vocab_size,
+        enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, name=m.name, **engine_kw)
+    eng = LLMEngine(config, ex, clock=clock)
     eng.record_trace = False
     eng.token_scale = scale
     return eng

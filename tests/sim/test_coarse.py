@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from labkit.engine.simulate import simulate
 from labkit.router.policies import RoundRobin
 from labkit.sim.coarse import add_coarse_request, coarse_engine
 from labkit.sim.fleet import Fleet, FleetConfig
+from labkit.sim.simulate import simulate
 from labkit.sim.traces import poisson_trace
 from labkit.sim.workloads import get_workload
 
