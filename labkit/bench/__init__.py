@@ -14,4 +14,5 @@ BENCHMARKS = {
     "spec": "labkit.bench.spec",
     "serve": "labkit.bench.serve",
     "serve-soak": "labkit.bench.serve_soak",
+    "cluster": "labkit.bench.cluster",
 }

@@ -107,7 +107,7 @@ def preempt_for_waiting(sched: Any) -> list[tuple[Sequence, str]]:
         return []
     bm, cfg, bs = sched.bm, sched.config, sched.bm.block_size
     req = vip.request
-    width = 1 if req.forked else req.n
+    width = 1 + req.num_pending_forks  # samples it will fork into
     need = cdiv(min(vip.num_tokens, cfg.max_num_batched_tokens), bs)
     running = sorted(sched.running, key=lambda s: s.sort_key)
     free = bm.pool.num_available - sum(_blocks_needed(s, bs) for s in running)
