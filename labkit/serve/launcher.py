@@ -23,7 +23,8 @@ from labkit.serve.async_llm import AsyncLLM
 from labkit.serve.limits import parse_api_keys
 
 ENGINE_FLAGS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "policy",
-                "max_model_len", "preemption_mode", "num_cpu_blocks", "kv_cache_bytes")
+                "max_model_len", "preemption_mode", "num_cpu_blocks", "kv_cache_bytes",
+                "tensor_parallel_size")
 
 
 class DrainingServer(uvicorn.Server):
@@ -62,13 +63,19 @@ def free_port() -> int:
 def build_engine(model: str, *, tokenizer: Any = None, dtype: str | None = None,
                  device: str | None = None, **engine_kw: Any) -> tuple[Any, Any, Any]:
     """(engine, tokenizer, chat template) for a shipped model name or a local folder."""
+    import torch
+
     from labkit.engine.llm_engine import LLMEngine
-    from labkit.model.loader import load_pretrained, resolve_model_path
+    from labkit.model.loader import load_pretrained, open_checkpoint, resolve_model_path
     from labkit.serve.chat import load_chat_template
 
-    m, tok = load_pretrained(model, dtype=dtype, device=device)
     kw = {k: v for k, v in engine_kw.items() if v is not None}
-    eng = LLMEngine.from_model(m.eval(), tokenizer or tok, model_name=str(model), **kw)
+    if kw.get("tensor_parallel_size", 1) > 1:  # the worker processes read their own slices
+        m, tok = open_checkpoint(model, getattr(torch, dtype) if dtype else None)
+    else:
+        m, tok = load_pretrained(model, dtype=dtype, device=device)
+        m.eval()
+    eng = LLMEngine.from_model(m, tokenizer or tok, name=str(model), **kw)
     render, _ = load_chat_template(resolve_model_path(model))
     return eng, tokenizer or tok, render
 
@@ -141,6 +148,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-cpu-blocks", type=int, default=0)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default=None)
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=None, metavar="N",
+                   help="split the model over N worker processes (labkit.parallel)")
 
 
 def build_parser() -> argparse.ArgumentParser:
