@@ -1,11 +1,11 @@
-"""Wrong Triton kernels (negative controls): each a classic kernel bug the checker must catch."""
+"""Wrong Triton kernels (negative controls): each a classic kernel bug the checker must catch.
+
+Imported after conftest.py has called ``ensure_interpreter()``: the decorators below need it."""
 
 from __future__ import annotations
 
-from labkit.exercises import triton_kernels  # noqa: F401  (sets TRITON_INTERPRET first)
-
-import triton  # noqa: E402  isort: skip
-import triton.language as tl  # noqa: E402  isort: skip
+import triton
+import triton.language as tl
 
 
 @triton.jit

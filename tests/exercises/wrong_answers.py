@@ -2,7 +2,7 @@
 
 Each is a mistake learners (and interview candidates) actually make. The test suite runs every
 checker on these and asserts it fails with a message that points at the mistake. Triton ones
-live in ``labkit.exercises.triton_wrong``.
+live in ``wrong_kernels``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from labkit.exercises import solutions as ref
-from labkit.exercises.scheduler_step import Seq
+from labkit.exercises.shared import Seq
+from labkit.quant.nf4 import NF4_CODE
 
 
 # ---- KV-cache size ------------------------------------------------------------------------------
@@ -242,16 +243,12 @@ def dequantize_int4_wrong_group(codes, scales, zeros, group_size):
 
 def nf4_dequantize_wrong_block(codes, absmax, blocksize, shape):
     """Uses element i // (blocksize * 2) — the packed-byte index, not the element index."""
-    from labkit.exercises.quantization import NF4_CODE
-
     idx = (torch.arange(codes.numel()) // (blocksize * 2)).clamp(max=absmax.numel() - 1)
     return (NF4_CODE[codes.long()] * absmax[idx]).reshape(shape)
 
 
 def nf4_quantize_floor(w: torch.Tensor, blocksize: int):
     """Picks the level just below instead of the nearest."""
-    from labkit.exercises.quantization import NF4_CODE
-
     blocks = w.float().reshape(-1, blocksize)
     absmax = blocks.abs().amax(dim=1)
     x = (blocks / absmax.clamp(min=1e-12)[:, None]).reshape(-1)
