@@ -269,3 +269,11 @@ def test_checker_on_the_real_tree_with_an_added_upward_import(tmp_path):
     g = {k: set(v) for k, v in import_graph(ROOT).items()}
     g["labkit.model.llama"].add("labkit.engine.llm_engine")
     assert ("labkit.model.llama", "labkit.engine.llm_engine") in upward_imports(g, LAYERS)
+
+
+def test_exercise_solutions_are_read_only_by_inject(graph):
+    """The spoilers are a leaf: checkers take their references from labkit, never from them."""
+    readers = {m for m, deps in graph.items() if "labkit.exercises.solutions" in deps}
+    assert readers == {"labkit.exercises.inject"}
+    readers = {m for m, deps in graph.items() if "labkit.exercises.triton_solutions" in deps}
+    assert readers == {"labkit.exercises.solutions"}

@@ -286,8 +286,9 @@ def check(allocator_cls: Callable[[int, int], Any], *, num_sequences: int = 60,
             if failure is not None:
                 failure, dropped = _shrink(allocator_cls, num_blocks, block_size, ops, failure)
                 if dropped:
-                    failure.inputs += (f"\n            (the whole history: {dropped} operations "
-                                       "of the random sequence that do not matter were removed)")
+                    failure.inputs += (f"\n            (the complete history: {dropped} other "
+                                       "operations of the random sequence were left out, these "
+                                       "alone show the same mistake)")
                 raise failure
             total_ops, cow = total_ops + done, cow + n_cow
         return (f"{total_ops} random operations in {num_sequences} sequences matched the "

@@ -45,13 +45,16 @@ def _pairs() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     p_peak = torch.tensor([0.9, 0.04, 0.03, 0.01, 0.01, 0.005, 0.003, 0.002])
     q_peak_same = torch.tensor([0.7, 0.1, 0.05, 0.05, 0.04, 0.03, 0.02, 0.01])
     q_peak_other = torch.tensor([0.05, 0.85, 0.04, 0.02, 0.02, 0.01, 0.005, 0.005])
+    p_mid = torch.tensor([0.55, 0.15, 0.1, 0.08, 0.05, 0.04, 0.02, 0.01])
+    q_sharp = torch.tensor([0.95, 0.01, 0.01, 0.01, 0.005, 0.005, 0.005, 0.005])
     return [("random p, q", p_rand, q_rand), ("q has mass where p has none", p_sparse, q_flat),
             ("top-k target, draft close to it", p_topk, q_close), ("p == q", p_rand, p_rand),
             ("draft much flatter than target", p_rand ** 3 / (p_rand ** 3).sum(), q_flat),
             ("peaked target, flat draft", p_peak, q_flat),
             ("peaked target, draft peaked on the same token", p_peak, q_peak_same),
             ("peaked target, draft peaked on another token", p_peak, q_peak_other),
-            ("peaked draft, flatter target", p_rand, q_peak_other)]
+            ("peaked draft, flatter target", p_rand, q_peak_other),
+            ("draft more confident than the target on the same token", p_mid, q_sharp)]
 
 
 def _judge(name: str, p: torch.Tensor, q: torch.Tensor, fn: Callable, trials: int,
@@ -104,9 +107,7 @@ def _judge(name: str, p: torch.Tensor, q: torch.Tensor, fn: Callable, trials: in
                 f"draft token {x} was {'never' if kept[x] == 0 else 'always'} accepted "
                 f"in {drawn[x]} proposals", inputs=inputs,
                 expected=f"accepted with probability p/q = {ratio:.3f}",
-                actual=f"{kept[x]}/{drawn[x]}",
-                hint="acceptance is random: draw u ~ U(0, 1) from the generator and "
-                     "accept iff u < p[x] / q[x].")
+                actual=f"{kept[x]}/{drawn[x]}", hint=_coin_hint(p, q, x, kept[x] > 0))
     if pval < SIGNIFICANCE:
         freq = [round(c / trials, 3) for c in counts]
         raise CheckFailure(
@@ -136,6 +137,15 @@ def _check_seeded(fn: Callable) -> None:
                            hint="draw every random number from `generator` (torch.rand(1, "
                                 "generator=generator), torch.multinomial(..., generator="
                                 "generator)), never from the global RNG or `random`.")
+
+
+def _coin_hint(p: torch.Tensor, q: torch.Tensor, x: int, always: bool) -> str:
+    if always and x == int(p.argmax()):
+        return (f"token {x} is the target's most likely token, but the draft is more confident "
+                f"in it (q = {float(q[x]):.3f} > p = {float(p[x]):.3f}): every draft token, the "
+                "target's favourite too, is accepted only with probability min(1, p/q).")
+    return ("acceptance is random: draw u ~ U(0, 1) from the generator and accept iff "
+            "u < p[x] / q[x].")
 
 
 def check_accept(accept_or_resample: Callable, *, trials: int = 3000, seed: int = 0) -> object:

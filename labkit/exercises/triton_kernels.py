@@ -298,14 +298,18 @@ def check_paged_attention(paged_attention_kernel: Any) -> object:
             for s, n in enumerate(lens):
                 if torch.allclose(got[s], expected[s], atol=1e-4, rtol=1e-4):
                     continue
-                if torch.isnan(got[s]).any():
-                    hint = ("NaN: you used K/V slots at positions >= context_len (the checker "
-                            "fills them with NaN). Mask them: scores of invalid positions must be "
-                            "-inf and their V loads masked (other=0).")
-                elif n > bs and (shuffle or _ignores_table(c, got)):
+                if _ignores_table(c, got):
                     hint = ("sequences spanning several blocks read the wrong blocks: look up "
                             "the physical block with tl.load(block_tables_ptr + seq * "
                             "max_blocks_per_seq + i); logical block i is not physical block i.")
+                elif torch.isnan(got[s]).any():
+                    hint = ("NaN: you used K/V slots at positions >= context_len (the checker "
+                            "fills them with NaN). Mask them: scores of invalid positions must be "
+                            "-inf and their V loads masked (other=0).")
+                elif torch.allclose(got[s], _no_rescale_decode(c, s), atol=1e-4, rtol=1e-4):
+                    hint = ("right for one block, wrong across blocks: when a later block raises "
+                            "the running max, rescale the running sum and the accumulator by "
+                            "exp(m_old - m_new) before adding the new block.")
                 else:
                     hint = ("compare with softmax(scale * K @ q) @ V; with an online softmax, "
                             "rescale the running sum and accumulator by exp(m_old - m_new) "
@@ -316,6 +320,22 @@ def check_paged_attention(paged_attention_kernel: Any) -> object:
                 "every access in bounds. This is the kernel vLLM's PagedAttention is built on.")
 
     return run_check("triton_paged_attention", body)
+
+
+def _no_rescale_decode(c: dict[str, Any], s: int) -> torch.Tensor:
+    """Sequence ``s`` through an online softmax that never rescales (the classic slip)."""
+    bs = c["k_cache"].shape[1]
+    n = int(c["context_lens"][s])
+    m, denom, acc = float("-inf"), 0.0, torch.zeros(c["q"].shape[1])
+    for i in range((n + bs - 1) // bs):
+        b = int(c["block_tables"][s, i])
+        valid = min(bs, n - i * bs)
+        k, v = c["k_cache"][b, :valid].float(), c["v_cache"][b, :valid].float()
+        scores = c["scale"] * (k @ c["q"][s].float())
+        m = max(m, float(scores.max()))
+        p = torch.exp(scores - m)
+        denom, acc = denom + float(p.sum()), acc + p @ v
+    return acc / denom
 
 
 def _ignores_table(c: dict[str, Any], got: torch.Tensor) -> bool:

@@ -39,6 +39,32 @@ def test_paged_without_context_mask_caught():
     assert "NaN" in msg and "context_len" in msg
 
 
+def test_paged_without_online_softmax_rescale_caught():
+    msg = T.check_paged_attention(W.paged_no_rescale).message
+    assert "wrong output for sequence" in msg and "exp(m_old - m_new)" in msg
+
+
+def test_untouched_stubs_read_not_implemented():
+    """The kernels as the notebook ships them (a program id, then `# your code here`)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_kernel(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
+        pid = tl.program_id(0)  # noqa: F841
+
+    @triton.jit
+    def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                               context_lens_ptr, out_ptr, scale, max_blocks_per_seq,
+                               BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+        seq = tl.program_id(0)  # noqa: F841
+
+    for result in (T.check_vector_add(add_kernel), T.check_paged_attention(paged_attention_kernel)):
+        assert not result.passed and result.message.startswith("·"), result.message
+        assert "not implemented yet" in result.message and "stored nothing" in result.message
+        assert "wrong" not in result.message
+
+
 def test_bounds_checker_catches_store_past_end():
     import triton
     import triton.language as tl
