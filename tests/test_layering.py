@@ -277,3 +277,10 @@ def test_exercise_solutions_are_read_only_by_inject(graph):
     assert readers == {"labkit.exercises.inject"}
     readers = {m for m, deps in graph.items() if "labkit.exercises.triton_solutions" in deps}
     assert readers == {"labkit.exercises.solutions"}
+
+
+def test_one_repo_root():
+    """Only labkit/paths.py climbs from ``__file__`` to the repository root."""
+    climbers = [str(p.relative_to(ROOT)) for p in collect_modules(ROOT).values()
+                if "__file__" in (text := p.read_text()) and ".parents[" in text]
+    assert climbers == ["labkit/paths.py"]

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from labkit.paths import RESULTS_DIR
+
 
 def bench_parser(name: str, description: str) -> argparse.ArgumentParser:
     """The flags every ``labkit bench NAME`` accepts: ``--quick`` and ``--json PATH``."""
@@ -61,9 +63,6 @@ def write_json(path: str | Path | None, payload: dict[str, Any]) -> None:
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(payload, indent=2, default=float) + "\n")
     print(f"wrote {p}")
-
-
-RESULTS_DIR = Path(__file__).resolve().parents[2] / "datasets" / "results"
 
 
 def load_result(name: str) -> dict[str, Any]:
