@@ -285,6 +285,7 @@ def test_allocator_raising_the_wrong_error_on_oom_gets_a_hint():
     assert "raised ValueError" in msg and "raise MemoryError" in msg
 
 
+@pytest.mark.slow
 def test_labkit_rejection_sampler_passes_the_acceptance_checker():
     """The checker's notion of right is labkit's own sampler (labkit.spec.rejection): wrapped
     to the exercise's signature, it passes every case, peaked ones included."""

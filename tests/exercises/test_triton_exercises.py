@@ -123,3 +123,22 @@ def test_learner_kernel_serves_the_engine():
     assert ok.passed and "decode-attention launches" in ok.message
     bad = triton_engine.check_on_engine(W.paged_ignores_block_table)
     assert not bad.passed and "generated different tokens with your kernel" in bad.message
+
+
+def test_importing_the_exercises_changes_no_environment():
+    """The interpreter is chosen by an explicit ensure_interpreter() call, never as a side
+    effect of an import (a fresh interpreter, TRITON_INTERPRET unset)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import os\n"
+            "from labkit.exercises import inject, solutions, triton_engine, triton_kernels\n"
+            "assert 'TRITON_INTERPRET' not in os.environ, 'set by an import'\n"
+            "triton_kernels.ensure_interpreter()\n"
+            "import torch\n"
+            "assert torch.cuda.is_available() or os.environ['TRITON_INTERPRET'] == '1'\n")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
