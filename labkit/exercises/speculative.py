@@ -22,7 +22,8 @@ from labkit.model.sampling import apply_sampling_filters
 from labkit.spec.theory import expected_speedup as ref_speedup
 from labkit.spec.theory import expected_tokens_per_step as ref_tokens
 
-SIGNIFICANCE = 1e-3  # a correct rule fails a test at this level once in a thousand seeds
+# a correct rule (drawing in any order) fails one of the ten cases about once in a thousand seeds
+SIGNIFICANCE = 1e-4
 
 
 def _chi2_sf(stat: float, dof: int) -> float:
