@@ -3,23 +3,25 @@ each other in a circle.
 
 The layers, bottom to top (a module may import its own layer or any layer below):
 
-    0  labkit.errors, labkit.utils, labkit.paths      named errors, small helpers, repo paths
+    0  labkit.errors, labkit.utils, labkit.paths,     named errors, small helpers, repo paths,
+       labkit.config                                  EngineConfig (read by every layer)
     1  labkit.model                                   config, the model, reference generate
     2  labkit.kv, labkit.kernels (kernels/)           blocks, paged KV, attention backends
     3  labkit.sched                                   requests, the scheduler
-    4  labkit.engine, labkit (the package's lazy API) LLM, LLMEngine, executors, trace
+    4  labkit.engine                                  LLM, LLMEngine, executors, trace
     5  labkit.spec, labkit.sim, labkit.parallel,      features built on the engine
        labkit.quant, labkit.train, labkit.compress
     6  labkit.serve                                   the HTTP service
     7  labkit.router                                  many servers behind one address
-    8  labkit.viz, labkit.bench, labkit.exercises,    what a learner runs
-       labkit.cli
+    8  labkit.viz, labkit.bench, labkit.exercises,    what a learner runs, and the package
+       labkit.cli, labkit (its __init__)              itself: the lazy public API and the
+                                                      composition root that plugs spec and the
+                                                      Triton backend into the layers below
 
 quant, train and compress sit in layer 5 by what they import today: quant needs model (its
 quantized linears wrap the model's), kernels (the Triton dequant matmuls) and train (calibration
 text comes from the training corpus); train needs only model; compress is empty. Neither sits
-lower: nothing below the engine needs them, except the INT8 KV cache's quantize step, which
-belongs in kv/ (listed below until it moves).
+lower: nothing below the engine needs them (the INT8 KV cache's quantize step lives in kv/).
 
 Both module-level imports and imports inside functions count: a lazy import still ties the two
 modules together, it only hides the tie until run time. ``if TYPE_CHECKING:`` imports count
@@ -37,36 +39,22 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS: list[tuple[str, ...]] = [
-    ("labkit.errors", "labkit.utils", "labkit.paths"),
+    ("labkit.errors", "labkit.utils", "labkit.paths", "labkit.config"),
     ("labkit.model",),
     ("labkit.kv", "labkit.kernels"),
     ("labkit.sched",),
-    ("labkit.engine", "labkit"),
+    ("labkit.engine",),
     ("labkit.spec", "labkit.sim", "labkit.parallel", "labkit.quant", "labkit.train",
      "labkit.compress"),
     ("labkit.serve",),
     ("labkit.router",),
-    ("labkit.viz", "labkit.bench", "labkit.exercises", "labkit.cli"),
+    ("labkit.viz", "labkit.bench", "labkit.exercises", "labkit.cli", "labkit"),
 ]
 
-# Known upward imports inside the engine core, which helper "core" is fixing (issue 12 items
-# 4 and 6). Removed when core lands: the lead empties this list at merge, and the test then
-# holds the whole tree to the rule. Each entry is (importer, imported module).
-KNOWN_UPWARD: set[tuple[str, str]] = {
-    ("labkit.kv.attention", "labkit.engine.errors"),
-    ("labkit.kv.cache", "labkit.engine.errors"),
-    ("labkit.sched.scheduler", "labkit.engine.errors"),
-    # INT8-KV quantize/dequantize get one home below layer 5 with core's "one INT8-KV dequant"
-    # (issue 12 item 6); the kernels' reference then imports it from there
-    ("labkit.kv.attention", "labkit.quant.kv_int8"),
-    ("labkit.kernels.reshape_and_cache", "labkit.quant.kv_int8"),
-    ("labkit.engine.llm_engine", "labkit.spec"),
-    ("labkit.engine.sim_executor", "labkit.sim.cost"),
-    ("labkit.engine.sim_executor", "labkit.sim.presets"),
-    ("labkit.engine.simulate", "labkit.sim.cost"),
-    ("labkit.engine.simulate", "labkit.sim.presets"),
-    ("labkit.engine.simulate", "labkit.sim.workloads"),
-}
+# Known upward imports, each (importer, imported module). Empty since core's redesign landed
+# (issue 12): the errors moved to labkit.errors, the simulator executor to labkit.sim, the INT8
+# KV quantize into kv/, and spec is plugged in by the composition root. Keep it empty.
+KNOWN_UPWARD: set[tuple[str, str]] = set()
 
 
 # ---- the checker --------------------------------------------------------------------------------

@@ -128,7 +128,7 @@ CORE = [
       "size: equal lengths gain nothing; a simulated A100 on chat-like lengths with 32 slots "
       "gains about 2x, and wider length spreads push it towards the upper end of the range.",
       """
-      from labkit.engine.simulate import simulate
+      from labkit.sim.simulate import simulate
       tps = {}
       for batching in ("static", "continuous"):
           r = simulate(model="llama-2-7b", gpu="a100-80gb", workload="chat", num_requests=120,
@@ -177,7 +177,7 @@ CORE = [
       "hit rate approaches the shared fraction and TTFT drops by a factor of two or more; "
       "throughput rises too because prefill compute is saved.",
       """
-      from labkit.engine.simulate import simulate
+      from labkit.sim.simulate import simulate
       ttft = {}
       for caching in (False, True):
           r = simulate(model="llama-2-7b", gpu="a100-80gb", workload="shared-prefix",

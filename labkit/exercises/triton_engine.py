@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
+from labkit.config import EngineConfig
 from labkit.engine.llm_engine import LLMEngine
-from labkit.engine.model_runner import ModelExecutor
+from labkit.engine.model_runner import ModelExecutor, ModelRunner
 from labkit.engine.sampling_params import SamplingParams
 from labkit.exercises import triton_kernels
 from labkit.exercises.checks import CheckFailure, run_check
@@ -72,11 +73,13 @@ def check_on_engine(paged_attention_kernel: Any, model: torch.nn.Module | None =
         m = m.to(triton_kernels.device())
         block_size = 4
         backend = LearnerDecodeBackend(paged_attention_kernel)
-        ex = ModelExecutor(m, block_size, 64, 0, backend)
+        ex = ModelExecutor(ModelRunner.for_model(m, block_size, 64, 0, backend))
         c = m.config
-        engine = LLMEngine(ex, num_blocks=64, block_size=block_size,
-                           max_model_len=c.max_position_embeddings, vocab_size=c.vocab_size,
-                           max_num_seqs=4, max_num_batched_tokens=64)
+        config = EngineConfig.from_kwargs(num_blocks=64, block_size=block_size,
+                                          max_model_len=c.max_position_embeddings,
+                                          vocab_size=c.vocab_size, max_num_seqs=4,
+                                          max_num_batched_tokens=64)
+        engine = LLMEngine(config, ex)
         g = torch.Generator().manual_seed(2)
         prompts = [torch.randint(0, c.vocab_size, (n,), generator=g).tolist() for n in (5, 11, 7)]
         for i, p in enumerate(prompts):
