@@ -6,22 +6,24 @@ The layers, bottom to top (a module may import its own layer or any layer below)
     0  labkit.errors, labkit.utils, labkit.paths,     named errors, small helpers, repo paths,
        labkit.config                                  EngineConfig (read by every layer)
     1  labkit.model                                   config, the model, reference generate
-    2  labkit.kv, labkit.kernels (kernels/)           blocks, paged KV, attention backends
-    3  labkit.sched                                   requests, the scheduler
-    4  labkit.engine                                  LLM, LLMEngine, executors, trace
-    5  labkit.spec, labkit.sim, labkit.parallel,      features built on the engine
+    2  labkit.kv                                      blocks, paged KV, attention backends, KV ops
+    3  labkit.kernels (kernels/)                      Triton kernels beside their references
+    4  labkit.sched                                   requests, the scheduler
+    5  labkit.engine                                  LLM, LLMEngine, executors, trace
+    6  labkit.spec, labkit.sim, labkit.parallel,      features built on the engine
        labkit.quant, labkit.train, labkit.compress
-    6  labkit.serve                                   the HTTP service
-    7  labkit.router                                  many servers behind one address
-    8  labkit.viz, labkit.bench, labkit.exercises,    what a learner runs, and the package
+    7  labkit.serve                                   the HTTP service
+    8  labkit.router                                  many servers behind one address
+    9  labkit.viz, labkit.bench, labkit.exercises,    what a learner runs, and the package
        labkit.cli, labkit (its __init__)              itself: the lazy public API and the
                                                       composition root that plugs spec and the
                                                       Triton backend into the layers below
 
-quant, train and compress sit in layer 5 by what they import today: quant needs model (its
-quantized linears wrap the model's), kernels (the Triton dequant matmuls) and train (calibration
-text comes from the training corpus); train needs only model; compress is empty. Neither sits
-lower: nothing below the engine needs them (the INT8 KV cache's quantize step lives in kv/).
+The same stack as labkit/README.md's map. quant, train and compress sit in layer 6 by what they
+import today: quant needs model (its quantized linears wrap the model's), kernels (the Triton
+dequant matmuls) and train (calibration text comes from the training corpus); train needs only
+model; compress is empty. None sits lower: nothing below the engine needs them (the INT8 KV
+cache's quantize step lives in kv/).
 
 Both module-level imports and imports inside functions count: a lazy import still ties the two
 modules together, it only hides the tie until run time. ``if TYPE_CHECKING:`` imports count
@@ -41,7 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS: list[tuple[str, ...]] = [
     ("labkit.errors", "labkit.utils", "labkit.paths", "labkit.config"),
     ("labkit.model",),
-    ("labkit.kv", "labkit.kernels"),
+    ("labkit.kv",),
+    ("labkit.kernels",),
     ("labkit.sched",),
     ("labkit.engine",),
     ("labkit.spec", "labkit.sim", "labkit.parallel", "labkit.quant", "labkit.train",
@@ -209,19 +212,20 @@ CLEAN = {
     "labkit/model/__init__.py": "",
     "labkit/model/llama.py": "from labkit.errors import LabkitError\n",
     "labkit/kv/__init__.py": "",
-    "labkit/kv/cache.py": "from labkit.model import llama\nimport labkit.kernels.nf4\n",
+    "labkit/kv/cache.py": "from labkit.model import llama\n",
     "kernels/__init__.py": "",
-    "kernels/nf4.py": "from . import _common\n",
+    "kernels/nf4.py": "from . import _common\nfrom labkit.kv.cache import x\n",
     "kernels/_common.py": "",
     "labkit/engine/__init__.py": "",
-    "labkit/engine/llm.py": "from labkit.kv.cache import *\n",
+    "labkit/engine/llm.py": "from labkit.kv.cache import *\nimport labkit.kernels.nf4\n",
 }
 
 
 def test_checker_passes_a_clean_tree(tmp_path):
     g = import_graph(_tree(tmp_path, CLEAN))
-    assert g["labkit.kv.cache"] == {"labkit.model.llama", "labkit.kernels.nf4"}
-    assert g["labkit.kernels.nf4"] == {"labkit.kernels._common"}  # relative import resolved
+    assert g["labkit.kv.cache"] == {"labkit.model.llama"}  # `from pkg import module`
+    assert g["labkit.engine.llm"] == {"labkit.kv.cache", "labkit.kernels.nf4"}  # `import a.b`
+    assert g["labkit.kernels.nf4"] == {"labkit.kernels._common", "labkit.kv.cache"}  # relative
     assert upward_imports(g, LAYERS) == [] and import_cycles(g) == []
 
 
@@ -230,7 +234,7 @@ def test_checker_flags_an_upward_import_inside_a_function(tmp_path):
     bad["labkit/kv/cache.py"] += "def f():\n    from labkit.engine.llm import x\n"
     g = import_graph(_tree(tmp_path, bad))
     assert upward_imports(g, LAYERS) == [("labkit.kv.cache", "labkit.engine.llm")]
-    assert import_cycles(g) == [["labkit.engine.llm", "labkit.kv.cache"]]
+    assert import_cycles(g) == [["labkit.engine.llm", "labkit.kernels.nf4", "labkit.kv.cache"]]
 
 
 def test_checker_flags_the_engine_importing_a_feature(tmp_path):
