@@ -18,6 +18,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from labkit.paths import RESULTS_DIR
+
 T = TypeVar("T")
 
 
@@ -70,9 +72,6 @@ def write_json(path: str | Path | None, payload: dict[str, Any]) -> None:
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(payload, indent=2, default=float) + "\n")
     print(f"wrote {p}")
-
-
-RESULTS_DIR = Path(__file__).resolve().parents[2] / "datasets" / "results"
 
 
 def load_result(name: str) -> dict[str, Any]:

@@ -25,8 +25,9 @@ from labkit.bench.kernels_report import targets, to_markdown
 from labkit.bench.kernels_sizes import FULL, QUICK, SMOKE, SWEEP  # noqa: F401 (SMOKE: tests)
 from labkit.kernels import selfcheck as sc
 from labkit.kv.ops import gather_blocks
+from labkit.paths import RESULTS_DIR
 
-DEFAULT_JSON = Path(__file__).resolve().parents[2] / "datasets" / "results" / "kernels.json"
+DEFAULT_JSON = RESULTS_DIR / "kernels.json"
 
 
 def _wall_ms(fn: Callable[..., Any], args: tuple = ()) -> float:

@@ -20,8 +20,8 @@ from safetensors import SafetensorError, safe_open
 from labkit.model.config import ConfigError, ModelConfig
 from labkit.model.llama import LlamaForCausalLM
 from labkit.model.tokenizer import Tokenizer
+from labkit.paths import DATASETS_DIR
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_MODELS = ("labkit-tiny", "labkit-tiny-draft")
 
 
@@ -31,7 +31,7 @@ class CheckpointError(ValueError):
 
 def models_dir() -> Path:
     """Where shipped models live: $LABKIT_MODELS_DIR or <repo>/datasets/models."""
-    return Path(os.environ.get("LABKIT_MODELS_DIR", REPO_ROOT / "datasets" / "models"))
+    return Path(os.environ.get("LABKIT_MODELS_DIR", DATASETS_DIR / "models"))
 
 
 def available_models() -> list[str]:

@@ -31,12 +31,12 @@ import functools
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-DATASETS_DIR = Path(__file__).resolve().parents[2] / "datasets"
+from labkit.paths import DATASETS_DIR
+
 WORKLOADS_DIR = DATASETS_DIR / "workloads"
 
 
