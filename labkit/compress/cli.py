@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drop-layers", help="start from these teacher layers, e.g. 0,5")
     g.add_argument("--student-preset", help="fresh student with a `labkit train` preset")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--data", type=Path, default=None,
+                   help="prepared-data directory (`labkit train --prepare-only`); default: "
+                        "built from this Python's stdlib with the teacher's tokenizer")
     p.add_argument("--name", default=None, help="model name on the card (default: out's name)")
     p.add_argument("--max-steps", type=int, default=200)
     p.add_argument("--time-budget", type=float, default=None, help="stop after SECONDS")
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     teacher, tok = load_pretrained(args.teacher)
     student, init = make_student(args, teacher)
     tdir = resolve_model_path(args.teacher)
-    data = load_token_data(prepare_data(tokenizer_dir=tdir))
+    data = load_token_data(args.data or prepare_data(tokenizer_dir=tdir))
     prompts = [tok.encode(t) for t in prompt_texts(args.probe_prompts)[:args.probe_count]]
     probe = greedy_continuations(teacher, prompts, args.probe_tokens)
     cfg = TrainConfig(seq_len=args.seq_len, batch_size=args.batch_size,

@@ -33,6 +33,8 @@ import torch
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 ACT_DTYPE = torch.bfloat16
+_INT8_MM = torch.ops.aten._weight_int8pack_mm.default  # the overload: skips a dispatch step
+_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 
 
 def int4_layout_problem(n: int, k: int, group_size: int) -> str | None:
@@ -54,8 +56,7 @@ class Int8Pack:
     scales: torch.Tensor
 
     def matmul(self, x2d: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(x2d.to(ACT_DTYPE), self.qweight, self.scales)
-        return y.to(x2d.dtype)
+        return _INT8_MM(x2d.to(ACT_DTYPE), self.qweight, self.scales).to(x2d.dtype)
 
 
 def pack_int8(qweight: torch.Tensor, scales: torch.Tensor) -> Int8Pack:
@@ -75,9 +76,7 @@ class Int4Pack:
         xb = x2d.to(ACT_DTYPE)
         if self.perm is not None:
             xb = xb.index_select(1, self.perm)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size,
-                                                       self.scales_and_zeros)
-        return y.to(x2d.dtype)
+        return _INT4_MM(xb, self.packed, self.group_size, self.scales_and_zeros).to(x2d.dtype)
 
     def nbytes(self) -> int:
         extra = 0 if self.perm is None else self.perm.numel() * self.perm.element_size()

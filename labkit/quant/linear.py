@@ -40,9 +40,8 @@ def use_cpu_packed(enabled: bool) -> Iterator[None]:
         _CPU_PACKED["enabled"] = old
 
 
-def _use_cpu_pack(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and _CPU_PACKED["enabled"] and x.dtype in (
-        torch.float32, torch.bfloat16, torch.float16)
+_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_UNSET = object()
 
 
 def _kernels():
@@ -92,13 +91,19 @@ class QuantLinear(nn.Module):
         return super()._load_from_state_dict(*args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Kept lean: on a 5 M-parameter model at batch 1 every µs of Python here is visible.
         y = None
-        if _use_kernel(x):
-            y = self._kernel_matmul(x.reshape(-1, self.in_features).contiguous())
-        elif _use_cpu_pack(x) and self.cpu_pack() is not None:
-            y = self._cpu_pack.matmul(x.reshape(-1, self.in_features))
+        if x.is_cuda:
+            if _use_kernel(x):
+                y = self._kernel_matmul(x.reshape(-1, self.in_features).contiguous())
+        elif _CPU_PACKED["enabled"] and x.dtype in _CPU_DTYPES:
+            pack = self.__dict__.get("_cpu_pack", _UNSET)
+            if pack is _UNSET:
+                pack = self.cpu_pack()
+            if pack is not None:
+                y = pack.matmul(x.reshape(-1, self.in_features))
         if y is not None:
-            y = y.reshape(*x.shape[:-1], self.out_features)
+            y = y.view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias.to(y.dtype)
         b = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantize().to(x.dtype), b)
