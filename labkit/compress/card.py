@@ -12,10 +12,9 @@ import json
 import math
 from pathlib import Path
 
-import torch
 from torch import nn
 
-from labkit.compress.distill import agreement
+from labkit.compress.distill import Probe, probe_agreement
 from labkit.model.loader import load_pretrained
 from labkit.train.card import shipped_metrics
 
@@ -26,13 +25,13 @@ def expected_acceptance_rate(alpha: float, gamma: int) -> float:
 
 
 def write_distill_card(out: str | Path, name: str, student: nn.Module, teacher: nn.Module,
-                       log: dict, data, probe: tuple[torch.Tensor, int]) -> dict:
+                       log: dict, data, probe: Probe) -> dict:
     """README.md + distill_log.json (+ train_log.json, the fields every shipped card has)."""
     out = Path(out)
     tc, kd = log["train_config"], log["distill"]
     shipped = shipped_metrics(out, data.heldout, tc["seq_len"], tc["eval_max_tokens"])
     loaded, _ = load_pretrained(out)
-    agree = agreement(loaded, teacher, probe[0], probe[1] - 1)
+    agree = probe_agreement(loaded, teacher, probe)
     t_loss = shipped_metrics(log.get("teacher_dir", log["teacher"]), data.heldout,
                              tc["seq_len"], tc["eval_max_tokens"], 1)["heldout_loss_fp16_weights"]
     cfg = loaded.config
@@ -68,7 +67,7 @@ def write_distill_card(out: str | Path, name: str, student: nn.Module, teacher: 
         f"{summary['heldout_perplexity']:.2f}; teacher "
         f"{summary['teacher_heldout_perplexity']:.2f}) |",
         f"| top-1 agreement with the teacher (α) on its greedy continuations of "
-        f"{probe[0].shape[0]} code prompts | {agree['top1_agreement']:.3f} (before distillation "
+        f"{len(probe)} code prompts | {agree['top1_agreement']:.3f} (before distillation "
         f"{first.get('top1_agreement', float('nan')):.3f}) |",
         f"| acceptance rate theory predicts from α (γ = 2 / 4) | "
         f"{summary['expected_acceptance_gamma2']:.3f} / "

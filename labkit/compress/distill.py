@@ -117,14 +117,20 @@ def batched_greedy(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> 
     return seq
 
 
+Probe = list[tuple[torch.Tensor, int]]
+
+
 def greedy_continuations(teacher: nn.Module, prompts: list[list[int]], new_tokens: int
-                         ) -> tuple[torch.Tensor, int]:
-    """(the teacher's greedy continuations [B, P + new_tokens], P): each prompt left-cut to the
-    shortest prompt length P, so every row's continuation starts at the same column — what a
-    draft must agree with in greedy speculative decoding."""
-    p_len = min(len(p) for p in prompts)
-    rows = torch.tensor([p[-p_len:] for p in prompts])
-    return batched_greedy(teacher, rows, new_tokens), p_len
+                         ) -> Probe:
+    """[(prompt + the teacher's greedy continuation [1, P + new_tokens], P)] per prompt: the
+    exact text a draft must agree with in greedy speculative decoding of these prompts."""
+    return [(batched_greedy(teacher, torch.tensor([p]), new_tokens), len(p)) for p in prompts]
+
+
+def probe_agreement(student: nn.Module, teacher: nn.Module, probe: Probe) -> dict[str, float]:
+    """:func:`agreement` over every probe continuation (each has the same number of tokens)."""
+    rows = [agreement(student, teacher, seq, p_len - 1) for seq, p_len in probe]
+    return {k: sum(r[k] for r in rows) / len(rows) for k in ("top1_agreement", "kl")}
 
 
 def teacher_text(teacher: nn.Module, train_ids: torch.Tensor, rows: int, length: int,
@@ -155,7 +161,7 @@ def _mixed_batch(train_ids: torch.Tensor, text: torch.Tensor | None, fraction: f
 
 def distill(student: nn.Module, teacher: nn.Module, cfg: TrainConfig, kd: DistillConfig,
             train_ids: torch.Tensor, heldout_ids: torch.Tensor,
-            probe: tuple[torch.Tensor, int] | None = None, progress: bool = True,
+            probe: Probe | None = None, progress: bool = True,
             on_eval: Callable[[dict], None] | None = None, text: torch.Tensor | None = None,
             text_fraction: float = 0.0,
             after_step: Callable[[nn.Module], None] | None = None) -> tuple[nn.Module, dict]:
@@ -187,7 +193,7 @@ def distill(student: nn.Module, teacher: nn.Module, cfg: TrainConfig, kd: Distil
                "heldout_loss": evaluate(student, heldout_ids, cfg.seq_len, cfg.batch_size,
                                         cfg.eval_max_tokens)}
         if probe is not None:
-            row.update(agreement(student, teacher, probe[0].to(device), probe[1] - 1))
+            row.update(probe_agreement(student, teacher, [(x.to(device), n) for x, n in probe]))
         log["eval"].append(row)
         if on_eval is not None:
             on_eval(row)

@@ -23,7 +23,7 @@ def test_distill_cli_writes_a_loadable_model_with_its_card(tmp_path):
     data = prepare_data(include=list(get_preset("smoke").include), cache_root=tmp_path / "cache",
                         tokenizer_dir=resolve_model_path("labkit-tiny"))
     out = tmp_path / "student"
-    argv = ["distill", "--student", "labkit-tiny-draft-indep", "--data", str(data), "--out",
+    argv = ["distill", "--student", "labkit-tiny-draft", "--data", str(data), "--out",
             str(out), "--max-steps", "2", "--eval-every", "1", "--eval-max-tokens", "256",
             "--batch-size", "2", "--seq-len", "32", "--probe-count", "2", "--probe-tokens", "8",
             "--teacher-text-rows", "2", "--chart", str(tmp_path / "c.html")]
@@ -35,7 +35,7 @@ def test_distill_cli_writes_a_loadable_model_with_its_card(tmp_path):
     assert f"{log['shipped']['heldout_loss_fp16_weights']:.4f}" in card
     assert f"{log['summary']['probe_alpha']:.3f}" in card and log["command"] in card
     assert 0 <= log["summary"]["probe_alpha"] <= 1
-    indep, _ = load_pretrained("labkit-tiny-draft-indep")
+    indep, _ = load_pretrained("labkit-tiny-draft")
     assert not torch.equal(model.model.layers[0].mlp.up_proj.weight,
                            indep.model.layers[0].mlp.up_proj.weight)  # it trained
     assert (tmp_path / "c.html").stat().st_size > 1000
