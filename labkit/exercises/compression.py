@@ -84,6 +84,11 @@ def _train(loss_fn: Callable, steps: int = 5, temperature: float = 2.0,
     return student
 
 
+def _max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max(float((p.detach() - q.detach()).abs().max())
+               for p, q in zip(a.parameters(), b.parameters()))
+
+
 def check_distillation_loss(distillation_loss: Callable) -> object:
     from labkit.compress.distill import kd_loss
 
@@ -109,7 +114,7 @@ def check_distillation_loss(distillation_loss: Callable) -> object:
                                    f"temperature {T}", expected=ref, actual=val, hint=hint)
         a = _train(lambda s, t, T: distillation_loss(s, t, T))
         b = _train(lambda s, t, T: kd_loss(s, t, T))
-        diff = max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+        diff = _max_diff(a, b)
         if diff > 1e-4:
             raise CheckFailure("five training steps with your loss end elsewhere than with the "
                                "reference", expected="max |Δw| < 1e-4", actual=diff,
@@ -169,7 +174,7 @@ def check_mask_2_4(mask_2_4: Callable) -> object:
             return _train(kd_loss, 3, 1.0, student, teacher, reapply)
 
         a, b = healed(mask_2_4), healed(ref_mask)
-        diff = max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+        diff = _max_diff(a, b)
         if diff > 1e-5:
             raise CheckFailure("pruning + 3 healing steps with your mask differ from the "
                                "reference", expected="max |Δw| < 1e-5", actual=diff)
