@@ -60,6 +60,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         args.parser.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if not args.prompt:
         args.parser.error("PROMPT is empty: give some text to continue")
+    if args.tp != 1:
+        return _generate_tp(args)
     try:
         model, tok = load_pretrained(args.model, dtype=args.dtype, device=args.device)
     except CheckpointError as e:
@@ -86,6 +88,32 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         printed = text
     sys.stdout.write("\n")
+    return 0
+
+
+def _generate_tp(args: argparse.Namespace) -> int:
+    """Stream through the engine with ``tensor_parallel_size=args.tp`` worker processes."""
+    from labkit.engine.llm import LLM
+    from labkit.engine.sampling_params import SamplingParams
+    from labkit.model.loader import CheckpointError
+
+    try:
+        llm = LLM(args.model, tensor_parallel_size=args.tp, dtype=args.dtype)
+    except (CheckpointError, ValueError) as e:
+        args.parser.error(str(e))
+    try:
+        eng = llm.llm_engine
+        eng.add_request("cli", args.prompt, SamplingParams(
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+            seed=args.seed, max_tokens=args.max_tokens))
+        sys.stdout.write(args.prompt)
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                sys.stdout.write(o.text_delta)
+                sys.stdout.flush()
+        sys.stdout.write("\n")
+    finally:
+        llm.shutdown()
     return 0
 
 
@@ -123,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default=None, help="cpu or cuda (default cpu)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallelism: split the model over N worker processes")
     g.set_defaults(func=_cmd_generate, parser=g)
 
     t = sub.add_parser("train", help="train the shipped tiny models", add_help=False)

@@ -21,12 +21,11 @@ byte budget: blocks, concurrency and throughput (labkit.bench.kv_int8_engine).
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 
-from labkit.bench.common import bench_parser, environment, print_table, write_json
+from labkit.bench.common import bench_parser, environment, print_table, timed, write_json
 
 QUICK = {"eval": (8, 128), "calib": (16, 128), "n_grid": 10, "search_batches": 2,
          "decode_tokens": 16, "rounds": 2,
@@ -105,12 +104,11 @@ def run(model_name: str = "labkit-tiny", quick: bool = False,
     }
     rows, reports, built = [], {}, {}
     for name, (bits, group, calc_fmt, build) in builders.items():
-        t0 = time.perf_counter()
-        qm = build()
+        qm, t = timed(build)
         if isinstance(qm, tuple):
             qm, reports[name] = qm
         built[name] = qm
-        qtime = time.perf_counter() - t0
+        qtime = t.wall_s
         metrics = _evaluate(qm, eval_tokens, None if name == "fp32" else ref_lp)
         base = "bf16" if name == "bf16" else "fp32"
         calc = estimate_memory(cfg, calc_fmt, base_dtype=base, group_size=GROUP_SIZE,
