@@ -159,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("rest", nargs=argparse.REMAINDER)
     t.set_defaults(func=lambda a: _delegate("labkit.train.cli", a.rest))
 
+    d = sub.add_parser("distill", help="distill a student from a teacher", add_help=False)
+    d.add_argument("rest", nargs=argparse.REMAINDER)
+    d.set_defaults(func=lambda a: _delegate("labkit.compress.cli", a.rest))
+
     b = sub.add_parser("bench", help=f"run a benchmark: {', '.join(BENCHMARKS)}")
     b.add_argument("name", metavar="NAME", help=f"one of: {', '.join(BENCHMARKS)}")
     b.add_argument("rest", nargs=argparse.REMAINDER,
@@ -181,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _PASSTHROUGH = {"train": "labkit.train.cli", "drill": "labkit.exercises.drills",
-                "serve": "labkit.serve.launcher", "router": "labkit.router.proxy"}
+                "serve": "labkit.serve.launcher", "router": "labkit.router.proxy",
+                "distill": "labkit.compress.cli"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,4 +15,5 @@ BENCHMARKS = {
     "serve": "labkit.bench.serve",
     "serve-soak": "labkit.bench.serve_soak",
     "cluster": "labkit.bench.cluster",
+    "compress": "labkit.bench.compress",
 }
