@@ -13,13 +13,9 @@ from collections.abc import Callable
 
 import torch
 
-from labkit.exercises import progress
 from labkit.exercises.checks import CheckFailure, call, run_check
 
-NOTEBOOK = "09_distillation_pruning"
-progress.EXERCISES.setdefault("distillation_loss", (NOTEBOOK, "Distillation loss with "
-                                                              "temperature and T²"))
-progress.EXERCISES.setdefault("mask_2_4", (NOTEBOOK, "2:4 semi-structured pruning mask"))
+NOTEBOOK = "11_distillation_pruning"
 
 CONTRACT_KD = '''
 def distillation_loss(student_logits: Tensor, teacher_logits: Tensor,

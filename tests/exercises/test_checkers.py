@@ -142,11 +142,23 @@ EXERCISE_OF = {"kv": "kv_cache_bytes", "alloc": "block_allocator", "hash": "bloc
 
 
 def test_every_exercise_has_negative_controls():
-    """A plausible wrong answer for every exercise (the Triton ones in test_triton_exercises)."""
+    """A plausible wrong answer for every exercise (the Triton ones in test_triton_exercises,
+    serving's and compression's in their own files, which drive real servers / training)."""
+    from pathlib import Path
+
     from labkit.exercises.progress import EXERCISES
 
+    elsewhere = {"triton_vector_add": "test_triton_exercises.py",
+                 "triton_paged_attention": "test_triton_exercises.py",
+                 "token_bucket": "test_serving_exercise.py",
+                 "disconnect_abort": "test_serving_exercise.py",
+                 "distillation_loss": "test_compression_exercise.py",
+                 "mask_2_4": "test_compression_exercise.py"}
+    here = Path(__file__).parent
+    for exercise, f in elsewhere.items():
+        assert exercise in (here / f).read_text() or exercise.split("_")[0] in (here / f).read_text()
     covered = {EXERCISE_OF[name.split(":")[0]] for name, _, _ in WRONG}
-    assert covered | {"triton_vector_add", "triton_paged_attention"} == set(EXERCISES)
+    assert covered | set(elsewhere) == set(EXERCISES)
 
 
 @pytest.mark.parametrize("name,run,needles", WRONG, ids=[w[0] for w in WRONG])
