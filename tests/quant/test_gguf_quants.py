@@ -117,6 +117,6 @@ def test_q4_k_m_mix_follows_llama_quantize():
     assert [use_more_bits(i, 32) for i in range(8)] == [1, 1, 1, 1, 0, 0, 1, 0]
     assert tensor_type("output.weight", (97, 256), "q4_0", 2, False) == "q6_k"
     assert tensor_type("output.weight", (97, 64), "q4_0", 2, False) == "q8_0"
-    assert tensor_type("blk.0.ffn_down.weight", (64, 112), "q4_0", 2, False) == "q4_0"
-    assert tensor_type("blk.0.ffn_down.weight", (64, 100), "q4_0", 2, False) == "f16"
+    assert tensor_type("blk.0.ffn_down.weight", (64, 128), "q4_0", 2, False) == "q4_0"
+    assert tensor_type("blk.0.ffn_down.weight", (64, 112), "q4_0", 2, False) == "f16"
     assert bits_per_weight("q4_k") == 4.5 and bits_per_weight("q6_k") == 6.5625
