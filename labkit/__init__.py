@@ -29,6 +29,7 @@ _LAZY = {
     "InvalidPromptError": "labkit.engine.errors",
     "EngineConfigError": "labkit.engine.errors",
     "EngineStepError": "labkit.engine.errors",
+    "export_gguf": "labkit.quant.gguf_export",
 }
 
 __all__ = ["__version__", *_LAZY]
