@@ -1,4 +1,4 @@
-"""Writing a labkit model as a GGUF file llama.cpp loads: ``export_gguf(model, "m.gguf", "q4_k_m")``.
+"""Writing a labkit model as a GGUF file llama.cpp loads: ``export_gguf(model, path, type)``.
 
 What goes in, in the order llama.cpp's own converter writes it:
 

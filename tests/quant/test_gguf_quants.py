@@ -104,7 +104,8 @@ def test_bad_input_is_named():
 
 
 def test_q4_k_m_mix_follows_llama_quantize():
-    # labkit-tiny: 6 layers (more bits for layers 2 and 5), hidden 256, FFN 704 (not a multiple of 256), tied embeddings
+    # labkit-tiny: 6 layers (layers 2 and 5 get more bits), hidden 256, FFN 704 (not a
+    # multiple of 256), tied embeddings
     mix = {n: tensor_type(n, s, "q4_k_m", 6, True) for n, s in [
         ("token_embd.weight", (4096, 256)), ("blk.0.attn_q.weight", (256, 256)),
         ("blk.2.attn_v.weight", (64, 256)), ("blk.1.attn_v.weight", (64, 256)),
