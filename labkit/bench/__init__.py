@@ -12,4 +12,5 @@ BENCHMARKS = {
     "kernels-static": "labkit.bench.kernels_static",
     "quant": "labkit.bench.quant",
     "spec": "labkit.bench.spec",
+    "gguf": "labkit.bench.gguf",
 }

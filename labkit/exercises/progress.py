@@ -27,6 +27,8 @@ EXERCISES: dict[str, tuple[str, str]] = {
     "spec_speedup": ("07_speculative_decoding", "Expected speculative speed-up"),
     "triton_vector_add": ("08_triton_kernels", "Triton warm-up: vector add"),
     "triton_paged_attention": ("08_triton_kernels", "Triton paged-attention decode, one head"),
+    "gguf_q8_0": ("09_gguf_block_quantizers", "GGUF Q8_0 blocks, bytes equal to gguf's"),
+    "gguf_q4_0": ("09_gguf_block_quantizers", "GGUF Q4_0 blocks, bytes equal to gguf's"),
 }
 
 
