@@ -76,8 +76,8 @@ def _hint(name: str, ref: np.ndarray, got: np.ndarray) -> str:
     codes = lambda b: np.r_[b[2:] & 0x0F, b[2:] >> 4]  # noqa: E731
     if np.array_equal(np.sort(codes(ref)), np.sort(codes(got))):
         return "nibble order: byte j holds q[j] in the low 4 bits and q[j + 16] in the high 4"
-    return "codes differ: q = min(15, trunc(x * id + 8.5)), id = 1 / d: the +8 offset makes the codes "\
-        "0..15 (and the extra 0.5 with truncation rounds)"
+    return ("codes differ: q = min(15, trunc(x * id + 8.5)), id = 1 / d; the +8 offset makes "
+            "the codes 0..15, the extra 0.5 with truncation rounds")
 
 
 def _check_bytes(name: str, fn: Callable[[np.ndarray], Any]) -> str:
