@@ -225,7 +225,8 @@ def run(cfg: dict[str, Any], threads: int, workdir: Path) -> dict[str, Any]:
                        "llama_cpp_no_repack": cpu_has_amx(), "page_cache_drop":
                        drop_page_cache(files["f32"])},
             "speed": speed, "ratios": ratios, "load": load, "process_ttft": start,
-            "note": note, "environment": environment()}
+            "note": note, "environment": {**environment(), "loadavg_1m_at_end":
+                                          os.getloadavg()[0], "cpus": os.cpu_count()}}
 
 
 def write_chart(payload: dict[str, Any], path: Path) -> None:
