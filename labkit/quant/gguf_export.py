@@ -56,8 +56,6 @@ def _check_exportable(model: LlamaForCausalLM) -> None:
     if cfg.sliding_window is not None:
         raise GGUFError("a Mistral sliding window cannot be expressed in a llama GGUF; export a "
                         "model with sliding_window=None")
-    if cfg.o_proj_bias:
-        raise GGUFError("an o_proj bias is not part of llama.cpp's llama graph")
 
 
 def _vocab(tokenizer: Tokenizer, vocab_size: int) -> tuple[list[str], list[int], list[str]]:

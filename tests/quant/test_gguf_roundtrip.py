@@ -118,8 +118,8 @@ def test_rope_permutation_by_hand():
 HF_CASES = {
     "llama-gqa2-tied": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2,
                                             tie_word_embeddings=True, rope_theta=500000.0)),
-    "llama-hd24": ("LlamaConfig", dict(num_attention_heads=8, num_key_value_heads=2,
-                                       head_dim=24)),
+    "llama-hd24-bias": ("LlamaConfig", dict(num_attention_heads=8, num_key_value_heads=2,
+                                            head_dim=24, attention_bias=True)),
     "qwen2-bias": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2,
                                        tie_word_embeddings=True)),
 }
