@@ -177,3 +177,21 @@ def test_bad_inputs_raise_named_errors(tmp_path, tiny):
     windowed.config.sliding_window = 8
     with pytest.raises(GGUFError, match="sliding window"):
         export_gguf(windowed, tmp_path / "w.gguf", type="f32")
+
+
+def test_q4_0_kept_quantized_as_gptq_groups_is_exact(tiny, tiny_files):
+    from labkit.quant.gguf_linear import load_gguf_keep_q4_0
+    from labkit.quant.linear import GPTQLinear
+
+    model, tok = tiny
+    kept, _ = load_gguf_keep_q4_0(tiny_files["q4_0"])
+    dense, _ = load_pretrained(tiny_files["q4_0"])
+    layer = kept.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, GPTQLinear) and layer.mlp.up_proj.group_size == 32
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj"):
+        torch.testing.assert_close(layer.get_submodule(name).dequantize(),
+                                   dense.model.layers[0].get_submodule(name).weight,
+                                   rtol=0, atol=0)
+    ids = _ids(tok)
+    with torch.no_grad():
+        torch.testing.assert_close(kept(ids), dense(ids), rtol=1e-5, atol=1e-5)
