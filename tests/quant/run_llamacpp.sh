@@ -8,12 +8,20 @@
 # a machine pays for it (measured: ~5 min on 2 idle cores; far more when the cores are shared).
 # It is built for the machine's CPU (GGML_NATIVE, llama.cpp's default).
 #
-# Why q8_0 crashed on this CPU (AVX-512 + AMX): a native build enables ggml's AMX backend, and
-# at load time llama.cpp moves Q4_0/Q8_0/K-quant weights into an "AMX" buffer (repacked into
-# AMX tile layout); the first matmul through ggml_backend_amx_mul_mat then dies with SIGSEGV
-# (upstream: ggml-org/llama.cpp issue 20824, open). f32/f16 weights never go to that buffer,
-# which is why only the quantized file crashed. The worker therefore loads with llama.cpp's
-# --no-repack (use_extra_bufts = false) on AMX CPUs; the tests and the benchmark say so.
+# Why q8_0 crashed on this CPU (AVX-512 + AMX): a native build compiles ggml's AMX backend, and
+# at load time llama.cpp moves Q4_0/Q8_0/K-quant weights into an "AMX" buffer (repacked into AMX
+# tile layout). The first matmul then dies inside ggml's AMX kernel: here with SIGILL, the kernel
+# log saying "trap invalid opcode" at a `tilezero` in libggml-cpu.so (the issue's trial saw
+# SIGSEGV; upstream ggml-org/llama.cpp issue 20824 reports a SIGSEGV in ggml_backend_amx_mul_mat).
+# A standalone check on this VM shows AMX itself works (arch_prctl grants XTILEDATA, XCR0 has
+# the tile bits, ldtilecfg + tilezero run) and that `tilezero` traps exactly so when no tile
+# configuration is loaded: ggml executes tile ops without a valid tile config on that thread
+# (it loads the config once per thread, `static thread_local bool done` in
+# ggml_tile_config_init), so this is a ggml bug on its AMX path, not a problem of the file: the
+# same q8_0/q4_0/q4_k_m files run correctly with weight repacking off. f32/f16 weights never go
+# to the AMX buffer, which is why only quantized files crashed. The worker therefore loads with
+# llama.cpp's --no-repack (use_extra_bufts = false) on AMX CPUs; a build without AMX
+# (-DGGML_NATIVE=OFF with explicit AVX-512 flags and no GGML_AMX_*) would be the other fix.
 #
 # labkit runs in the main .venv; llama.cpp runs in .venv-llamacpp, in a separate process.
 set -euo pipefail

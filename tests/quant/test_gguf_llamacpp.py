@@ -39,7 +39,8 @@ gguf = pytest.importorskip("gguf")
 
 PROMPTS = ["def fibonacci(n):\n", "import numpy as np\n\n\ndef ", "class Stack:\n    def"]
 # On CPUs with AMX, llama.cpp repacks Q4_0/Q8_0/K-quant weights into an AMX buffer and its AMX
-# matmul crashes on this model (SIGSEGV, see run_llamacpp.sh); --no-repack avoids that path.
+# matmul crashes (SIGILL at a tile instruction here, SIGSEGV in an earlier trial; see
+# run_llamacpp.sh); --no-repack avoids that path.
 EXTRA_BUFTS = not cpu_has_amx()
 FTYPE = {"q8_0": 7, "q4_0": 2, "q4_k_m": 15}
 
