@@ -6,7 +6,7 @@ which is how the tests check the engine end to end).
 
 ``k_scale``/``v_scale`` (the engine passes them for ``kv_cache_dtype="int8"``) mark an INT8 cache,
 as for the torch backend: ``reshape_and_cache`` quantizes in the kernel (the same codes and
-scales as ``labkit.quant.kv_int8.quantize_kv_per_head``) and the attention kernels dequantize the
+scales as ``labkit.kv.ops.quantize_kv_per_head``) and the attention kernels dequantize the
 tiles they read (``labkit.kernels.int8_kv``).
 """
 
@@ -19,10 +19,10 @@ from labkit.kernels.reshape_and_cache import reshape_and_cache
 
 
 class TritonBackend:
-    """Paged attention through Triton kernels; same methods and shapes as the torch backend."""
+    """Paged attention through Triton kernels; the same methods and signatures as the torch
+    backend (``labkit.kv.attention.AttentionBackend``; a test compares them)."""
 
     name = "triton"
-    accepts_metadata = True  # the engine passes its per-step AttentionMetadata as ``meta``
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -31,19 +31,27 @@ class TritonBackend:
         reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               block_tables: torch.Tensor, context_lens: torch.Tensor,
-               scale: float, meta: object = None, k_scale: torch.Tensor | None = None,
-               v_scale: torch.Tensor | None = None) -> torch.Tensor:
+               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+               meta: object = None, sliding_window: int | None = None) -> torch.Tensor:
+        _no_window(sliding_window)
         return paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
                                       k_scale=k_scale, v_scale=v_scale)
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                context_lens: torch.Tensor, scale: float, meta: object = None,
-                k_scale: torch.Tensor | None = None,
-                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                context_lens: torch.Tensor, scale: float,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                meta: object = None, sliding_window: int | None = None) -> torch.Tensor:
+        _no_window(sliding_window)
         # the step's metadata knows the longest chunk on the host: no device read per layer
         max_q = getattr(meta, "max_query_len", None)
         return paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc,
                                        context_lens, scale, max_query_len=max_q,
                                        k_scale=k_scale, v_scale=v_scale)
+
+
+def _no_window(sliding_window: int | None) -> None:
+    if sliding_window is not None:
+        raise NotImplementedError("the Triton kernels have no sliding-window mask; use the "
+                                  "torch attention backend for sliding-window models")

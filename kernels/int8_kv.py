@@ -1,6 +1,6 @@
 """INT8 KV cache pieces the attention kernels share: quantize on write, scale on read.
 
-The layout is ``labkit.quant.kv_int8``'s per-(token, head) one, which the engine uses for
+The layout is ``labkit.kv.ops``' per-(token, head) one, which the engine uses for
 ``kv_cache_dtype="int8"``: caches ``[num_blocks, block_size, Hkv, D]`` int8 plus fp16 scales
 ``[num_blocks, block_size, Hkv]``, value = code * scale. ``reshape_and_cache`` quantizes each new
 token's head vector once (:func:`quantize_rows`); the decode and prefill kernels load int8 tiles
@@ -24,13 +24,15 @@ import triton
 import triton.language as tl
 from labkit.kernels._common import check
 
-SCALE_DTYPE = torch.float16  # as labkit.quant.kv_int8.quantize_kv_per_head and the engine
+from labkit.kv.ops import dequantize_kv_per_head
+
+SCALE_DTYPE = torch.float16  # as labkit.kv.ops.quantize_kv_per_head and the engine
 
 
 @triton.jit
 def quantize_rows(x):
     """x [H, D] (padding = 0) -> (int8 codes [H, D], fp16 scales [H]), bit for bit
-    ``labkit.quant.kv_int8.quantize_kv_per_head``:
+    ``labkit.kv.ops.quantize_kv_per_head``:
 
         scale = fp16(max(absmax / 127, 1e-8));  code = clamp(round_half_even(x / scale), ±127)
 
@@ -116,8 +118,7 @@ def scale_args(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
 
 def dequantize_cache(cache: torch.Tensor, scale: torch.Tensor | None,
                      dtype: torch.dtype) -> torch.Tensor:
-    """Plain PyTorch, for the kernels' references: the whole cache back to ``dtype``."""
-    if scale is None:
-        return cache
-    return (cache.float() * scale.float()[..., None]).to(dtype)
+    """Plain PyTorch, for the kernels' references: the whole cache back to ``dtype`` (labkit's
+    one INT8-KV dequantization, :func:`labkit.kv.ops.dequantize_kv_per_head`)."""
+    return dequantize_kv_per_head(cache, scale, dtype)
 

@@ -55,6 +55,8 @@ from labkit.kernels.int8_kv import (
     scale_args,
 )
 
+from labkit.kv.ops import gather_blocks
+
 LOG2E = 1.4426950408889634
 
 
@@ -319,11 +321,10 @@ def paged_attention_decode(
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` tokens of one sequence from a paged cache, as [length, Hkv, D]."""
-    block_size = cache.shape[1]
-    n_blocks = (length + block_size - 1) // block_size
-    blocks = cache[block_table[:n_blocks].long()]  # [n_blocks, block_size, Hkv, D]
-    return blocks.reshape(-1, *cache.shape[2:])[:length]
+    """The first ``length`` tokens of one sequence from a paged cache, as [length, Hkv, D]
+    (labkit's one block gather, :func:`labkit.kv.ops.gather_blocks`)."""
+    n_blocks = (length + cache.shape[1] - 1) // cache.shape[1]
+    return gather_blocks(cache, block_table[:n_blocks])[:length]
 
 
 def paged_attention_decode_ref(

@@ -11,7 +11,7 @@ What bounds it: memory, pure copy (0 FLOPs): 2 * N * Hkv * D * bytes read and as
 
 INT8 KV cache (``k_scale``/``v_scale`` given, caches int8): each token's [Hkv, D] rows are
 quantized in registers, one absmax scale per (token, head), exactly as
-``labkit.quant.kv_int8.quantize_kv_per_head`` (same codes and fp16 scales, bit for bit; see
+``labkit.kv.ops.quantize_kv_per_head`` (same codes and fp16 scales, bit for bit; see
 ``int8_kv.quantize_rows``). It writes D + 2 bytes per (token, head) instead of 2 * D (bf16) and
 adds a row max and a divide per element, which a copy-bound kernel hides.
 """
@@ -30,6 +30,8 @@ from labkit.kernels._common import (
     on_host,
 )
 from labkit.kernels.int8_kv import check_kv_scales, quantize_rows, scale_args
+
+from labkit.kv.ops import quantize_kv_per_head
 
 
 @triton.jit
@@ -126,12 +128,10 @@ def reshape_and_cache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch
                           k_scale: torch.Tensor | None = None,
                           v_scale: torch.Tensor | None = None) -> None:
     """Plain PyTorch: index_copy into the flattened [num_blocks*block_size, Hkv, D] view; with
-    scales, labkit.quant's ``quantize_kv_per_head`` first."""
+    scales, ``labkit.kv.ops.quantize_kv_per_head`` first."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     if k_scale is not None:
-        from labkit.quant.kv_int8 import quantize_kv_per_head  # lazy: labkit.quant is big
-
         key, ks = quantize_kv_per_head(key)
         value, vs = quantize_kv_per_head(value)
         k_scale.view(-1, k_scale.shape[2])[slots] = ks[keep]

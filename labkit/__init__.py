@@ -25,14 +25,39 @@ _LAZY = {
     "LLM": "labkit.engine.llm",
     "LLMEngine": "labkit.engine.llm_engine",
     "SamplingParams": "labkit.engine.sampling_params",
-    "SamplingParamsError": "labkit.engine.errors",
-    "InvalidPromptError": "labkit.engine.errors",
-    "EngineConfigError": "labkit.engine.errors",
-    "EngineStepError": "labkit.engine.errors",
+    "SamplingParamsError": "labkit.errors",
+    "InvalidPromptError": "labkit.errors",
+    "EngineConfigError": "labkit.errors",
+    "EngineStepError": "labkit.errors",
     "export_gguf": "labkit.quant.gguf_export",
 }
 
 __all__ = ["__version__", *_LAZY]
+
+
+def _register_plugins() -> None:
+    """The composition root: pieces that live above (or beside) the layer that uses them are
+    plugged in here, so no layer imports upward: the speculative executor (``labkit.spec``)
+    into the engine, the Triton attention backend (``labkit.kernels``) into ``labkit.kv``. Each
+    factory imports its package only when it is first asked for."""
+    from labkit.engine.executor import register_executor_factory
+    from labkit.kv.backends import register_attention_backend
+
+    def speculative(base: Any, config: Any) -> Any:
+        from labkit.spec.executor import make_spec_executor
+
+        return make_spec_executor(base, config)
+
+    def triton() -> Any:
+        from labkit.kernels.backend import TritonBackend
+
+        return TritonBackend()
+
+    register_executor_factory("speculative", speculative)
+    register_attention_backend("triton", triton)
+
+
+_register_plugins()
 
 
 def __getattr__(name: str) -> Any:

@@ -145,7 +145,7 @@ def sim_sweep(sigmas: tuple[float, ...], num_requests: int, batch_size: int = 64
     batch size: Llama-2-7B (no GQA, 512 KiB of KV per token) at batch 64 reads more KV than
     weights each step, so the slots static batching leaves idle cost less and the gain stays
     well under the step bound; Llama-3-8B (GQA, 128 KiB) stays weight-bound and gets closer."""
-    from labkit.engine.simulate import simulate
+    from labkit.sim.simulate import simulate
 
     rows = []
     grid = [(m, s) for m in models for s in sigmas]

@@ -24,6 +24,7 @@ from labkit.bench.common import bench_parser, environment, print_table, write_js
 from labkit.bench.kernels_report import targets, to_markdown
 from labkit.bench.kernels_sizes import FULL, QUICK, SMOKE, SWEEP  # noqa: F401 (SMOKE: tests)
 from labkit.kernels import selfcheck as sc
+from labkit.kv.ops import gather_blocks
 
 DEFAULT_JSON = Path(__file__).resolve().parents[2] / "datasets" / "results" / "kernels.json"
 
@@ -38,9 +39,7 @@ def _wall_ms(fn: Callable[..., Any], args: tuple = ()) -> float:
 
 def _gathered(cache: torch.Tensor, block_tables: torch.Tensor, ctx: int) -> torch.Tensor:
     """[B, Hkv, ctx, D] contiguous copy, the layout SDPA wants."""
-    b = block_tables.shape[0]
-    blocks = cache[block_tables.long()]  # [B, per_seq, bs, Hkv, D]
-    return blocks.reshape(b, -1, *cache.shape[2:])[:, :ctx].transpose(1, 2).contiguous()
+    return gather_blocks(cache, block_tables)[:, :ctx].transpose(1, 2).contiguous()
 
 
 def _sdpa(q, k, v, **kw):
@@ -182,7 +181,7 @@ def sec_decode_int8(b: Bench) -> None:
     """The INT8 KV cache's decode at the headline shape, beside the bf16 rows: D + 2 bytes per
     (token, head) for K or V instead of 2D, so ideally ~1.9x less time when memory-bound."""
     from labkit.kernels.paged_attention import paged_attention_decode
-    from labkit.quant.kv_int8 import quantize_kv_per_head
+    from labkit.kv.ops import quantize_kv_per_head
 
     hq, hkv, d = b.sizes["heads"]
     bs, scale = b.sizes["block_size"], d**-0.5

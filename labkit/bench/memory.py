@@ -69,7 +69,7 @@ def _summary(trace: Any, metrics: dict[str, Any], label: str) -> dict[str, Any]:
 def run_sim(num_requests: int, model: str = "llama-2-7b", gpu: str = "a100-80gb",
             block_size: int = 16, max_len: int = 2048, seed: int = 0) -> dict[str, Any]:
     """Paged (``block_size``) vs max-length pre-allocation (one ``max_len`` block) in the sim."""
-    from labkit.engine.simulate import simulate
+    from labkit.sim.simulate import simulate
 
     rows, series = [], {}
     for label, bs in tqdm([("paged", block_size), ("contiguous", max_len)], desc="sim",

@@ -93,7 +93,7 @@ def run_real(model: str | Path, cache: bool, num_prompts: int, max_tokens: int,
 def run_sim(num_requests: int, model: str = "llama-2-7b", gpu: str = "a100-80gb",
             prefix_len: int = 1024, arrival_rate: float = 8.0, seed: int = 0) -> list[dict]:
     """Simulated TTFT with one shared ``prefix_len``-token system prompt, cache on vs off."""
-    from labkit.engine.simulate import simulate
+    from labkit.sim.simulate import simulate
     from labkit.sim.workloads import get_workload
 
     wl = get_workload("shared-prefix", num_groups=1, prefix_len=prefix_len, suffix_min=64,

@@ -15,32 +15,25 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from labkit.engine.errors import EngineConfigError, InvalidPromptError
 from labkit.engine.llm_engine import LLMEngine
 from labkit.engine.outputs import CompletionOutput, RequestOutput
 from labkit.engine.sampling_params import SamplingParams
-from labkit.engine.validate import is_int
+from labkit.errors import EngineConfigError, InvalidPromptError
+from labkit.utils import is_int
 
 
 class LLM:
-    def __init__(self, model: Any = "labkit-tiny", *, tokenizer: Any = None, block_size: int = 16,
-                 num_blocks: int | None = None, kv_cache_bytes: int | None = None,
-                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 policy: str = "fcfs", max_num_seqs: int = 64,
-                 max_num_batched_tokens: int | None = None, batching: str = "continuous",
-                 preemption_mode: str = "recompute", num_cpu_blocks: int = 0,
-                 watermark_high: float = 1.0, watermark_low: float = 1.0,
-                 attention_backend: str | None = None, speculative_config: Any = None,
+    """``LLM(model, **engine_settings)``: ``model`` is a shipped name, a checkpoint folder, a
+    model object or a ``(model, tokenizer)`` pair; the settings are :class:`EngineConfig`'s flat
+    fields (``block_size``, ``max_num_seqs``, ``enable_prefix_caching``, ``policy``,
+    ``kv_cache_dtype``, ``attention_backend``, ``speculative_config``, ...), checked once there.
+    ``dtype`` ("auto" | "float32" | "bfloat16" | "float16") and ``device`` place the model."""
+
+    def __init__(self, model: Any = "labkit-tiny", *, tokenizer: Any = None,
                  device: str | torch.device | None = None, dtype: Any = None,
-                 max_model_len: int | None = None, kv_cache_dtype: str = "auto") -> None:
+                 **engine_settings: Any) -> None:
         name = ""
-        if dtype == "auto":  # vLLM's default: keep the checkpoint's / model's dtype
-            dtype = None
-        if isinstance(dtype, str):  # "bfloat16" was silently ignored for a model object
-            if dtype not in ("float32", "bfloat16", "float16"):
-                raise EngineConfigError(f"dtype must be 'auto', float32, bfloat16 or float16, "
-                                        f"got {dtype!r}")
-            dtype = getattr(torch, dtype)
+        dtype = _torch_dtype(dtype)
         if isinstance(model, (tuple, list)):
             model, tokenizer = model
         elif not isinstance(model, torch.nn.Module):
@@ -49,21 +42,12 @@ class LLM:
             name = str(model)
             model, tok = load_pretrained(model, dtype=dtype, device=device)
             tokenizer = tokenizer or tok
-        if isinstance(model, torch.nn.Module) and (device is not None or dtype is not None):
+        if device is not None or dtype is not None:
             model = model.to(device=device, dtype=dtype)
         model.eval()
         self.model = model
         self.tokenizer = tokenizer
-        self.llm_engine = LLMEngine.from_model(
-            model, tokenizer, block_size=block_size, num_blocks=num_blocks,
-            kv_cache_bytes=kv_cache_bytes, num_cpu_blocks=num_cpu_blocks,
-            attention_backend=attention_backend, max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype,
-            enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill, policy=policy,
-            max_num_batched_tokens=max_num_batched_tokens, batching=batching,
-            preemption_mode=preemption_mode, watermark_high=watermark_high,
-            watermark_low=watermark_low, model_name=name, speculative_config=speculative_config)
+        self.llm_engine = LLMEngine.from_model(model, tokenizer, name=name, **engine_settings)
         self._counter = 0
 
     @classmethod
@@ -76,23 +60,7 @@ class LLM:
                  use_tqdm: bool = False, priority: Sequence[int] | None = None,
                  cache_salt: str | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order."""
-        if prompt_token_ids is not None:
-            if prompts is not None:
-                raise InvalidPromptError("give prompts or prompt_token_ids, not both")
-            if hasattr(prompt_token_ids, "tolist"):  # a tensor / array of [B, T] ids
-                prompt_token_ids = prompt_token_ids.tolist()
-            items: list[Any] = list(prompt_token_ids)
-            if items and all(is_int(t) for t in items):
-                items = [items]  # one prompt as a flat list of ids (vLLM accepts it too)
-        elif isinstance(prompts, str):
-            items = [prompts]
-        elif prompts is None:
-            raise InvalidPromptError("give prompts or prompt_token_ids")
-        else:
-            items = list(prompts)
-            if any(is_int(p) for p in items):
-                raise InvalidPromptError("prompts are strings (or lists of token ids); pass "
-                                         "token ids as prompt_token_ids=[[...], ...]")
+        items = _prompt_items(prompts, prompt_token_ids)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
@@ -101,8 +69,14 @@ class LLM:
             raise InvalidPromptError(f"{len(params)} sampling params for {len(items)} prompts")
         if priority is not None and len(priority) != len(items):
             raise InvalidPromptError(f"{len(priority)} priorities for {len(items)} prompts")
-        eng = self.llm_engine
-        ids = []
+        ids = self._add_all(items, params, priority, cache_salt)
+        self._run(ids, use_tqdm)
+        return [self.request_output(rid, items[i] if isinstance(items[i], str) else None)
+                for i, rid in enumerate(ids)]
+
+    def _add_all(self, items: list[Any], params: list[SamplingParams],
+                 priority: Sequence[int] | None, cache_salt: str | None) -> list[str]:
+        eng, ids = self.llm_engine, []
         try:
             for i, (p, sp) in enumerate(zip(items, params)):
                 rid = f"gen-{self._counter}"
@@ -114,6 +88,10 @@ class LLM:
             for rid in ids:
                 eng.abort(rid)
             raise
+        return ids
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> None:
+        eng = self.llm_engine
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
         pending = set(ids)
         try:
@@ -130,11 +108,32 @@ class LLM:
             raise
         finally:
             bar.close()
-        return [self.request_output(rid, items[i] if isinstance(items[i], str) else None)
-                for i, rid in enumerate(ids)]
 
     def request_output(self, request_id: str, prompt: str | None = None) -> RequestOutput:
         return make_request_output(self.llm_engine, request_id, prompt)
+
+
+def _prompt_items(prompts: Any, prompt_token_ids: Any) -> list[Any]:
+    """Text prompts, or token-id prompts (a [B, T] tensor / array, a list of lists, or one
+    flat list), as one list with an item per request."""
+    if prompt_token_ids is not None:
+        if prompts is not None:
+            raise InvalidPromptError("give prompts or prompt_token_ids, not both")
+        if hasattr(prompt_token_ids, "tolist"):  # a tensor / array of [B, T] ids
+            prompt_token_ids = prompt_token_ids.tolist()
+        items: list[Any] = list(prompt_token_ids)
+        if items and all(is_int(t) for t in items):
+            items = [items]  # one prompt as a flat list of ids (vLLM accepts it too)
+        return items
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts is None:
+        raise InvalidPromptError("give prompts or prompt_token_ids")
+    items = list(prompts)
+    if any(is_int(p) for p in items):
+        raise InvalidPromptError("prompts are strings (or lists of token ids); pass "
+                                 "token ids as prompt_token_ids=[[...], ...]")
+    return items
 
 
 def make_request_output(engine: LLMEngine, request_id: str,
@@ -150,3 +149,16 @@ def make_request_output(engine: LLMEngine, request_id: str,
         outs.append(CompletionOutput(s.index, text, list(s.output_token_ids), s.finish_reason))
     return RequestOutput(request_id, prompt, list(req.prompt_token_ids), outs, req.is_finished,
                          req.seqs[0].num_cached_tokens)
+
+
+def _torch_dtype(dtype: Any) -> torch.dtype | None:
+    """"auto" (vLLM's default: keep the checkpoint's / model's dtype) -> None; a name -> torch's
+    dtype (a string used to be silently ignored for a model object)."""
+    if dtype == "auto" or dtype is None:
+        return None
+    if isinstance(dtype, str):
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise EngineConfigError(f"dtype must be 'auto', float32, bfloat16 or float16, "
+                                    f"got {dtype!r}")
+        return getattr(torch, dtype)
+    return dtype

@@ -1,32 +1,30 @@
-"""LLMEngine: requests in, one scheduled step at a time, tokens out (vLLM's shape).
+"""LLMEngine: requests in, one scheduled step at a time, tokens out (vLLM v1's shape).
 
     engine = LLMEngine.from_model(model, tokenizer, block_size=16)
     engine.add_request("r1", "def f(x):", SamplingParams(max_tokens=32, temperature=0))
     while engine.has_unfinished_requests():
         for out in engine.step(): print(out.request_id, out.new_token_ids, out.finished)
 
-One ``step()`` = schedule (Scheduler + BlockManager) -> apply queued block copies -> execute
-(one packed forward for the model executor; a cost model for the simulator) -> append tokens,
-check stop conditions, free finished sequences -> append one Trace record. The same engine
-drives the real model (``ModelExecutor``) and the simulator (``SimExecutor``); they differ
-only in ``execute`` and in the clock (wall vs virtual).
+One ``step()``::
 
-Hooks for speculative decoding (labkit.spec builds on these; nothing here is spec-specific):
-- Executor results are ``dict[seq_id, list[int]]``: a step may append several tokens to a
-  sequence. The engine appends them in order, stops at the first stop condition (dropping the
-  rest), then sets ``num_computed_tokens = num_tokens - 1`` for every sequence that sampled
-  (all tokens but the last one have KV), and calls ``block_manager.truncate(seq, num_tokens)``
-  to release slots reserved for rejected drafts.
-- ``SchedulerConfig.num_lookahead_slots``: the scheduler reserves that many extra KV slots per
-  decoding sequence, so a verify pass can write k draft tokens' KV.
-- ``BlockManager.truncate(seq, num_slots)`` rolls a sequence back (frees emptied tail blocks,
-  forgets hashes past the cut; a later write into a published block copies it first).
-- ``ModelExecutor.forward_chunks(chunks, logits_rows)`` runs a multi-token chunk for a decoding
-  sequence through the prefill attention path and returns logits at any offsets: the verify pass.
-- Trace step records carry ``"spec": [{"request_id", "seq_id", "proposed", "accepted"}]``: an
-  executor that has a ``pop_spec_records()`` method is asked for them after every step.
-- ``LLMEngine(speculative_config=...)`` calls ``labkit.spec.make_spec_executor(engine,
-  speculative_config)`` which must return an executor with ``execute(SchedulerOutput)``.
+    scheduler_output = scheduler.schedule()          # who runs, which chunk, block decisions
+    executor.apply_block_ops(scheduler_output.block_ops)
+    runner_output = executor.execute(scheduler_output)          # tokens per sequence
+    seq_outputs = scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+    trace.on_step(...)                                          # one record, an observer
+    return [detokenized StepOutput for each]
+
+Everything about a sequence's state (appending tokens, the stop checker, freeing blocks,
+``num_computed_tokens``) lives in the scheduler; the engine validates requests, runs that loop,
+detokenizes, and fails a step cleanly if anything inside it raises. It knows executors only by
+their contract (:mod:`labkit.engine.executor`): the real model (``ModelExecutor``), the
+simulator (``labkit.sim``) and speculative decoding (``labkit.spec``) plug in the same way.
+
+Detokenization (vLLM's detokenizer, :func:`update_text`): text is re-decoded from all output ids
+every step, not token by token, because a byte-level BPE token can be half a UTF-8 character:
+only the full decode is right. The delta a stream sees is what the text grew by, minus a tail
+that could still turn into a stop string. The scheduler's stop checker finds stop strings; the
+text is cut at them here, and the token that completed one stays in ``token_ids`` (as vLLM).
 """
 
 from __future__ import annotations
@@ -35,132 +33,90 @@ from typing import Any
 
 import torch
 
+from labkit.config import EngineConfig
 from labkit.engine.clock import WallClock
-from labkit.engine.detokenizer import stop_string_hit, update_text
-from labkit.engine.errors import (
-    EngineConfigError,
-    EngineStepError,
-    InvalidPromptError,
-    SamplingParamsError,
-)
+from labkit.engine.executor import Executor, executor_factory
 from labkit.engine.outputs import StepOutput
 from labkit.engine.sampling_params import SamplingParams
-from labkit.engine.trace import Trace, step_record
-from labkit.engine.validate import (
-    check_fits,
-    check_int,
-    check_max_model_len,
-    check_request_args,
-    prompt_ids,
-)
-from labkit.kv.block_manager import BlockManager, cdiv
-from labkit.sched.request import Request, Sequence, SequenceStatus
-from labkit.sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from labkit.engine.trace import Trace, TraceObserver
+from labkit.engine.validate import check_fits, check_request_args, prompt_ids
+from labkit.errors import EngineStepError, InvalidPromptError, SamplingParamsError
+from labkit.kv.block_manager import BlockManager
+from labkit.sched.request import Request
+from labkit.sched.scheduler import Scheduler, SchedulerOutput, SeqOutput, StopChecker
 
 
 class LLMEngine:
-    def __init__(self, executor: Any, *, num_blocks: int, block_size: int = 16,
-                 max_model_len: int, vocab_size: int | None = None,
-                 eos_token_ids: tuple[int, ...] = (), tokenizer: Any = None,
-                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 policy: str = "fcfs", max_num_seqs: int = 64,
-                 max_num_batched_tokens: int | None = None, batching: str = "continuous",
-                 preemption_mode: str = "recompute", num_cpu_blocks: int = 0,
-                 watermark_high: float = 1.0, watermark_low: float = 1.0,
-                 num_lookahead_slots: int = 0, clock: Any = None, model_name: str = "",
-                 speculative_config: Any = None) -> None:
-        check_int("block_size", block_size)
-        check_int("num_blocks", num_blocks)
-        check_int("num_cpu_blocks", num_cpu_blocks, 0)
-        check_int("max_model_len", max_model_len, 2)
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = 512 if enable_chunked_prefill else max_model_len
-        check_int("max_num_seqs", max_num_seqs)
-        check_int("max_num_batched_tokens", max_num_batched_tokens)
-        if preemption_mode == "swap" and num_cpu_blocks < 1:
-            raise EngineConfigError("preemption_mode='swap' needs num_cpu_blocks >= 1 "
-                                    "(the CPU pool)")
-        self.config = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
-                                      enable_chunked_prefill, policy, batching, preemption_mode,
-                                      watermark_high, watermark_low, num_lookahead_slots)
-        self.block_size = block_size
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
-        self.eos_token_ids = tuple(eos_token_ids)
+    def __init__(self, config: EngineConfig, executor: Executor, tokenizer: Any = None,
+                 clock: Any = None) -> None:
+        self.config = config
         self.tokenizer = tokenizer
         self.clock = clock or WallClock()
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching,
-                                          num_cpu_blocks)
-        self.scheduler = Scheduler(self.config, self.block_manager, self.clock.now)
+        self.block_manager = BlockManager.from_config(config.cache)
+        stop = StopChecker(config.model.eos_token_ids, config.max_model_len, tokenizer)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.clock.now, stop)
         self.executor = executor
         self.requests: dict[str, Request] = {}
-        self._num_added = 0
         self.num_steps = 0
-        self.trace = Trace({
-            "block_size": block_size, "num_blocks": num_blocks, "num_cpu_blocks": num_cpu_blocks,
-            "executor": getattr(executor, "kind", "model"), "model": model_name,
-            "policy": policy, "max_num_seqs": max_num_seqs,
-            "max_num_batched_tokens": max_num_batched_tokens, "batching": batching,
-            "enable_prefix_caching": enable_prefix_caching,
-            "enable_chunked_prefill": enable_chunked_prefill, "preemption_mode": preemption_mode,
-            "watermark_low": watermark_low, "watermark_high": watermark_high})
-        self.record_trace = True
-        self.kv_info: dict[str, Any] = {}  # KV dtype and bytes, set by from_model
-        self._pending_aborts: list[dict] = []  # aborted between steps: logged with the next step
-        self._late_finished: list[dict] = []  # finished by a stop string while detokenizing
-        if speculative_config is not None:
-            import labkit.spec as spec
-
-            make = getattr(spec, "make_spec_executor", None)
-            if make is None:
-                raise ValueError("speculative_config given but labkit.spec has no "
-                                 "make_spec_executor(engine, config) yet")
-            self.executor = make(self, speculative_config)
+        self.trace = Trace(config.trace_meta(executor.name))
+        self.observer = TraceObserver(self.trace, executor.real_tokens)
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, tokenizer: Any = None, *, block_size: int = 16,
-                   num_blocks: int | None = None, kv_cache_bytes: int | None = None,
-                   num_cpu_blocks: int = 0, attention_backend: str | None = None,
-                   max_num_seqs: int = 64, max_model_len: int | None = None,
-                   kv_cache_dtype: str = "auto", **kw: Any) -> LLMEngine:
-        """An engine on a real model; the KV pool is ``num_blocks`` or sized from
-        ``kv_cache_bytes`` (default: enough for max_num_seqs full-length sequences, capped at
-        256 MiB). ``kv_cache_dtype="int8"`` stores K/V as int8 with per-(token, head) scales
-        (labkit.kv.cache), so the same bytes hold ~2-4x more blocks."""
-        from labkit.engine.model_runner import ModelExecutor
+    def from_model(cls, model: torch.nn.Module, tokenizer: Any = None, **kw: Any) -> LLMEngine:
+        """An engine on a real model. ``kw`` are the flat settings of :class:`EngineConfig`
+        (``block_size``, ``num_blocks`` or ``kv_cache_bytes``, ``max_num_seqs``, ``policy``,
+        ``kv_cache_dtype``, ``attention_backend``, ``speculative_config``, ...). Without
+        ``num_blocks`` the pool is sized from ``kv_cache_bytes`` (default: enough for
+        max_num_seqs full-length sequences, capped at 256 MiB)."""
+        from labkit.engine.model_runner import ModelExecutor, ModelRunner
         from labkit.kv.attention import get_attention_backend
-        from labkit.kv.cache import check_kv_cache_dtype, kv_bytes_per_block, num_blocks_for
+        from labkit.kv.cache import PagedKVCache, kv_bytes_per_block
 
         c = model.config
-        max_model_len = check_max_model_len(max_model_len, c.max_position_embeddings)
-        check_int("block_size", block_size)
-        check_int("max_num_seqs", max_num_seqs)
-        check_int("num_cpu_blocks", num_cpu_blocks, 0)
-        if num_blocks is not None:
-            check_int("num_blocks", num_blocks)
-        check_kv_cache_dtype(kv_cache_dtype)
-        per_block = kv_bytes_per_block(c.num_hidden_layers, block_size, c.num_key_value_heads,
-                                       c.head_dim, model.dtype, kv_cache_dtype)
-        if num_blocks is None:
-            num_blocks = num_blocks_for(per_block, kv_cache_bytes, max_num_seqs, max_model_len,
-                                        block_size)
-        backend = get_attention_backend(attention_backend)
-        ex = ModelExecutor(model, block_size, num_blocks, num_cpu_blocks, backend, kv_cache_dtype)
-        eng = cls(ex, num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
-                  vocab_size=c.vocab_size, eos_token_ids=tuple(c.eos_token_ids),
-                  tokenizer=tokenizer, num_cpu_blocks=num_cpu_blocks,
-                  max_num_seqs=max_num_seqs, **kw)
-        eng.kv_info = {"kv_cache_dtype": kv_cache_dtype, "kv_bytes_per_block": per_block,
-                       "kv_cache_bytes": per_block * num_blocks}
-        return eng
+        config = EngineConfig.from_kwargs(
+            max_position_embeddings=c.max_position_embeddings, vocab_size=c.vocab_size,
+            eos_token_ids=tuple(c.eos_token_ids), **kw)
+        cache = config.cache
+        per_block = kv_bytes_per_block(c.num_hidden_layers, cache.block_size,
+                                       c.num_key_value_heads, c.head_dim, model.dtype,
+                                       cache.kv_cache_dtype)
+        cache.resolve_num_blocks(per_block, config.scheduler.max_num_seqs, config.max_model_len)
+        backend = get_attention_backend(config.model.attention_backend)
+        kv = PagedKVCache.for_model(c, cache, model.dtype, model.device, backend)
+        executor: Executor = ModelExecutor(ModelRunner(model, kv))
+        if config.speculative is not None:
+            _load_draft(config, model)
+            executor = executor_factory("speculative")(executor, config)
+        return cls(config, executor, tokenizer)
 
-    # ---- requests -----------------------------------------------------------------------------
+    # ---- shortcuts into the config --------------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.config.cache.block_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.config.model.vocab_size
+
+    @property
+    def record_trace(self) -> bool:
+        return self.observer.enabled
+
+    @record_trace.setter
+    def record_trace(self, on: bool) -> None:
+        self.observer.enabled = on
+
+    # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | None,
                     params: SamplingParams | None = None, priority: int = 0,
                     cache_salt: str | None = None, arrival_time: float | None = None,
                     prompt_token_ids: list[int] | None = None) -> Request:
         """Validate and queue a request; every bad input raises a ValueError subclass here
-        (labkit.engine.errors), never later inside a step."""
+        (labkit.errors), never later inside a step."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise SamplingParamsError(f"params must be a SamplingParams, got {type(params)}")
@@ -171,35 +127,23 @@ class LLMEngine:
             raise InvalidPromptError(f"duplicate request id {request_id!r}: ids must be unique "
                                      "for the engine's lifetime")
         ids = prompt_ids(request_id, prompt, prompt_token_ids, self.tokenizer)
-        check_fits(self, request_id, ids, params, priority)
-        now = self.clock.now()
-        arrival = now if arrival_time is None else float(arrival_time)
-        if isinstance(self.clock, WallClock) and arrival - now > 86400:  # step() would sleep
-            raise InvalidPromptError(f"arrival_time={arrival_time} is {arrival - now:.0f} s "
-                                     "away: it is seconds on the engine clock "
-                                     f"(engine.clock.now() = {now:.1f}), not epoch time")
-        req = Request(request_id, ids, params, arrival, priority, cache_salt, self._num_added)
-        self._num_added += 1
-        self._init_generator(req.seqs[0])
+        check_fits(self.config, request_id, ids, params, priority, self.tokenizer is not None)
+        arrival = self._arrival(arrival_time)
+        req = Request(request_id, ids, params, arrival, priority, cache_salt, len(self.requests))
         self.requests[request_id] = req
         self.scheduler.add_request(req)
-        if self.record_trace:
-            self.trace.requests[request_id] = {
-                "prompt_token_ids": ids if getattr(self.executor, "kind", "model") != "sim"
-                else None, "prompt_len": len(ids), "priority": priority,
-                "arrival_time": arrival, "n": params.n, "max_tokens": params.max_tokens}
+        self.observer.on_request(request_id, ids, params, priority, arrival)
         return req
 
-    def _init_generator(self, seq: Sequence) -> None:
-        p = seq.request.params
-        if p.temperature == 0 or getattr(self.executor, "kind", "model") == "sim":
-            return
-        g = torch.Generator()
-        if p.seed is not None:
-            g.manual_seed(p.seed + seq.index)
-        else:
-            g.seed()
-        seq.generator = g
+    def _arrival(self, arrival_time: float | None) -> float:
+        now = self.clock.now()
+        if arrival_time is None:
+            return now
+        if isinstance(self.clock, WallClock) and arrival_time - now > 86400:  # step() would sleep
+            raise InvalidPromptError(f"arrival_time={arrival_time} is {arrival_time - now:.0f} s "
+                                     "away: it is seconds on the engine clock "
+                                     f"(engine.clock.now() = {now:.1f}), not epoch time")
+        return float(arrival_time)
 
     def abort(self, request_id: str | list[str]) -> bool:
         """Stop a request now, wherever it is (waiting, running, swapped); all its blocks are
@@ -210,60 +154,56 @@ class LLMEngine:
         req = self.requests.get(str(request_id))
         if req is None or req.is_finished:
             return False
-        now = self.clock.now()
-        for seq in req.seqs:
-            if not seq.is_finished:
-                self.scheduler.abort_seq(seq)
-                seq.finish_reason = "abort"
-        req.forked = True
-        req.finish_time = now
-        if self.record_trace:  # aborts between steps are logged with the next step's record
-            self._pending_aborts.extend(
-                {"request_id": req.request_id, "seq_id": s.seq_id, "reason": "abort"}
-                for s in req.seqs if s.finish_reason == "abort")
+        self.scheduler.abort_request(req)
         return True
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    # ---- the step -----------------------------------------------------------------------------
+    # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        sched = self.scheduler
         t0 = self.clock.now()
-        out = sched.schedule()
+        out = self.scheduler.schedule()
         if out.is_empty and not out.preempted:
-            nxt = sched.next_arrival()
-            if nxt is not None and not sched.running and not sched.num_waiting:
-                self.clock.advance_to(nxt)  # idle until the next request arrives
-            elif (sched.num_waiting or sched.swapped) and not sched.running:
-                # add_request guarantees each request fits alone; an error beats a silent hang
-                raise RuntimeError(f"scheduler stalled with {sched.num_waiting} waiting and "
-                                   f"{len(sched.swapped)} swapped requests and nothing running:"
-                                   f" {self.stats()}")
-            elif self.record_trace and self.block_manager.events:
-                self._record(out, t0, 0.0, {}, [], self.block_manager.drain()[0])
+            self._idle(out, t0)
             return []
-        events, copies, swap_out, swap_in = self.block_manager.drain()
         try:
-            for sc in out.scheduled:
-                for c in sc.children:
-                    self._init_generator(c)
-            ex = self.executor
-            if hasattr(ex, "apply_block_ops"):
-                ex.apply_block_ops(copies, swap_out, swap_in)
-            results = ex.execute(out)
+            self.executor.apply_block_ops(out.block_ops)
+            result = self.executor.execute(out)
             t1 = self.clock.now()
-            outputs, finished, appended = self._update(out, results, t1)
+            seq_outputs = self.scheduler.update_from_output(out, result.sampled_token_ids, t1)
+            outputs = [self._step_output(o) for o in seq_outputs]
         except BaseException as exc:
-            self._fail_step(out, t0, events, exc)
+            self._fail_step(out, t0, exc)
             raise
         self.num_steps += 1
-        if self.record_trace:
-            self._record(out, t0, t1 - t0, appended, finished, events)
+        appended = {o.seq.seq_id: o.new_token_ids for o in seq_outputs}
+        self.observer.on_step(self.scheduler, out, t0, t1 - t0, appended, result.spec_records)
         return outputs
 
-    def _fail_step(self, out: SchedulerOutput, t0: float, events: list[dict],
-                   exc: BaseException) -> None:
+    def _idle(self, out: SchedulerOutput, t0: float) -> None:
+        """Nothing to run: wait for the next arrival, or fail loudly if nothing ever could."""
+        sched = self.scheduler
+        nxt = sched.next_arrival()
+        if nxt is not None and not sched.running and not sched.num_waiting:
+            self.clock.advance_to(nxt)  # idle until the next request arrives
+        elif (sched.num_waiting or sched.swapped) and not sched.running:
+            # add_request guarantees each request fits alone; an error beats a silent hang
+            raise RuntimeError(f"scheduler stalled with {sched.num_waiting} waiting and "
+                               f"{len(sched.swapped)} swapped requests and nothing running:"
+                               f" {self.stats()}")
+        elif self.block_manager.events:  # aborts freed blocks since the last step: log them
+            self.observer.on_step(sched, out, t0, 0.0, {}, [])
+
+    def _step_output(self, o: SeqOutput) -> StepOutput:
+        seq, reason = o.seq, o.finish_reason
+        delta = ""
+        if self.tokenizer is not None and seq.request.params.detokenize:
+            delta, _ = update_text(self.tokenizer, seq, finished=reason is not None)
+        return StepOutput(seq.request_id, seq.seq_id, seq.index, o.new_token_ids, delta,
+                          reason is not None, reason)
+
+    def _fail_step(self, out: SchedulerOutput, t0: float, exc: BaseException) -> None:
         """A step raised after scheduling. Its block copies / swaps may be half applied and its
         sequences half updated, so retrying could compute on garbage KV: fail (abort) every
         request the step touched -- scheduled, forked, or swapped out -- which frees all their
@@ -272,125 +212,77 @@ class LLMEngine:
         touched = {sc.seq.request_id for sc in out.scheduled}
         touched.update(s.request_id for s, mode in out.preempted if mode == "swap")
         ids = sorted(touched)
-        self.scheduler.remove_finished()  # sequences _update had already finished
+        self.scheduler.remove_finished()  # sequences update_from_output had already finished
         for rid in ids:
             self.abort(rid)
         self.num_steps += 1
-        if self.record_trace:
-            self._record(out, t0, self.clock.now() - t0, {}, [], events)
+        self.observer.on_step(self.scheduler, out, t0, self.clock.now() - t0, {}, [])
         if isinstance(exc, Exception):
             raise EngineStepError(f"engine step failed ({type(exc).__name__}: {exc}); its "
                                   f"requests {ids} were aborted and freed, the others go on",
                                   ids) from exc
 
-    def _update(self, out: SchedulerOutput, results: dict[str, list[int]],
-                now: float) -> tuple[list[StepOutput], list[dict], dict[str, list[int]]]:
-        """Append each sequence's new tokens (up to its first stop condition), advance its
-        computed count, publish full blocks, free finished sequences. Returns the step outputs,
-        the finished records and the tokens actually appended per sequence (for the trace)."""
-        bm = self.block_manager
-        outputs: list[StepOutput] = []
-        finished: list[dict] = []
-        bs, lookahead = bm.block_size, self.config.num_lookahead_slots
-        appended: dict[str, list[int]] = {}
-        for sc in out.scheduled:
-            if not sc.samples:
-                sc.seq.num_computed_tokens += sc.num_new_tokens
-                bm.cache_full_blocks(sc.seq)
-                continue
-            for seq in (sc.seq, *sc.children) if sc.children else (sc.seq,):
-                new = results.get(seq.seq_id, [])
-                added, reason = self._append(seq, new, now)
-                appended[seq.seq_id] = added
-                seq.num_computed_tokens = len(seq.token_ids) - 1
-                bm.cache_full_blocks(seq)
-                if reason is not None:
-                    seq.status = SequenceStatus.FINISHED
-                    seq.finish_reason = reason
-                    bm.free(seq)
-                    finished.append({"request_id": seq.request_id, "seq_id": seq.seq_id,
-                                     "reason": reason})
-                elif len(seq.block_table) > cdiv(len(seq.token_ids) + lookahead, bs):
-                    bm.truncate(seq, len(seq.token_ids))  # drop slots of rejected drafts
-                if added or reason:
-                    so = self._step_output(seq, added, reason)
-                    appended[seq.seq_id] = so.new_token_ids  # may be cut at a stop string
-                    outputs.append(so)
-                req = seq.request
-                if req.first_token_time is None and added:
-                    req.first_token_time = now
-                if reason is not None and req.is_finished:
-                    req.finish_time = now
-        if finished:
-            self.scheduler.remove_finished()
-        return outputs, finished, appended
-
-    def _append(self, seq: Sequence, new: list[int], now: float) -> tuple[list[int], str | None]:
-        p = seq.request.params
-        tokens, times = seq.token_ids, seq.token_times
-        eos = () if p.ignore_eos else self.eos_token_ids
-        limit = min(seq.num_prompt_tokens + p.max_tokens, self.max_model_len)
-        last = len(new) - 1 if p.stop else -1  # several tokens (spec): check stop strings
-        for i, tok in enumerate(new):
-            tokens.append(tok)
-            times.append(now)
-            if tok in eos or tok in p.stop_token_ids:
-                return new[: i + 1], "stop"
-            if len(tokens) >= limit:
-                return new[: i + 1], "length"
-            if i < last and stop_string_hit(self.tokenizer, seq):  # the last: _step_output
-                return new[: i + 1], "stop"
-        return new, None
-
-    def _step_output(self, seq: Sequence, added: list[int], reason: str | None) -> StepOutput:
-        delta = ""
-        if self.tokenizer is not None and seq.request.params.detokenize:
-            delta, hit = update_text(self.tokenizer, seq, finished=reason is not None)
-            if hit and reason is None:  # the stop string, not EOS / length, ended it
-                reason = "stop"
-                self._finish_by_stop_string(seq)
-        return StepOutput(seq.request_id, seq.seq_id, seq.index, added, delta,
-                          reason is not None, reason)
-
-    def _finish_by_stop_string(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = "stop"
-        self.block_manager.free(seq)
-        self.scheduler.remove_finished()
-        self._late_finished.append({"request_id": seq.request_id, "seq_id": seq.seq_id,
-                                    "reason": "stop"})
-        if seq.request.is_finished:
-            seq.request.finish_time = self.clock.now()
-
-    def _record(self, out: SchedulerOutput, t0: float, dur: float,
-                results: dict[str, list[int]], finished: list[dict], events: list[dict]) -> None:
-        events = events + self.block_manager.drain()[0]
-        fin = finished + self._late_finished + self._pending_aborts
-        self._late_finished, self._pending_aborts = [], []
-        self.trace.steps.append(step_record(self, out, t0, dur, results, fin, events))
-
-    # ---- introspection ------------------------------------------------------------------------
+    # ---- introspection --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         s = self.block_manager.stats()
         sched = self.scheduler
         s.update({"num_running": len(sched.running), "num_waiting": sched.num_waiting,
                   "num_pending": len(sched.pending), "num_swapped": len(sched.swapped),
                   "num_preemptions": sched.num_preemptions, "num_steps": self.num_steps,
-                  "num_requests": len(self.requests), **self.kv_info})
+                  "num_requests": len(self.requests)})
+        c = self.config.cache
+        if c.bytes_per_block is not None:  # a real KV pool (not the simulator's)
+            s.update({"kv_cache_dtype": c.kv_cache_dtype, "kv_bytes_per_block": c.bytes_per_block,
+                      "kv_cache_bytes": c.bytes_per_block * c.num_blocks})
         return s
 
     def request_timings(self) -> list[dict[str, Any]]:
         """One dict per sequence (sample), for labkit.engine.metrics.compute_metrics."""
-        rows = []
-        for req in self.requests.values():
-            for seq in req.seqs:
-                rows.append({
-                    "request_id": req.request_id, "seq_id": seq.seq_id,
-                    "prompt_len": req.prompt_len, "arrival_time": req.arrival_time,
-                    "first_scheduled_time": req.first_scheduled_time,
-                    "first_token_time": seq.token_times[0] if seq.token_times else None,
-                    "token_times": list(seq.token_times), "finish_time": req.finish_time
-                    if seq.is_finished else None, "finish_reason": seq.finish_reason,
-                    "num_output_tokens": seq.num_output_tokens,
-                    "num_cached_tokens": req.seqs[0].num_cached_tokens})
-        return rows
+        return [{"request_id": req.request_id, "seq_id": seq.seq_id,
+                 "prompt_len": req.prompt_len, "arrival_time": req.arrival_time,
+                 "first_scheduled_time": req.first_scheduled_time,
+                 "first_token_time": seq.token_times[0] if seq.token_times else None,
+                 "token_times": list(seq.token_times),
+                 "finish_time": req.finish_time if seq.is_finished else None,
+                 "finish_reason": seq.finish_reason, "num_output_tokens": seq.num_output_tokens,
+                 "num_cached_tokens": req.seqs[0].num_cached_tokens}
+                for req in self.requests.values() for seq in req.seqs]
+
+
+def update_text(tokenizer: Any, seq: Any, finished: bool = False) -> tuple[str, bool]:
+    """Decode ``seq``'s output and cut it at the first stop string; stores it in
+    ``seq.output_text``. Returns (the text a stream may show now, whether a stop string was hit).
+
+    While a sequence runs, the last ``len(longest stop string) - 1`` characters are held back
+    (vLLM does the same): they could be the start of a stop string that the next token
+    completes, and a stream must never show text that is cut later. Everything held back comes
+    out when the sequence finishes (``finished``, or a stop string hit), so the deltas of a
+    stream always add up to ``output_text``."""
+    text = tokenizer.decode(seq.output_token_ids)
+    hit = False
+    for s in seq.request.params.stop:
+        cut = text.find(s)
+        if cut >= 0:
+            text, hit = text[:cut], True
+    seq.output_text = text
+    hold = 0 if finished or hit else max((len(s) for s in seq.request.params.stop), default=1) - 1
+    visible = text[:max(0, len(text) - hold)]
+    shown, seq.streamed_text = seq.streamed_text, visible
+    if not visible.startswith(shown):  # a re-decode changed shown characters: resend it all
+        return visible, hit
+    return visible[len(shown):], hit
+
+
+def _load_draft(config: EngineConfig, target: torch.nn.Module) -> None:
+    """Load the speculative draft model (if any) and check it against the target, before the
+    engine exists: a mismatch is a construction error, not a mid-generation one."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft_model":
+        return
+    draft = spec.model
+    if not isinstance(draft, torch.nn.Module):
+        from labkit.model.loader import load_model
+
+        draft = load_model(draft, dtype=target.dtype, device=target.device)
+    spec.check_draft(draft.config, target.config, config.max_model_len)
+    spec.draft_model = draft.eval()

@@ -1,110 +1,150 @@
-"""ModelExecutor: runs one scheduled step on the real model through the paged KV cache.
+"""ModelRunner runs the model on packed chunks; ModelExecutor turns a scheduled step into them.
 
 All scheduled sequences go through ONE forward: their new tokens are packed into a single row
 (B=1, T=sum of chunk lengths), positions and slot mapping tell each token where it belongs, and
 ``logits_indices`` picks only the rows that need a next token (the last token of each chunk that
 reaches its sequence's end) so the vocabulary projection runs on a handful of rows.
 
+A chunk is ``(block_table, start_pos, token_ids)``: the runner does not care whose it is. That
+is what lets the speculative executor's verify pass (a chunk of ``[last token, d1 .. dγ]`` with
+logits kept for every position) and the draft model (its own runner over its own
+``PagedKVCache``) use this same code path.
+
 Per-step Python overhead decides CPU throughput with a small model, so inputs are built with a
 few list operations and one tensor per input (no per-layer work here).
-
-Hook for speculative decoding: ``forward_chunks`` runs arbitrary (sequence, start, tokens)
-chunks through the same packed path and returns logits for every token of chosen chunks, which
-is how a verify pass scores k draft tokens at once (the draft KV goes in through the prefill
-attention path; the block manager's ``truncate`` rolls back rejected slots).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
+
 import torch
 
+from labkit.config import CacheConfig
+from labkit.engine.executor import Executor, ModelRunnerOutput
 from labkit.kv.attention import AttentionBackend
+from labkit.kv.block_manager import BlockOps
 from labkit.kv.cache import PagedKVCache
-from labkit.kv.metadata import build_attention_metadata
 from labkit.model.sampling import sample_token
 from labkit.sched.request import Sequence
 from labkit.sched.scheduler import SchedulerOutput
 
+Chunk = tuple[Seq[int], int, list[int]]  # (block table, start position, token ids)
 
-class ModelExecutor:
-    kind = "model"
 
-    def __init__(self, model: torch.nn.Module, block_size: int, num_blocks: int,
-                 num_cpu_blocks: int = 0, backend: AttentionBackend | None = None,
-                 kv_cache_dtype: str = "auto") -> None:
-        c = model.config
+class ModelRunner:
+    """A model and its paged KV cache: packed forwards and sampling (vLLM's ModelRunner)."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache) -> None:
         self.model = model
+        self.kv_cache = kv_cache
         self.device = model.device
-        self.block_size = block_size
-        self.kv_cache = PagedKVCache(c.num_hidden_layers, num_blocks, block_size,
-                                     c.num_key_value_heads, c.head_dim, model.dtype, self.device,
-                                     backend, num_cpu_blocks, c.sliding_window, kv_cache_dtype)
+        self.block_size = kv_cache.block_size
 
-    def apply_block_ops(self, copies, swap_out, swap_in) -> None:
-        kv = self.kv_cache
-        kv.swap_out(swap_out)
-        kv.swap_in(swap_in)
-        kv.copy_blocks(copies)
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, block_size: int, num_blocks: int,
+                  num_cpu_blocks: int = 0, backend: AttentionBackend | None = None,
+                  kv_cache_dtype: str = "auto") -> ModelRunner:
+        """A runner with a fresh pool of ``num_blocks`` blocks for ``model``."""
+        cache = CacheConfig(block_size, num_blocks, num_cpu_blocks, kv_cache_dtype=kv_cache_dtype)
+        kv = PagedKVCache.for_model(model.config, cache, model.dtype, model.device, backend)
+        return cls(model, kv)
 
     @torch.inference_mode()
-    def forward_chunks(self, chunks: list[tuple[Sequence, int, list[int]]],
-                       logits_rows: list[list[int]]) -> torch.Tensor:
-        """Run chunks (seq, start_pos, token_ids) in one packed forward; the sequences' block
-        tables must already cover [start_pos, start_pos + len). ``logits_rows[i]`` lists the
-        offsets within chunk i whose logits are wanted; returns them stacked [R, V]."""
+    def forward(self, chunks: list[Chunk], logits_rows: list[list[int]]) -> torch.Tensor:
+        """Run chunks in one packed forward; each block table must already cover
+        ``[start, start + len)``. ``logits_rows[i]`` lists the offsets within chunk i whose
+        logits are wanted; returns them stacked ``[R, V]``."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         qlens: list[int] = []
-        ctx: list[int] = []
-        tables: list[list[int]] = []
         out_idx: list[int] = []
-        for (seq, start, toks), rows in zip(chunks, logits_rows):
-            n = len(toks)
-            base = len(ids)
+        for (table, start, toks), rows in zip(chunks, logits_rows):
+            out_idx.extend(len(ids) + r for r in rows)
             ids.extend(toks)
-            table = seq.block_table
-            slots.extend([table[p // bs] * bs + p % bs for p in range(start, start + n)])
-            pos.extend(range(start, start + n))
-            qlens.append(n)
-            ctx.append(start + n)
-            tables.append(table)
-            out_idx.extend(base + r for r in rows)
+            span = range(start, start + len(toks))
+            pos.extend(span)
+            slots.extend([table[p // bs] * bs + p % bs for p in span])
+            qlens.append(len(toks))
+        ctx = [start + n for (_, start, _), n in zip(chunks, qlens)]
+        self.kv_cache.begin_step(slots, [c[0] for c in chunks], qlens, ctx)
         dev = self.device
-        self.kv_cache.meta = build_attention_metadata(slots, tables, qlens, ctx, dev)
-        logits = self.model(torch.tensor([ids], device=dev), torch.tensor([pos], device=dev),
-                            self.kv_cache, torch.tensor(out_idx, dtype=torch.long, device=dev))
-        self.kv_cache.meta = None
-        return logits
+        try:
+            return self.model(torch.tensor([ids], device=dev), torch.tensor([pos], device=dev),
+                              self.kv_cache, torch.tensor(out_idx, dtype=torch.long, device=dev))
+        finally:
+            self.kv_cache.meta = None
 
-    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
-        """Run a step; returns the sampled token(s) per sequence id."""
-        chunks, rows, samplers = [], [], []
-        for sc in out.scheduled:
-            s = sc.seq
-            a = sc.start_pos
-            chunks.append((s, a, s.token_ids[a : a + sc.num_new_tokens]))
-            if sc.samples:
-                rows.append([sc.num_new_tokens - 1])
-                samplers.append([s, *sc.children])
-            else:
-                rows.append([])
-        if not chunks:
-            return {}
-        logits = self.forward_chunks(chunks, rows)
-        if not samplers:
-            return {}
+    @staticmethod
+    def sample(logits: torch.Tensor, groups: list[list[Sequence]]) -> dict[str, list[int]]:
+        """Row i of ``logits`` gives the next token of every sequence in ``groups[i]`` (a
+        prompt's n samples share its last row). Greedy rows share one argmax over the batch."""
         results: dict[str, list[int]] = {}
         greedy = None
-        for i, seqs in enumerate(samplers):
+        for i, seqs in enumerate(groups):
             for s in seqs:
                 p = s.request.params
                 if p.temperature == 0:
-                    if greedy is None:  # one argmax for the whole batch
+                    if greedy is None:
                         greedy = logits.argmax(-1).tolist()
                     results[s.seq_id] = [greedy[i]]
                 else:
-                    results[s.seq_id] = [sample_token(logits[i], p.temperature, p.top_k, p.top_p,
-                                                      s.generator)]
+                    results[s.seq_id] = [sample_token(logits[i], p.temperature, p.top_k,
+                                                      p.top_p, s.generator)]
         return results
+
+
+def step_chunks(out: SchedulerOutput, drafts: dict[str, list[int]] | None = None
+                ) -> tuple[list[Chunk], list[list[int]], list[list[Sequence]]]:
+    """The chunks of a scheduled step, the logits rows each needs, and who samples from them.
+
+    A chunk that reaches its sequence's end keeps its last row for the sequence and its forks.
+    A sequence with ``drafts`` (speculative decoding) runs ``[last token, *drafts]`` instead and
+    keeps every row; its group is just itself (the verifier decides its tokens)."""
+    drafts = drafts or {}
+    chunks: list[Chunk] = []
+    rows: list[list[int]] = []
+    groups: list[list[Sequence]] = []
+    for sc in out.scheduled:
+        s, a = sc.seq, sc.start_pos
+        d = drafts.get(s.seq_id)
+        if d is not None:
+            chunks.append((s.block_table, a, s.token_ids[a:a + 1] + d))
+            rows.append(list(range(len(d) + 1)))
+            groups.append([s])
+            continue
+        chunks.append((s.block_table, a, s.token_ids[a:a + sc.num_new_tokens]))
+        rows.append([sc.num_new_tokens - 1] if sc.samples else [])
+        if sc.samples:
+            groups.append([s, *sc.children])
+    return chunks, rows, groups
+
+
+class ModelExecutor(Executor):
+    """The real model, one packed forward per step."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
+
+    @property
+    def kv_cache(self) -> PagedKVCache:
+        return self.runner.kv_cache
+
+    def apply_block_ops(self, ops: BlockOps) -> None:
+        kv = self.runner.kv_cache
+        kv.swap_out(ops.swap_out)
+        kv.swap_in(ops.swap_in)
+        kv.copy_blocks(ops.copies)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        chunks, rows, groups = step_chunks(scheduler_output)
+        if not chunks:
+            return ModelRunnerOutput()
+        logits = self.runner.forward(chunks, rows)
+        return ModelRunnerOutput(self.runner.sample(logits, groups))

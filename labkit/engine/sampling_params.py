@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from numbers import Real
 from typing import Any
 
-from labkit.engine.errors import SamplingParamsError
-from labkit.engine.validate import is_int as _is_int
+from labkit.errors import SamplingParamsError
+from labkit.utils import is_int as _is_int
 
 
 def _is_real(x: Any) -> bool:

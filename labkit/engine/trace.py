@@ -68,6 +68,55 @@ class PoolSnapshot:
     seq_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
+class _Fold:
+    """The pool state ``replay`` folds the events into."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.tables: dict[str, dict[int, int]] = {}
+        self.cpu: dict[str, dict[int, int]] = {}
+        self.refs = [0] * num_blocks
+        self.free, self.cached = set(range(num_blocks)), set()
+
+    def apply(self, ev: dict[str, Any]) -> None:
+        kind, sid, lg, ph = ev["type"], ev["seq_id"], ev["logical"], ev["physical"]
+        if kind in ("alloc", "cow", "prefix_hit", "fork"):
+            self._hold(kind, sid, lg, ph, ev["src"])
+        elif kind == "evict":
+            self.cached.discard(ph)
+            self.free.add(ph)
+        elif kind == "free":
+            self.refs[ph] -= 1
+            self.tables[sid].pop(lg, None)
+            if not self.tables[sid]:
+                del self.tables[sid]
+            if self.refs[ph] == 0:
+                (self.cached if ev.get("cached") else self.free).add(ph)
+        elif kind == "swap_out":
+            self.cpu.setdefault(sid, {})[lg] = ph
+        elif kind in ("swap_in", "swap_free"):  # swap_free: aborted while swapped out
+            self.cpu[sid].pop(lg, None)
+            if not self.cpu[sid]:
+                del self.cpu[sid]
+        else:
+            raise ValueError(f"unknown trace event type {kind!r}")
+
+    def _hold(self, kind: str, sid: str, lg: int, ph: int, src: int | None) -> None:
+        """``seq_id``'s logical block ``lg`` now maps to ``ph``: fresh (alloc, cow) or shared."""
+        if kind in ("prefix_hit", "fork"):
+            self.cached.discard(ph)
+            self.refs[ph] += 1
+        else:
+            self.free.discard(ph)
+            self.refs[ph] = 1
+            if kind == "cow":
+                self.refs[src] -= 1
+        self.tables.setdefault(sid, {})[lg] = ph
+
+
+def _request_of(t: Trace, sid: str) -> str:
+    return sid if sid in t.requests else sid.rsplit(":", 1)[0]
+
+
 def replay(trace: Trace | dict, step: int) -> PoolSnapshot:
     """State after step index ``step`` (negative counts from the end), from the trace alone."""
     t = trace if isinstance(trace, Trace) else Trace.from_dict(trace)
@@ -75,73 +124,64 @@ def replay(trace: Trace | dict, step: int) -> PoolSnapshot:
         step += len(t.steps)
     if not 0 <= step < len(t.steps):
         raise ValueError(f"step {step} out of range: the trace has {len(t.steps)} steps")
-    num_blocks = t.meta["num_blocks"]
-    tables: dict[str, dict[int, int]] = {}
-    cpu: dict[str, dict[int, int]] = {}
-    refs = [0] * num_blocks
-    free, cached = set(range(num_blocks)), set()
+    fold = _Fold(t.meta["num_blocks"])
     tokens: dict[str, list[int]] = {}
     prompts = {rid: r.get("prompt_token_ids") for rid, r in t.requests.items()}
-
     for rec in t.steps[: step + 1]:
         for ev in rec["events"]:
-            kind, sid, lg, ph = ev["type"], ev["seq_id"], ev["logical"], ev["physical"]
-            if kind == "alloc":
-                free.discard(ph)
-                refs[ph] = 1
-                tables.setdefault(sid, {})[lg] = ph
-            elif kind == "evict":
-                cached.discard(ph)
-                free.add(ph)
-            elif kind in ("prefix_hit", "fork"):
-                cached.discard(ph)
-                refs[ph] += 1
-                tables.setdefault(sid, {})[lg] = ph
-            elif kind == "cow":
-                free.discard(ph)
-                refs[ph] = 1
-                refs[ev["src"]] -= 1
-                tables[sid][lg] = ph
-            elif kind == "free":
-                refs[ph] -= 1
-                tables[sid].pop(lg, None)
-                if not tables[sid]:
-                    del tables[sid]
-                if refs[ph] == 0:
-                    (cached if ev.get("cached") else free).add(ph)
-            elif kind == "swap_out":
-                cpu.setdefault(sid, {})[lg] = ph
-            elif kind in ("swap_in", "swap_free"):  # swap_free: aborted while swapped out
-                cpu[sid].pop(lg, None)
-                if not cpu[sid]:
-                    del cpu[sid]
-            else:
-                raise ValueError(f"unknown trace event type {kind!r}")
+            fold.apply(ev)
         for sid, new in rec["outputs"].items():
-            rid = sid.rsplit(":", 1)[0] if sid not in t.requests else sid
             if sid not in tokens:
-                p = prompts.get(rid)
+                p = prompts.get(_request_of(t, sid))
                 tokens[sid] = list(p) if p is not None else []
             tokens[sid].extend(new)
-    known = {sid: tok for sid, tok in tokens.items()
-             if prompts.get(sid if sid in t.requests else sid.rsplit(":", 1)[0]) is not None}
     return PoolSnapshot(
-        block_tables={s: [tb[i] for i in sorted(tb)] for s, tb in tables.items()},
-        ref_counts={b: r for b, r in enumerate(refs) if r > 0},
-        cached=cached, free=free,
-        cpu_block_tables={s: [tb[i] for i in sorted(tb)] for s, tb in cpu.items()},
-        seq_tokens=known,
+        block_tables={s: [tb[i] for i in sorted(tb)] for s, tb in fold.tables.items()},
+        ref_counts={b: r for b, r in enumerate(fold.refs) if r > 0},
+        cached=fold.cached, free=fold.free,
+        cpu_block_tables={s: [tb[i] for i in sorted(tb)] for s, tb in fold.cpu.items()},
+        seq_tokens={s: tok for s, tok in tokens.items()
+                    if prompts.get(_request_of(t, s)) is not None},
     )
 
 
-def step_record(engine: Any, out: Any, t0: float, dur: float, results: dict[str, list[int]],
-                finished: list[dict], events: list[dict]) -> dict[str, Any]:
-    """One step's record (the schema in the module docstring) from the engine's live state."""
-    bm, sched = engine.block_manager, engine.scheduler
+class TraceObserver:
+    """Appends one record per engine step to ``trace`` (called once per step by the engine).
+
+    Everything it needs comes in the call or is drained from where it accumulates: block events
+    from the block manager, finish records (including aborts between steps) from the
+    scheduler. ``enabled = False`` (long simulations) still drains both, so nothing grows."""
+
+    def __init__(self, trace: Trace, real_tokens: bool = True) -> None:
+        self.trace = trace
+        self.real_tokens = real_tokens
+        self.enabled = True
+
+    def on_request(self, request_id: str, ids: list[int], params: Any, priority: int,
+                   arrival: float) -> None:
+        if self.enabled:
+            self.trace.requests[request_id] = {
+                "prompt_token_ids": ids if self.real_tokens else None, "prompt_len": len(ids),
+                "priority": priority, "arrival_time": arrival, "n": params.n,
+                "max_tokens": params.max_tokens}
+
+    def on_step(self, scheduler: Any, out: Any, t0: float, dur: float,
+                appended: dict[str, list[int]], spec: list[dict]) -> None:
+        events = scheduler.bm.take_events()
+        finished = scheduler.take_finished()
+        if self.enabled:
+            self.trace.steps.append(step_record(len(self.trace.steps), scheduler, out, t0, dur,
+                                                appended, finished, events, spec))
+
+
+def step_record(index: int, sched: Any, out: Any, t0: float, dur: float,
+                results: dict[str, list[int]], finished: list[dict], events: list[dict],
+                spec: list[dict]) -> dict[str, Any]:
+    """One step's record (the schema in the module docstring) from the scheduler's live state."""
+    bm = sched.bm
     pool = bm.pool
-    pop = getattr(engine.executor, "pop_spec_records", None)
     return {
-        "step": len(engine.trace.steps), "time": t0, "duration": dur,
+        "step": index, "time": t0, "duration": dur,
         "scheduled": [{"request_id": s.seq.request_id, "seq_id": s.seq.seq_id,
                        "phase": "prefill" if s.is_prefill else "decode",
                        "num_tokens": s.num_new_tokens, "start_pos": s.start_pos,
@@ -155,5 +195,5 @@ def step_record(engine: Any, out: Any, t0: float, dur: float, results: dict[str,
                "total": pool.num_blocks, "token_slots_used": bm.token_slots_used()},
         "queues": {"waiting": sched.num_waiting, "running": len(sched.running),
                    "swapped": len(sched.swapped)},
-        "spec": pop() if pop else [],
+        "spec": spec,
     }

@@ -13,32 +13,11 @@ import math
 from numbers import Integral, Real
 from typing import Any
 
-from labkit.engine.errors import EngineConfigError, InvalidPromptError
-from labkit.kv.block_manager import cdiv
+from labkit.config import EngineConfig
+from labkit.errors import InvalidPromptError
+from labkit.utils import cdiv, check_int, is_int
 
-
-def is_int(x: Any) -> bool:
-    """An integer that is not a bool (numpy integers count)."""
-    return isinstance(x, Integral) and not isinstance(x, bool)
-
-
-def check_int(name: str, value: Any, minimum: int = 1) -> int:
-    if not is_int(value) or value < minimum:
-        raise EngineConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def check_max_model_len(max_model_len: int | None, max_position_embeddings: int) -> int:
-    """The engine's context may be shorter than the model's, never longer: positions past
-    max_position_embeddings would fail inside the model forward, mid-batch."""
-    if max_model_len is None:
-        return max_position_embeddings
-    check_int("max_model_len", max_model_len, 2)
-    if max_model_len > max_position_embeddings:
-        raise EngineConfigError(f"max_model_len={max_model_len} exceeds the model's context "
-                                f"(max_position_embeddings={max_position_embeddings}); "
-                                "lower it or leave it unset")
-    return int(max_model_len)
+__all__ = ["check_fits", "check_int", "check_request_args", "is_int", "prompt_ids"]
 
 
 def prompt_ids(request_id: str, prompt: Any, prompt_token_ids: Any, tokenizer: Any) -> list[int]:
@@ -81,36 +60,39 @@ def check_request_args(request_id: Any, params: Any, vocab_size: int | None,
                                  f"[0, {vocab_size}): they could never match")
 
 
-def check_fits(engine: Any, rid: str, ids: list[int], params: Any, priority: Any) -> None:
+def check_fits(config: EngineConfig, rid: str, ids: list[int], params: Any, priority: Any,
+               has_tokenizer: bool) -> None:
     """The request can be served to the end by this engine: in vocabulary, inside the context,
     and within the pool and token budget even at its longest -- otherwise it would wait in the
     queue forever (or be preempted forever), which is worse than an error now."""
-    cfg = engine.config
+    sched, vocab, max_len = config.scheduler, config.model.vocab_size, config.max_model_len
     if not ids:
         raise InvalidPromptError(f"request {rid!r}: the prompt is empty")
-    if engine.vocab_size is not None and (min(ids) < 0 or max(ids) >= engine.vocab_size):
-        raise InvalidPromptError(f"request {rid!r}: token ids must be in [0, "
-                                 f"{engine.vocab_size})")
-    if len(ids) >= engine.max_model_len:
+    if vocab is not None and (min(ids) < 0 or max(ids) >= vocab):
+        raise InvalidPromptError(f"request {rid!r}: token ids must be in [0, {vocab})")
+    if len(ids) >= max_len:
         raise InvalidPromptError(f"request {rid!r}: prompt of {len(ids)} tokens leaves no "
-                                 f"room in the model's context of {engine.max_model_len} "
-                                 "tokens; shorten it")
-    if params.n > cfg.max_num_seqs:
-        raise InvalidPromptError(f"n={params.n} exceeds max_num_seqs={cfg.max_num_seqs}; "
+                                 f"room in the model's context of {max_len} tokens; shorten it")
+    if params.n > sched.max_num_seqs:
+        raise InvalidPromptError(f"n={params.n} exceeds max_num_seqs={sched.max_num_seqs}; "
                                  "lower n or raise max_num_seqs")
-    if params.stop and engine.tokenizer is None:
+    if params.stop and not has_tokenizer:
         raise InvalidPromptError("stop strings need a tokenizer; use stop_token_ids instead")
-    if cfg.policy == "priority" and not is_int(priority):
+    if sched.policy == "priority" and not is_int(priority):
         raise InvalidPromptError(f"priority must be an int, got {priority!r}")
-    total = min(len(ids) + params.max_tokens, engine.max_model_len)
-    need = cdiv(total + cfg.num_lookahead_slots, engine.block_size)
-    if need > engine.block_manager.num_blocks:
+    _check_capacity(config, rid, min(len(ids) + params.max_tokens, max_len))
+
+
+def _check_capacity(config: EngineConfig, rid: str, total: int) -> None:
+    sched, num_blocks = config.scheduler, config.cache.num_blocks
+    need = cdiv(total + sched.num_lookahead_slots, config.cache.block_size)
+    if need > num_blocks:
         raise InvalidPromptError(
             f"request {rid!r} needs up to {need} KV blocks ({total} tokens) but the pool "
-            f"has only {engine.block_manager.num_blocks}: it could never finish; raise "
+            f"has only {num_blocks}: it could never finish; raise "
             "num_blocks / kv_cache_bytes or lower max_tokens")
-    if not cfg.enable_chunked_prefill and total > cfg.max_num_batched_tokens:
+    if not sched.enable_chunked_prefill and total > sched.max_num_batched_tokens:
         raise InvalidPromptError(
             f"request {rid!r}: {total} tokens may need one prefill step but "
-            f"max_num_batched_tokens={cfg.max_num_batched_tokens}; enable chunked prefill "
+            f"max_num_batched_tokens={sched.max_num_batched_tokens}; enable chunked prefill "
             "or raise the budget")

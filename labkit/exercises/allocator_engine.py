@@ -1,6 +1,6 @@
 """Your block allocator drives the real model: paged KV, forked samples, copy-on-write.
 
-The engine's ``ModelExecutor.forward_chunks`` runs (sequence, start position, tokens) chunks
+The engine's ``ModelRunner.forward`` runs (sequence, start position, tokens) chunks
 through the paged KV cache using each sequence's ``block_table``; here those tables come from
 *your* allocator. Each prompt is prefilled once, then forked into samples that are forced to
 diverge on their first token and continue greedily. If your copy-on-write is wrong, two samples
@@ -46,10 +46,10 @@ def generate_with_allocator(allocator_cls: Callable[[int, int], Any], model: tor
     """Greedy generation whose KV blocks come from ``allocator_cls``. Sample j of a prompt
     starts from the j-th most likely first token, then continues greedily. Returns new tokens
     per sequence id ``"p{i}:{j}"``; every block must be free again at the end."""
-    from labkit.engine.model_runner import ModelExecutor
+    from labkit.engine.model_runner import ModelRunner
     from labkit.kv.attention import get_attention_backend
 
-    ex = ModelExecutor(model, block_size, num_blocks, 0, get_attention_backend("torch"))
+    ex = ModelRunner.for_model(model, block_size, num_blocks, 0, get_attention_backend("torch"))
     alloc = allocator_cls(num_blocks, block_size)
     live: list[_Seq] = []
     out: dict[str, list[int]] = {}
@@ -58,7 +58,7 @@ def generate_with_allocator(allocator_cls: Callable[[int, int], Any], model: tor
         call(alloc.allocate, parent, len(prompt), _label=f"allocate({parent!r}, {len(prompt)})")
         seq = _Seq(parent, list(prompt), _table(alloc, parent, len(prompt), block_size,
                                                 num_blocks))
-        logits = ex.forward_chunks([(seq, 0, prompt)], [[len(prompt) - 1]])[0]
+        logits = ex.forward([(seq.block_table, 0, prompt)], [[len(prompt) - 1]])[0]
         ranked = torch.argsort(logits.float(), descending=True).tolist()
         for j in range(samples):
             sid = f"p{i}:{j}"
@@ -73,8 +73,8 @@ def generate_with_allocator(allocator_cls: Callable[[int, int], Any], model: tor
             if cow is not None:
                 ex.kv_cache.copy_blocks([tuple(cow)])
             s.block_table = _table(alloc, s.seq_id, len(s.tokens), block_size, num_blocks)
-            chunks.append((s, len(s.tokens) - 1, [s.tokens[-1]]))
-        logits = ex.forward_chunks(chunks, [[0]] * len(chunks))
+            chunks.append((s.block_table, len(s.tokens) - 1, [s.tokens[-1]]))
+        logits = ex.forward(chunks, [[0]] * len(chunks))
         for s, row in zip(live, logits):
             token = int(row.float().argmax())
             s.tokens.append(token)

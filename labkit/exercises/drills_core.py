@@ -12,12 +12,27 @@ from textwrap import dedent
 
 
 @dataclass(frozen=True)
+class Claim:
+    """One statement a drill makes about a named system, and where that system says so (a
+    repository path at the file that implements it, or the documentation page)."""
+
+    system: str
+    claim: str
+    source: str
+
+
+@dataclass(frozen=True)
 class Drill:
     id: str
     topic: str
     question: str
     answer: str
     snippet: str | None = None
+    # Filled in by ``drills.py`` from ``drills_zh_*`` (the Chinese text an interviewer in China
+    # would hear) and ``drills_sources`` (the audited claims about named systems).
+    question_zh: str = ""
+    answer_zh: str = ""
+    claims: tuple[Claim, ...] = ()
 
 
 def d(id: str, topic: str, question: str, answer: str, snippet: str | None = None) -> Drill:
@@ -113,7 +128,7 @@ CORE = [
       "size: equal lengths gain nothing; a simulated A100 on chat-like lengths with 32 slots "
       "gains about 2x, and wider length spreads push it towards the upper end of the range.",
       """
-      from labkit.engine.simulate import simulate
+      from labkit.sim.simulate import simulate
       tps = {}
       for batching in ("static", "continuous"):
           r = simulate(model="llama-2-7b", gpu="a100-80gb", workload="chat", num_requests=120,
@@ -162,7 +177,7 @@ CORE = [
       "hit rate approaches the shared fraction and TTFT drops by a factor of two or more; "
       "throughput rises too because prefill compute is saved.",
       """
-      from labkit.engine.simulate import simulate
+      from labkit.sim.simulate import simulate
       ttft = {}
       for caching in (False, True):
           r = simulate(model="llama-2-7b", gpu="a100-80gb", workload="shared-prefix",
@@ -225,8 +240,9 @@ CORE = [
       "tokens generated so far; swap copies its KV to CPU memory over PCIe (~25 GB/s) and back. "
       "For a 7B model with a 2k context on an A100 both cost on the order of 100 ms; prefill cost "
       "grows faster than linearly with context, so swap gains on long contexts, while recompute "
-      "needs no CPU pool and no small-transfer overhead. vLLM defaults to recompute (its V1 "
-      "engine only recomputes).",
+      "needs no CPU pool and no small-transfer overhead. vLLM's V0 engine offered both "
+      "(recompute by default, swap for beam search); its V1 engine only recomputes, and since "
+      "freed blocks keep their prefix-cache keys, the recompute often hits the cache.",
       """
       from labkit.sim.cost import step_time
       from labkit.sim.presets import get_model_preset
@@ -259,13 +275,23 @@ CORE = [
       assert sjf < fcfs
       """),
     d("watermark", "watermarks",
-      "What are the high and low KV watermarks in admission control?",
-      "Admitting new requests while KV usage is near full just causes preemptions later. TGI and "
-      "similar servers stop admitting when usage crosses a high watermark and resume only below a "
-      "lower one. The gap (hysteresis) stops admission from flapping on and off every step, and "
-      "the headroom lets running sequences keep growing without being preempted.",
+      "What are high and low KV watermarks in admission control, and what do TGI and vLLM "
+      "actually do?",
+      "Admitting new requests while KV usage is near full just causes preemptions later. The "
+      "textbook technique is hysteresis: stop admitting when usage crosses a high watermark and "
+      "resume only below a lower one, so admission does not flap on and off every step and the "
+      "headroom lets running sequences grow without being preempted. The servers differ. TGI "
+      "admits by token budget: a request joins the batch only if blocks for its prompt plus "
+      "max_new_tokens can be reserved within max_batch_total_tokens (and its prefill fits "
+      "max_batch_prefill_tokens), so a running request never runs out of KV and is never "
+      "preempted, at the price of concurrency (blocks held for max_new_tokens that most requests "
+      "never use); waiting_served_ratio (default 0.3) and max_waiting_tokens (default 20) decide "
+      "when decoding pauses to prefill newcomers. vLLM's V0 block manager kept a single "
+      "watermark: admit only if 1% of the blocks stay free after the allocation. Its V1 engine "
+      "allocates blocks as tokens arrive, admits while enough blocks are free, and preempts "
+      "(recomputes) the last admitted request when a decode finds none.",
       """
-      def admit_trace(usage, high=0.9, low=0.7):
+      def admit_trace(usage, high=0.9, low=0.7):  # hysteresis: the textbook technique
           admitting, out = True, []
           for u in usage:
               if admitting and u >= high:
@@ -278,5 +304,47 @@ CORE = [
       flags = admit_trace(usage)
       print(list(zip(usage, flags)))
       assert flags == [True, True, False, False, False, False, True, True, False]
+
+      import random
+      def serve(reserve, blocks=64, block_size=16):
+          # TGI-like: reserve prompt + max_new_tokens up front; vLLM-like: blocks on demand,
+          # preempt the last admitted request (it is recomputed when readmitted)
+          rng = random.Random(0)
+          reqs = [(100, 300, rng.randint(20, 300)) for _ in range(16)]  # prompt, max_new, actual
+          need = lambda tokens: -(-tokens // block_size)
+          waiting, running, held, made = list(range(16)), [], {}, [0] * 16
+          free, peak, preempted = blocks, 0, 0
+          while waiting or running:
+              while waiting:
+                  prompt, max_new, _ = reqs[waiting[0]]
+                  want = need(prompt + (max_new if reserve else made[waiting[0]] + 1))
+                  if want > free:
+                      break
+                  i = waiting.pop(0)
+                  free, held[i] = free - want, want
+                  running.append(i)
+              peak = max(peak, len(running))
+              for i in list(running):
+                  if i not in running:  # preempted earlier in this step
+                      continue
+                  prompt, _, actual = reqs[i]
+                  made[i] += 1
+                  if need(prompt + made[i]) > held[i]:  # only on demand: a new block
+                      while free == 0 and i in running:
+                          victim = running.pop()
+                          free += held.pop(victim)
+                          waiting.insert(0, victim)
+                          preempted += 1
+                      if i not in running:
+                          continue
+                      free, held[i] = free - 1, held[i] + 1
+                  if made[i] == actual:
+                      running.remove(i)
+                      free += held.pop(i)
+          return peak, preempted
+      tgi, vllm = serve(reserve=True), serve(reserve=False)
+      print(f"reserve prompt + max_new_tokens: {tgi[0]} running at most, {tgi[1]} preemptions; "
+            f"blocks on demand: {vllm[0]} running at most, {vllm[1]} preemptions")
+      assert tgi[1] == 0 and vllm[0] > tgi[0] and vllm[1] > 0
       """),
 ]

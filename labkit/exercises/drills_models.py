@@ -87,8 +87,8 @@ MODELS = [
     d("quant-tools", "quantization",
       "Which quantization tool for which deployment?",
       "bitsandbytes (NF4/INT8) for quick loading and QLoRA fine-tuning in Transformers; GPTQ "
-      "(GPTQModel, the maintained successor of AutoGPTQ) and AWQ (AutoAWQ, now archived upstream "
-      "with its work folded into other projects) for 4-bit checkpoints served fast by vLLM or "
+      "(GPTQModel, the maintained successor of AutoGPTQ) and AWQ (AutoAWQ is deprecated; vLLM's "
+      "llm-compressor carries its AWQ on) for 4-bit checkpoints served fast by vLLM or "
       "TGI; llama.cpp's GGUF k-quants for CPUs, Apple silicon and edge devices; FP8 in TensorRT-"
       "LLM or vLLM on Hopper GPUs. Evaluate with perplexity plus task benchmarks before shipping."),
     d("spec-speedup", "speculative-decoding",
@@ -230,12 +230,15 @@ MODELS = [
       assert 10 < fit < layers
       """),
     d("trtllm", "tensorrt-llm",
-      "What does TensorRT-LLM's compilation buy you?",
-      "It builds an engine for one GPU architecture and shape range: fused kernels (QKV "
-      "projection, attention, norm with residual, activation with matmul) that cut memory "
-      "round-trips and launch overhead, kernel auto-tuning, FP8/INT8/INT4 paths on tensor "
-      "cores, in-flight (continuous) batching and a paged KV cache. The price: build time, "
-      "engines tied to GPU and version, less flexibility than vLLM.",
+      "What does TensorRT-LLM buy you, and what became of its engine compilation?",
+      "It started as a compiler: build a TensorRT engine for one GPU architecture and shape "
+      "range, with fused kernels (QKV projection, attention, norm with residual, activation with "
+      "matmul) that cut memory round-trips and launch overhead, and kernel auto-tuning. The price"
+      " was build time and engines tied to GPU and version. In the 1.x releases its default "
+      "backend is PyTorch (no engine build, Hugging Face checkpoints load directly) and the "
+      "newest releases removed the TensorRT engine backend; what you pick it for now is the same "
+      "library of hand-tuned NVIDIA kernels (attention, FP8/FP4/INT4 GEMMs on tensor cores), in-"
+      "flight (continuous) batching and a paged, reusable KV cache.",
       """
       hidden, bytes_per = 4096, 2
       tokens = 2048
@@ -248,11 +251,17 @@ MODELS = [
     d("frameworks", "frameworks",
       "Why is vLLM faster than plain Hugging Face Transformers generate, and when would you pick "
       "something else?",
-      "Transformers pads a static batch and pre-allocates KV contiguously; vLLM pages the KV "
-      "cache (more sequences fit), batches continuously (no idle slots), shares prefixes and "
-      "uses fused kernels, so throughput is several times higher under load. Pick TensorRT-LLM "
-      "for the last bit of NVIDIA performance, SGLang for heavy prefix reuse and structured "
-      "programs, llama.cpp or Ollama for CPUs, laptops and edge devices."),
+      "Transformers' generate pads a static batch that runs until its longest sequence "
+      "finishes, and its default DynamicCache grows each layer's K and V tensors by "
+      "concatenation at every step (StaticCache instead pre-allocates max_cache_len tokens per "
+      "sequence, for torch.compile). vLLM pages the KV cache (more sequences fit), batches "
+      "continuously (no idle slots), shares prefixes and uses fused kernels, so throughput is "
+      "several times higher under load. Recent Transformers versions add generate_batch, a "
+      "continuous-batching path with a paged cache; vLLM is still the engine built around these "
+      "ideas end to end. "
+      "Pick TensorRT-LLM for the last bit of NVIDIA performance, SGLang for heavy prefix reuse "
+      "(RadixAttention) and structured "
+"programs, llama.cpp or Ollama for CPUs, laptops and edge devices."),
     d("compression", "compression",
       "Quantization, distillation and pruning: how do they differ, and how are they combined?",
       "Quantization keeps the model and stores it in fewer bits. Distillation trains a smaller "

@@ -1,7 +1,7 @@
 """Your ``schedule_step`` drives the real model: continuous batching with chunked prefill.
 
 Each iteration asks *your* scheduler for a plan ({seq_id: tokens to compute}), runs exactly those
-chunks in one packed forward through the paged KV cache (``ModelExecutor.forward_chunks``),
+chunks in one packed forward through the paged KV cache (``ModelRunner.forward``),
 samples greedily for every sequence whose prompt is now complete, and retires finished ones,
 so new requests join the very next step. KV blocks are reserved per request up front to keep
 the focus on scheduling (``allocator_engine`` exercises the blocks). If a plan breaks the budget,
@@ -43,11 +43,11 @@ def generate_with_scheduler(schedule_step: Callable[..., dict], model: torch.nn.
                             block_size: int = 4) -> tuple[dict[str, list[int]], list[int]]:
     """Greedy generation for every prompt, one engine step per ``schedule_step`` plan.
     Returns (new tokens per request id ``"r{i}"``, tokens computed at each step)."""
-    from labkit.engine.model_runner import ModelExecutor
+    from labkit.engine.model_runner import ModelRunner
     from labkit.kv.attention import get_attention_backend
 
     per_seq = -(-(max(map(len, prompts)) + max_new_tokens) // block_size)
-    ex = ModelExecutor(model, block_size, per_seq * len(prompts), 0,
+    ex = ModelRunner.for_model(model, block_size, per_seq * len(prompts), 0,
                        get_attention_backend("torch"))
     waiting = [_Request(f"r{i}", list(p), list(range(i * per_seq, (i + 1) * per_seq)))
                for i, p in enumerate(prompts)]
@@ -64,9 +64,9 @@ def generate_with_scheduler(schedule_step: Callable[..., dict], model: torch.nn.
         chunks, rows = [], []
         for req, n in chosen:
             start = req.computed
-            chunks.append((req, start, req.tokens[start:start + n]))
+            chunks.append((req.block_table, start, req.tokens[start:start + n]))
             rows.append([n - 1])
-        logits = ex.forward_chunks(chunks, rows)
+        logits = ex.forward(chunks, rows)
         for (req, n), row in zip(chosen, logits):
             req.computed += n
             if req in waiting:

@@ -64,8 +64,9 @@ def check_on_engine(paged_attention_kernel: Any, model: torch.nn.Module | None =
     """Greedy generation through LLMEngine with your kernel doing every decode step."""
 
     def body() -> str:
+        from labkit.config import EngineConfig
         from labkit.engine.llm_engine import LLMEngine
-        from labkit.engine.model_runner import ModelExecutor
+        from labkit.engine.model_runner import ModelExecutor, ModelRunner
         from labkit.engine.sampling_params import SamplingParams
         from labkit.exercises.allocator_engine import tiny_model
         from labkit.model.generate import generate
@@ -74,11 +75,13 @@ def check_on_engine(paged_attention_kernel: Any, model: torch.nn.Module | None =
         m = m.to(triton_kernels.DEVICE)
         block_size = 4
         backend = LearnerDecodeBackend(paged_attention_kernel)
-        ex = ModelExecutor(m, block_size, 64, 0, backend)
+        ex = ModelExecutor(ModelRunner.for_model(m, block_size, 64, 0, backend))
         c = m.config
-        engine = LLMEngine(ex, num_blocks=64, block_size=block_size,
-                           max_model_len=c.max_position_embeddings, vocab_size=c.vocab_size,
-                           max_num_seqs=4, max_num_batched_tokens=64)
+        config = EngineConfig.from_kwargs(num_blocks=64, block_size=block_size,
+                                          max_model_len=c.max_position_embeddings,
+                                          vocab_size=c.vocab_size, max_num_seqs=4,
+                                          max_num_batched_tokens=64)
+        engine = LLMEngine(config, ex)
         g = torch.Generator().manual_seed(2)
         prompts = [torch.randint(0, c.vocab_size, (n,), generator=g).tolist() for n in (5, 11, 7)]
         for i, p in enumerate(prompts):

@@ -26,48 +26,40 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from labkit.engine.errors import EngineConfigError
+from labkit.errors import EngineConfigError
+from labkit.kv.backends import registered_backends
 from labkit.kv.metadata import AttentionMetadata
+from labkit.kv.ops import gather_blocks, quantize_kv_per_head
 
 
 class AttentionBackend(Protocol):
-    """``meta`` is the step's AttentionMetadata (built once per step). The engine passes it only
-    to backends whose class sets ``accepts_metadata = True``; others get the plain arguments.
-    ``k_scale``/``v_scale`` ([num_blocks, block_size, Hkv] fp16) come with an INT8 cache
-    (``kv_cache_dtype="int8"``): reshape_and_cache quantizes into them, attention reads them."""
+    """What the paged KV cache calls per layer; the torch and Triton backends match it exactly
+    (a test compares their signatures). ``k_scale``/``v_scale`` ([num_blocks, block_size, Hkv]
+    fp16) come with an INT8 cache (``kv_cache_dtype="int8"``): reshape_and_cache quantizes into
+    them, attention reads them. ``meta`` is the step's AttentionMetadata (built once per step), for
+    per-step plans a backend caches in ``meta.scratch``. ``sliding_window`` (Mistral) limits how
+    far back a query sees; only the torch backend implements it."""
 
     name: str
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                          meta: AttentionMetadata | None = None,
                           k_scale: torch.Tensor | None = None,
-                          v_scale: torch.Tensor | None = None) -> None: ...
+                          v_scale: torch.Tensor | None = None,
+                          meta: AttentionMetadata | None = None) -> None: ...
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               block_tables: torch.Tensor, context_lens: torch.Tensor,
-               scale: float, meta: AttentionMetadata | None = None,
-               k_scale: torch.Tensor | None = None,
-               v_scale: torch.Tensor | None = None) -> torch.Tensor: ...
+               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+               meta: AttentionMetadata | None = None,
+               sliding_window: int | None = None) -> torch.Tensor: ...
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                 context_lens: torch.Tensor, scale: float,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                 meta: AttentionMetadata | None = None,
-                k_scale: torch.Tensor | None = None,
-                v_scale: torch.Tensor | None = None) -> torch.Tensor: ...
-
-
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor, scale: torch.Tensor | None = None,
-            dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """[num_blocks, bs, H, D] x [B, M] -> each sequence's keys in order, [B, M*bs, H, D].
-    An INT8 cache comes with per-(slot, head) scales [num_blocks, bs, H] and is dequantized to
-    ``dtype`` on the way (only the blocks read this step)."""
-    B, M = block_tables.shape
-    g = cache[block_tables]
-    if scale is not None:
-        g = (g.float() * scale[block_tables].float()[..., None]).to(dtype)
-    return g.reshape(B, M * cache.shape[1], cache.shape[2], cache.shape[3])
+                sliding_window: int | None = None) -> torch.Tensor: ...
 
 
 def _decode_mask(context_lens: torch.Tensor, num_keys: int,
@@ -158,7 +150,6 @@ class TorchBackend:
     attention paths dequantize what they gather."""
 
     name = "torch"
-    accepts_metadata = True
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -172,8 +163,6 @@ class TorchBackend:
             slots, key, value = slots[keep], key[keep], value[keep]
         H, D = k_cache.shape[2], k_cache.shape[3]
         if k_scale is not None:
-            from labkit.quant.kv_int8 import quantize_kv_per_head  # lazy: labkit.quant is big
-
             key, ks = quantize_kv_per_head(key)
             value, vs = quantize_kv_per_head(value)
             k_scale.view(-1, H).index_copy_(0, slots, ks.to(k_scale.dtype))
@@ -187,8 +176,8 @@ class TorchBackend:
                     k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor:
         """One query per sequence: q [B,Hq,D] over the gathered keys, mask [B,S]."""
         B, Hq, D = q.shape
-        k = _gather(k_cache, block_tables, k_scale, q.dtype)  # [B,S,Hkv,D]
-        v = _gather(v_cache, block_tables, v_scale, q.dtype)
+        k = gather_blocks(k_cache, block_tables, k_scale, q.dtype)  # [B,S,Hkv,D]
+        v = gather_blocks(v_cache, block_tables, v_scale, q.dtype)
         out = F.scaled_dot_product_attention(
             q.float()[:, :, None], k.float().transpose(1, 2), v.float().transpose(1, 2),
             attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)  # [B,Hq,1,D]
@@ -196,9 +185,9 @@ class TorchBackend:
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-               sliding_window: int | None = None, meta: AttentionMetadata | None = None,
-               k_scale: torch.Tensor | None = None,
-               v_scale: torch.Tensor | None = None) -> torch.Tensor:
+               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+               meta: AttentionMetadata | None = None,
+               sliding_window: int | None = None) -> torch.Tensor:
         S = block_tables.shape[1] * k_cache.shape[1]
         mask = _cached(meta, ("decode_mask", sliding_window),
                        lambda: _decode_mask(context_lens, S, sliding_window))
@@ -208,9 +197,9 @@ class TorchBackend:
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                 context_lens: torch.Tensor, scale: float,
-                sliding_window: int | None = None, meta: AttentionMetadata | None = None,
-                k_scale: torch.Tensor | None = None,
-                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                meta: AttentionMetadata | None = None,
+                sliding_window: int | None = None) -> torch.Tensor:
         """Varlen causal attention over the cache. Single-token queries take the decode path;
         the multi-token chunks are padded to the longest one and masked."""
         N, Hq, D = q.shape
@@ -239,20 +228,21 @@ class TorchBackend:
                       plan: _PrefillPlan, scale: float, k_scale: torch.Tensor | None,
                       v_scale: torch.Tensor | None) -> torch.Tensor:
         """Padded chunks qp [B,Tq,Hq,D] over their sequences' gathered keys."""
-        k = _gather(k_cache, plan.multi_bt, k_scale, qp.dtype)
-        v = _gather(v_cache, plan.multi_bt, v_scale, qp.dtype)
+        k = gather_blocks(k_cache, plan.multi_bt, k_scale, qp.dtype)
+        v = gather_blocks(v_cache, plan.multi_bt, v_scale, qp.dtype)
         o = F.scaled_dot_product_attention(
             qp.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2),
             attn_mask=plan.mask[:, None], scale=scale, enable_gqa=True)  # [B,Hq,Tq,D]
         return o.transpose(1, 2).to(qp.dtype)
 
+
 def get_attention_backend(name: str | None = "torch") -> AttentionBackend:
     """``"torch"`` (reference, any device) or ``"triton"`` (labkit.kernels; GPU, or CPU under
-    TRITON_INTERPRET=1)."""
+    TRITON_INTERPRET=1; registered in :mod:`labkit.kv.backends`)."""
     if name in (None, "torch"):
         return TorchBackend()
-    if name == "triton":
-        from labkit.kernels.backend import TritonBackend
-
-        return TritonBackend()
-    raise EngineConfigError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")
+    factories = registered_backends()
+    if name not in factories:
+        raise EngineConfigError(f"unknown attention backend {name!r}; choose one of "
+                                f"{['torch', *sorted(factories)]}")
+    return factories[name]()

@@ -16,10 +16,15 @@ Sequences are duck-typed (see ``SeqLike``): the scheduler's Sequence, or a small
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol
 
+from labkit.config import CacheConfig
 from labkit.kv.block_pool import BlockPool
 from labkit.kv.prefix import BlockHash, hash_block_tokens, hash_prompt_blocks
+from labkit.utils import cdiv
+
+__all__ = ["BlockManager", "BlockOps", "SeqLike", "cdiv"]
 
 
 class SeqLike(Protocol):
@@ -33,8 +38,14 @@ class SeqLike(Protocol):
     cache_salt: str | None
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+@dataclass
+class BlockOps:
+    """The tensor copies one step's block decisions need, applied by the executor before the
+    forward: copy-on-write ``(src, dst)``, swap out ``(gpu, cpu)``, swap in ``(cpu, gpu)``."""
+
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
 
 class BlockManager:
@@ -45,10 +56,8 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         num_cpu_blocks: int = 0,
     ) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        # the one place pool settings are checked (EngineConfigError, a ValueError)
+        CacheConfig(block_size, num_blocks, num_cpu_blocks, enable_prefix_caching)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
@@ -61,6 +70,11 @@ class BlockManager:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
 
+    @classmethod
+    def from_config(cls, cache: CacheConfig) -> BlockManager:
+        return cls(cache.num_blocks, cache.block_size, cache.enable_prefix_caching,
+                   cache.num_cpu_blocks)
+
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
@@ -72,12 +86,21 @@ class BlockManager:
             ev.update(kw)
         self.events.append(ev)
 
+    def take_block_ops(self) -> BlockOps:
+        """Hand the executor the tensor copies queued since the last call."""
+        ops = BlockOps(self.pending_copies, self.pending_swap_out, self.pending_swap_in)
+        self.pending_copies, self.pending_swap_out, self.pending_swap_in = [], [], []
+        return ops
+
+    def take_events(self) -> list[dict]:
+        """Hand the trace the block events since the last call."""
+        events, self.events = self.events, []
+        return events
+
     def drain(self) -> tuple[list[dict], list, list, list]:
-        """Hand the executor/trace this step's events and pending tensor copies."""
-        out = (self.events, self.pending_copies, self.pending_swap_out, self.pending_swap_in)
-        self.events, self.pending_copies = [], []
-        self.pending_swap_out, self.pending_swap_in = [], []
-        return out
+        """Both at once: (events, copies, swap_out, swap_in)."""
+        ops = self.take_block_ops()
+        return self.take_events(), ops.copies, ops.swap_out, ops.swap_in
 
     # ---- prefix cache -------------------------------------------------------------------------
     def find_cached_prefix(self, seq: SeqLike) -> tuple[list[int], list[BlockHash]]:

@@ -10,21 +10,45 @@ from __future__ import annotations
 
 import torch
 
-from labkit.engine.errors import EngineConfigError
+from labkit.config import KV_CACHE_DTYPES, CacheConfig
 from labkit.kv.attention import AttentionBackend, TorchBackend
 from labkit.kv.metadata import AttentionMetadata
+from labkit.kv.ops import KV_SCALE_DTYPE
 
-__all__ = ["AttentionMetadata", "KV_CACHE_DTYPES", "PagedKVCache", "kv_bytes_per_block"]
-
-KV_CACHE_DTYPES = ("auto", "int8")
-KV_SCALE_DTYPE = torch.float16  # one scale per (token, head), as labkit.quant.kv_int8
+__all__ = ["AttentionMetadata", "KV_CACHE_DTYPES", "PagedKVCache", "build_attention_metadata",
+           "kv_bytes_per_block"]
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise EngineConfigError(f"kv_cache_dtype={kv_cache_dtype!r}; choose 'auto' (the "
-                                "model's dtype) or 'int8' (per-token, per-head scales)")
+    CacheConfig(kv_cache_dtype=kv_cache_dtype)  # raises EngineConfigError if unknown
     return kv_cache_dtype
+
+
+def build_attention_metadata(slots: list[int], block_tables: list[list[int]],
+                             query_lens: list[int], context_lens: list[int],
+                             device: torch.device | str) -> AttentionMetadata:
+    """One step's metadata from host lists: ``query_lens[b]`` new tokens of sequence b end at
+    position ``context_lens[b] - 1``; ``block_tables`` rows are padded with block 0."""
+    if not (len(block_tables) == len(query_lens) == len(context_lens)):
+        raise ValueError(f"{len(block_tables)} block tables, {len(query_lens)} query lengths, "
+                         f"{len(context_lens)} context lengths: one of each per sequence")
+    width = max((len(t) for t in block_tables), default=0)
+    bt = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables],
+                      dtype=torch.int32, device=device)
+    qsl = [0]
+    for n in query_lens:
+        qsl.append(qsl[-1] + n)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=bt,
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        decode_only=all(n == 1 for n in query_lens),
+        query_lens_host=list(query_lens),
+        context_lens_host=list(context_lens),
+        max_query_len=max(query_lens, default=0),
+        max_context_len=max(context_lens, default=0),
+    )
 
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -37,21 +61,6 @@ def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head
         return 2 * num_layers * block_size * num_kv_heads * (head_dim + scale)
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
-
-
-def num_blocks_for(per_block: int, kv_cache_bytes: int | None, max_num_seqs: int,
-                   max_model_len: int, block_size: int, default_cap: int = 256 << 20) -> int:
-    """Pool size: ``kv_cache_bytes // per_block`` blocks, or (no budget given) enough for
-    max_num_seqs full-length sequences, capped at ``default_cap`` bytes. A smaller per-block
-    size (an INT8 cache) turns the same byte budget into more blocks."""
-    if kv_cache_bytes is None:
-        want = -(-max_num_seqs * max_model_len // block_size)
-        return max(1, min(want, default_cap // per_block))
-    num_blocks = int(kv_cache_bytes // per_block)
-    if num_blocks < 1:
-        raise EngineConfigError(f"kv_cache_bytes={kv_cache_bytes} holds no block of "
-                                f"{per_block} bytes; raise it")
-    return num_blocks
 
 
 class PagedKVCache:
@@ -93,8 +102,6 @@ class PagedKVCache:
         if sliding_window is not None and not isinstance(self.backend, TorchBackend):
             raise ValueError(f"sliding-window attention is only implemented by the torch backend, "
                              f"not {self.backend.name!r}")
-        # backends that take the per-step metadata (torch, triton) get it; others the plain args
-        self._pass_meta = bool(getattr(self.backend, "accepts_metadata", False))
         self.meta: AttentionMetadata | None = None
 
     def nbytes(self) -> int:
@@ -103,19 +110,32 @@ class PagedKVCache:
                                                            self.k_scales, self.v_scales)
                    for t in ts)
 
+    @classmethod
+    def for_model(cls, model_config: object, cache: CacheConfig, dtype: torch.dtype,
+                  device: torch.device | str, backend: AttentionBackend | None = None
+                  ) -> PagedKVCache:
+        """The pool ``cache`` describes (its num_blocks resolved) for a model's shapes."""
+        c = model_config
+        return cls(c.num_hidden_layers, cache.num_blocks, cache.block_size,
+                   c.num_key_value_heads, c.head_dim, dtype, device, backend,
+                   cache.num_cpu_blocks, getattr(c, "sliding_window", None), cache.kv_cache_dtype)
+
+    def begin_step(self, slots: list[int], block_tables: list[list[int]], query_lens: list[int],
+                   context_lens: list[int]) -> None:
+        """Set the metadata every layer of the next forward reads (built once, not per layer)."""
+        dev = self.k_caches[0].device
+        self.meta = build_attention_metadata(slots, block_tables, query_lens, context_lens, dev)
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
-        m = self.meta
+        """The model's hook: store this layer's new K/V in their slots, attend over the cache."""
+        m, be = self.meta, self.backend
         kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
-        be = self.backend
-        kw: dict = {}
-        if self._pass_meta:
-            kw["meta"] = m
-        if self.k_scales:
-            kw["k_scale"], kw["v_scale"] = self.k_scales[layer_idx], self.v_scales[layer_idx]
+        ks = self.k_scales[layer_idx] if self.k_scales else None
+        vs = self.v_scales[layer_idx] if self.v_scales else None
+        kw = {"k_scale": ks, "v_scale": vs, "meta": m}
         be.reshape_and_cache(k[0], v[0], kc, vc, m.slot_mapping, **kw)
-        if self.sliding_window is not None:
-            kw["sliding_window"] = self.sliding_window
+        kw["sliding_window"] = self.sliding_window
         if m.decode_only:
             out = be.decode(q[0], kc, vc, m.block_tables, m.context_lens, self.scale, **kw)
         else:

@@ -1,4 +1,9 @@
-"""The model: config, a Llama-family decoder, sampling, reference generation, loading."""
+"""labkit.model: the model and nothing about serving it (the layer just above errors / utils).
+
+Owns the architecture config (``config.ModelConfig``), the Llama-family decoder with its
+``kv_cache.attend`` hook (``llama``), sampling filters (``sampling``), the reference
+``generate`` with a contiguous cache that every engine path is compared with (``generate``),
+checkpoint loading (``loader``) and the tokenizer (``tokenizer``)."""
 
 from labkit.model.config import ConfigError, ModelConfig
 from labkit.model.generate import ContiguousKVCache, generate

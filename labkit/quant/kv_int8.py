@@ -19,19 +19,11 @@ from __future__ import annotations
 
 import torch
 
+from labkit.kv.ops import dequantize_kv_per_head, quantize_kv_per_head
 from labkit.model.llama import causal_attention
 
-
-def quantize_kv_per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., H, D] -> (int8 [..., H, D], fp16 scale [..., H]); one scale per (token, head)."""
-    scale = (x.float().abs().amax(dim=-1) / 127).clamp(min=1e-8).half()
-    q = torch.round(x.float() / scale.float()[..., None]).clamp(-127, 127).to(torch.int8)
-    return q, scale
-
-
-def dequantize_kv_per_head(q: torch.Tensor, scale: torch.Tensor,
-                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return (q.float() * scale.float()[..., None]).to(dtype)
+__all__ = ["Int8ContiguousKVCache", "dequantize_kv_per_block", "dequantize_kv_per_head",
+           "quantize_kv_per_block", "quantize_kv_per_head"]
 
 
 def quantize_kv_per_block(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

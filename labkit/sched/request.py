@@ -19,6 +19,8 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+import torch
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -42,12 +44,26 @@ class Sequence:
         self.cache_salt = request.cache_salt
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
-        self.generator: Any = None  # torch.Generator for seeded sampling (model executor)
+        self._generator: torch.Generator | None = None
         self.token_times: list[float] = []
         self.num_cached_tokens = 0  # prefix-cache hit tokens at first admission
         self.output_text = ""
         self.streamed_text = ""  # the part of output_text streams have been sent (detokenizer)
         self.sort_key: tuple = ()
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """This sample's random stream (None when greedy), made on first use: seeded samples get
+        ``seed + index`` so sample i of a request is reproducible on its own; an executor that
+        never samples (the simulator) never pays for one."""
+        p = self.request.params
+        if self._generator is None and getattr(p, "temperature", 0) != 0:
+            self._generator = torch.Generator()
+            if getattr(p, "seed", None) is not None:
+                self._generator.manual_seed(p.seed + self.index)
+            else:
+                self._generator.seed()
+        return self._generator
 
     @property
     def num_tokens(self) -> int:
@@ -89,7 +105,7 @@ class Request:
         self.cache_salt = cache_salt
         self.index = index  # add order: the final tie-break of every policy
         self.seqs: list[Sequence] = [Sequence(self, 0, list(prompt_token_ids))]
-        self.forked = self.n == 1
+        self.num_pending_forks = self.n - 1  # samples 1..n-1, forked when sample 0's prefill ends
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -101,7 +117,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.forked and all(s.is_finished for s in self.seqs)
+        return self.num_pending_forks == 0 and all(s.is_finished for s in self.seqs)
 
     def fork_children(self) -> list[Sequence]:
         """Create samples 1..n-1 as copies of sample 0 (the caller shares blocks)."""
@@ -114,5 +130,5 @@ class Request:
             c.sort_key = parent.sort_key[:-1] + (i,)
             children.append(c)
         self.seqs.extend(children)
-        self.forked = True
+        self.num_pending_forks = 0
         return children

@@ -20,6 +20,11 @@ trades some batch size for fewer preemptions.
 
 ``batching="static"``: take a batch of up to max_num_seqs waiting requests when nothing runs, run
 it to completion, then the next — the baseline continuous batching is compared with.
+
+After the forward, ``update_from_output`` books the results: tokens appended up to the one stop
+checker (:class:`StopChecker`: EOS, stop ids, max_tokens / context end, stop strings; a
+speculative step's extra tokens are checked one by one and dropped after a stop),
+``num_computed_tokens`` advanced, finished sequences freed, rejected-draft slots released.
 """
 
 from __future__ import annotations
@@ -28,64 +33,49 @@ import bisect
 import heapq
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from typing import Any
 
-from labkit.engine.errors import EngineConfigError
-from labkit.kv.block_manager import BlockManager, cdiv
+from labkit.config import BATCHING, POLICIES, PREEMPTION_MODES, SchedulerConfig
+from labkit.kv.block_manager import BlockManager
+from labkit.sched.output import ScheduledSeq, SchedulerOutput, SeqOutput
 from labkit.sched.request import Request, Sequence, SequenceStatus
+from labkit.utils import cdiv
 
-POLICIES = ("fcfs", "priority", "sjf")
-PREEMPTION_MODES = ("recompute", "swap")
-BATCHING = ("continuous", "static")
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    enable_chunked_prefill: bool = True
-    policy: str = "fcfs"
-    batching: str = "continuous"
-    preemption_mode: str = "recompute"
-    watermark_high: float = 1.0
-    watermark_low: float = 1.0
-    num_lookahead_slots: int = 0  # extra KV slots per decoding sequence (speculative decoding)
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise EngineConfigError(f"unknown policy {self.policy!r}; choose one of {POLICIES}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise EngineConfigError(f"unknown preemption_mode {self.preemption_mode!r}; "
-                             f"choose one of {PREEMPTION_MODES}")
-        if self.batching not in BATCHING:
-            raise EngineConfigError(f"unknown batching {self.batching!r}; choose one of {BATCHING}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise EngineConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if not 0.0 < self.watermark_low <= self.watermark_high <= 1.0:
-            raise EngineConfigError("need 0 < watermark_low <= watermark_high <= 1, got "
-                             f"{self.watermark_low}, {self.watermark_high}")
+__all__ = ["BATCHING", "POLICIES", "PREEMPTION_MODES", "ScheduledSeq", "Scheduler",
+           "SchedulerConfig", "SchedulerOutput", "SeqOutput", "StopChecker", "policy_key"]
 
 
-@dataclass
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
-    start_pos: int
-    is_prefill: bool
-    samples: bool  # the chunk reaches the end of the sequence: a token is sampled
-    children: list[Sequence] = field(default_factory=list)  # forked at this step (n > 1)
+def stop_string_hit(tokenizer: Any, seq: Any) -> bool:
+    """Does ``seq``'s output text so far contain one of its stop strings?"""
+    text = tokenizer.decode(seq.output_token_ids)
+    return any(s in text for s in seq.request.params.stop)
 
 
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq]
-    preempted: list[tuple[Sequence, str]]
-    num_batched_tokens: int
-    token_budget: int
+class StopChecker:
+    def __init__(self, eos_token_ids: tuple[int, ...] = (), max_model_len: int | None = None,
+                 tokenizer: Any = None) -> None:
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+    def append(self, seq: Any, new: list[int], now: float) -> tuple[list[int], str | None]:
+        """Append ``new`` to ``seq`` up to its first stop; returns (appended, reason or None)."""
+        p = seq.request.params
+        eos = () if p.ignore_eos else self.eos_token_ids
+        limit = seq.num_prompt_tokens + p.max_tokens
+        if self.max_model_len is not None:
+            limit = min(limit, self.max_model_len)
+        strings = bool(p.stop) and self.tokenizer is not None
+        for i, tok in enumerate(new):
+            seq.token_ids.append(tok)
+            seq.token_times.append(now)
+            if tok in eos or tok in p.stop_token_ids:
+                return new[: i + 1], "stop"
+            if len(seq.token_ids) >= limit:
+                return new[: i + 1], "length"
+            if strings and stop_string_hit(self.tokenizer, seq):
+                return new[: i + 1], "stop"
+        return new, None
 
 
 def policy_key(policy: str, req: Request, seq_index: int) -> tuple:
@@ -98,10 +88,12 @@ def policy_key(policy: str, req: Request, seq_index: int) -> tuple:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], stop_checker: StopChecker | None = None) -> None:
         self.config = config
         self.bm = block_manager
         self.clock = clock
+        self.stop_checker = stop_checker or StopChecker()
+        self.finished: list[dict] = []  # finish records since the trace last took them
         self.pending: list[tuple[float, int, Sequence]] = []  # not yet arrived (simulator)
         self.waiting: list[tuple[tuple, Sequence]] = []  # heap by policy key; lazy deletion
         self.num_waiting = 0
@@ -159,21 +151,54 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         self.bm.free(seq)
 
+    def abort_request(self, req: Request) -> None:
+        """Finish every unfinished sample of ``req`` with reason ``"abort"``, wherever it is
+        (waiting, running, swapped); all its blocks are released and no fork will follow."""
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.abort_seq(seq)
+                self._record_finish(seq, "abort")
+        req.num_pending_forks = 0
+        req.finish_time = self.clock()
+
     def remove_finished(self) -> None:
-        """Drop sequences the engine marked finished this step (their blocks are freed)."""
+        """Drop finished sequences from the running list (their blocks are already freed)."""
         self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+
+    def take_finished(self) -> list[dict]:
+        """Finish records (request_id, seq_id, reason) since the last call, for the trace."""
+        out, self.finished = self.finished, []
+        return out
+
+    def _record_finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.finished.append({"request_id": seq.request_id, "seq_id": seq.seq_id,
+                              "reason": reason})
 
     # ---- scheduling -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        cfg, bm = self.config, self.bm
+        cfg = self.config
         now = self.clock()
         while self.pending and self.pending[0][0] <= now:
             self._push_waiting(heapq.heappop(self.pending)[2])
-        budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[tuple[Sequence, str]] = []
+        budget = self._schedule_running(cfg.max_num_batched_tokens, scheduled, preempted)
+        # swapped back in, then new admissions, only when nothing had to be preempted
+        if not preempted:
+            budget = self._swap_in(scheduled, budget)
+            if not self.swapped:
+                budget = self._admit(scheduled, budget)
+        self.num_preemptions += len(preempted)
+        return SchedulerOutput(scheduled, preempted, cfg.max_num_batched_tokens - budget,
+                               cfg.max_num_batched_tokens, self.bm.take_block_ops())
 
-        # 1. running sequences, best first; preempt from the worst end when blocks run out
+    def _schedule_running(self, budget: int, scheduled: list[ScheduledSeq],
+                          preempted: list[tuple[Sequence, str]]) -> int:
+        """Running sequences, best first, each its next chunk; when blocks run out, preempt from
+        the worst end (possibly the sequence itself). Returns the budget left."""
+        cfg, bm = self.config, self.bm
         self.running.sort(key=lambda s: s.sort_key)
         queue = deque(self.running)
         kept: list[Sequence] = []
@@ -194,27 +219,59 @@ class Scheduler:
                 if victim is seq:
                     break
                 ok = bm.allocate_slots(seq, num_new, num_lookahead=lookahead)
-            if not ok:
-                continue
-            kept.append(seq)
-            scheduled.append(self._scheduled(seq, num_new, is_prefill))
-            budget -= num_new
+            if ok:
+                kept.append(seq)
+                scheduled.append(self._scheduled(seq, num_new, is_prefill))
+                budget -= num_new
+        return budget
 
-        # 2. swapped back in, then new admissions, only when nothing had to be preempted
-        if not preempted:
-            budget = self._swap_in(scheduled, budget)
-            if not self.swapped:
-                budget = self._admit(scheduled, budget)
-        self.num_preemptions += len(preempted)
-        return SchedulerOutput(scheduled, preempted, cfg.max_num_batched_tokens - budget,
-                               cfg.max_num_batched_tokens)
+    # ---- after the forward ----------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]],
+                           now: float | None = None) -> list[SeqOutput]:
+        """Book a step's results (vLLM v1's ``update_from_output``). A chunk that did not reach
+        its sequence's end only advances ``num_computed_tokens``. A sequence that sampled gets
+        its tokens appended up to the first stop condition (a speculative step may bring
+        several; the rest are dropped), then every token but the last one has KV; a finished
+        sequence is freed; slots reserved for rejected drafts are released. ``now`` stamps the
+        tokens (the engine passes the time the forward ended, which the trace records too)."""
+        now = self.clock() if now is None else now
+        outputs: list[SeqOutput] = []
+        for sc in out.scheduled:
+            if not sc.samples:
+                sc.seq.num_computed_tokens += sc.num_new_tokens
+                self.bm.cache_full_blocks(sc.seq)
+                continue
+            for seq in (sc.seq, *sc.children):
+                o = self._append(seq, sampled.get(seq.seq_id, []), now)
+                if o.new_token_ids or o.finish_reason:
+                    outputs.append(o)
+        if any(o.finish_reason for o in outputs):
+            self.remove_finished()
+        return outputs
+
+    def _append(self, seq: Sequence, new: list[int], now: float) -> SeqOutput:
+        added, reason = self.stop_checker.append(seq, new, now)
+        seq.num_computed_tokens = len(seq.token_ids) - 1
+        self.bm.cache_full_blocks(seq)
+        req = seq.request
+        if req.first_token_time is None and added:
+            req.first_token_time = now
+        if reason is not None:
+            self.bm.free(seq)
+            self._record_finish(seq, reason)
+            if req.is_finished:
+                req.finish_time = now
+        elif len(seq.block_table) > cdiv(seq.num_tokens + self.config.num_lookahead_slots,
+                                         self.bm.block_size):
+            self.bm.truncate(seq, seq.num_tokens)  # drop the slots of rejected drafts
+        return SeqOutput(seq, added, reason)
 
     def _scheduled(self, seq: Sequence, num_new: int, is_prefill: bool) -> ScheduledSeq:
         start = seq.num_computed_tokens
         samples = start + num_new == seq.num_tokens
         s = ScheduledSeq(seq, num_new, start, is_prefill, samples)
         req = seq.request
-        if samples and not req.forked:
+        if samples and req.num_pending_forks:
             s.children = req.fork_children()
             for c in s.children:
                 self.bm.fork(seq, c)
@@ -288,7 +345,7 @@ class Scheduler:
             if seq is None:
                 break
             req = seq.request
-            width = 1 if req.forked else req.n  # samples it will fork into
+            width = 1 + req.num_pending_forks  # samples it will fork into
             if len(self.running) + width > cfg.max_num_seqs:
                 break
             blocks, hashes = bm.find_cached_prefix(seq)

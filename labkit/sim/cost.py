@@ -95,16 +95,9 @@ def step_cost(
     return StepCost(flops, nbytes, flops / g.peak_flops, nbytes / g.mem_bandwidth, overhead_s)
 
 
-def step_time(
-    model: ModelPreset | str,
-    gpu: GPUPreset | str,
-    num_prefill_tokens: int,
-    num_decode_tokens: int,
-    context_tokens: int,
-    *,
-    attention_pairs: int | None = None,
-    overhead_s: float = STEP_OVERHEAD_S,
-) -> float:
+def step_time(model: ModelPreset | str, gpu: GPUPreset | str, num_prefill_tokens: int,
+              num_decode_tokens: int, context_tokens: int, *, attention_pairs: int | None = None,
+              overhead_s: float = STEP_OVERHEAD_S) -> float:
     """Seconds one engine step takes on ``gpu`` (0.0 for an empty step)."""
     return step_cost(model, gpu, num_prefill_tokens, num_decode_tokens, context_tokens,
                      attention_pairs=attention_pairs, overhead_s=overhead_s).time_s

@@ -145,23 +145,21 @@ def _normalise(name: str) -> str:
     return name.strip().lower().replace("_", "-").replace(" ", "-")
 
 
+def _lookup(name: str, table: dict, aliases: dict[str, str], what: str):
+    key = _normalise(name)
+    key = aliases.get(key, key)
+    if key not in table:
+        raise ValueError(f"unknown {what} {name!r}; valid names: {', '.join(sorted(table))}")
+    return table[key]
+
+
 def get_gpu(name: str | GPUPreset) -> GPUPreset:
     """Look a GPU preset up by name (case-insensitive); ValueError lists the valid names."""
-    if isinstance(name, GPUPreset):
-        return name
-    key = _normalise(name)
-    key = _GPU_ALIASES.get(key, key)
-    if key not in GPUS:
-        raise ValueError(f"unknown GPU {name!r}; valid names: {', '.join(sorted(GPUS))}")
-    return GPUS[key]
+    return name if isinstance(name, GPUPreset) else _lookup(name, GPUS, _GPU_ALIASES, "GPU")
 
 
 def get_model_preset(name: str | ModelPreset) -> ModelPreset:
     """Look a model preset up by name (case-insensitive); ValueError lists the valid names."""
     if isinstance(name, ModelPreset):
         return name
-    key = _normalise(name)
-    key = _MODEL_ALIASES.get(key, key)
-    if key not in MODELS:
-        raise ValueError(f"unknown model preset {name!r}; valid names: {', '.join(sorted(MODELS))}")
-    return MODELS[key]
+    return _lookup(name, MODELS, _MODEL_ALIASES, "model preset")

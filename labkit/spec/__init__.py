@@ -1,7 +1,10 @@
 """labkit.spec: speculative decoding (draft model and n-gram drafts, exact rejection sampling).
 
-``labkit.LLM(model=..., speculative_config={"method": "ngram" | "draft_model", ...})`` routes
-through :func:`make_spec_executor`; the pieces are importable on their own for the notebooks:
+Sits above the engine: ``SpecDecodeExecutor`` implements the engine's executor contract around
+its ``ModelRunner``, and the draft model runs through a ModelRunner of its own.
+``labkit.LLM(model=..., speculative_config={"method": "ngram" | "draft_model", ...})`` builds it
+through :func:`make_spec_executor` (registered by ``labkit/__init__``); the pieces are
+importable on their own for the notebooks:
 ``rejection`` (the accept / resample rule), ``proposers``, ``theory`` (formulas, acceptance
 statistics from a trace, and the engine-free reference ``speculative_generate``).
 """

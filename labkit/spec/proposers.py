@@ -4,11 +4,15 @@
   in the prompt or output, guess that what followed then follows again. Free to compute and very
   good on code and on summarisation/editing, where the output copies the input.
 * :class:`DraftModelProposer`: a small model with the target's tokenizer runs γ cheap decode
-  steps. It keeps its own KV cache in its own per-layer tensors but indexes them with the
-  TARGET's block tables: same physical block ids, same slots. So the scheduler's block
-  accounting (allocation, lookahead slots, rollback, freeing, preemption) covers the draft for
-  free, with no second allocator to keep in sync. The cost is that the draft's tensors are sized
-  for the target's whole block pool (small: the draft is several times smaller).
+  steps through its own :class:`~labkit.engine.model_runner.ModelRunner` and ``PagedKVCache``
+  -- the engine's own packed-forward code path, not a copy. Its KV tensors are its own, but it
+  addresses them with the TARGET's block tables (same physical block ids, same slots), so the
+  scheduler's block accounting (allocation, lookahead slots, rollback, freeing, preemption)
+  covers the draft for free, with no second allocator to keep in sync. The cost is that the
+  draft's pool is as many blocks as the target's (small: the draft is several times smaller).
+
+:func:`draft_loop` is the one autoregressive draft loop: the engine's proposer and the
+engine-free reference (:mod:`labkit.spec.theory`) differ only in how one step runs the model.
 
 The draft remembers how many positions of each sequence it has written and into which blocks; if
 the target's block table changed under it (preemption, copy-on-write, a prefix-cache hit on blocks
@@ -18,14 +22,17 @@ acceptance, never change the output, because every token is verified by the targ
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from labkit.kv.metadata import build_attention_metadata
+from labkit.engine.model_runner import ModelRunner
+from labkit.kv.attention import AttentionBackend, get_attention_backend
 from labkit.model.sampling import apply_sampling_filters
+
+Feed = tuple[int, list[int]]  # (first position, tokens the draft has not seen yet)
 
 
 @dataclass
@@ -94,49 +101,55 @@ class NgramProposer:
     def free(self, seq_id: str) -> None:
         """Stateless: nothing to release."""
 
+    def tracked(self) -> list[str]:
+        return []
 
-class _DraftPagedKV:
-    """The draft's KV tensors, addressed through the target's block tables (see module doc)."""
 
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
-                 backend: object) -> None:
-        c = model.config
-        shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-        kw = {"dtype": model.dtype, "device": model.device}
-        self.k = [torch.zeros(shape, **kw) for _ in range(c.num_hidden_layers)]
-        self.v = [torch.zeros(shape, **kw) for _ in range(c.num_hidden_layers)]
-        self.scale = c.head_dim ** -0.5
-        self.backend = backend
-        self._pass_meta = bool(getattr(backend, "accepts_metadata", False))
-        self.meta = None  # per-forward AttentionMetadata, set by DraftModelProposer
+def _pick(logits: torch.Tensor, r: ProposalRequest) -> tuple[int, torch.Tensor | None]:
+    """Greedy: the argmax, no distribution. Sampled: a draw from the filtered q, and q itself
+    (rejection sampling needs the exact distribution the draft drew from)."""
+    if r.temperature == 0.0:
+        return int(logits.argmax()), None
+    q = apply_sampling_filters(logits, r.temperature, r.top_k, r.top_p)
+    return int(torch.multinomial(q, 1, generator=r.generator)), q
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
-        kc, vc = self.k[layer_idx], self.v[layer_idx]
-        be, m = self.backend, self.meta
-        kw = {"meta": m} if self._pass_meta else {}
-        be.reshape_and_cache(k[0], v[0], kc, vc, m.slot_mapping, **kw)
-        if m.decode_only:  # one token per sequence: the cheaper decode kernel
-            out = be.decode(q[0], kc, vc, m.block_tables, m.context_lens, self.scale, **kw)
-        else:
-            out = be.prefill(q[0], kc, vc, m.block_tables, m.query_start_loc, m.context_lens,
-                             self.scale, **kw)
-        return out[None]
+
+def draft_loop(step: Callable[[list[int], list[Feed]], torch.Tensor],
+               requests: Sequence[ProposalRequest], feeds: list[Feed]) -> list[Proposal]:
+    """γ autoregressive draft steps for a batch. ``feeds[i]`` is what request i's draft has not
+    seen (the first step: the new context; later: the previous draft token). ``step(rows,
+    feeds)`` runs the draft on those rows and returns their next-token logits ``[len(rows), V]``.
+    The batch shrinks only when a request asks for fewer drafts."""
+    out = [Proposal([], None) for _ in requests]
+    probs: list[list[torch.Tensor]] = [[] for _ in requests]
+    feeds = list(feeds)
+    for k in range(max((r.num_tokens for r in requests), default=0)):
+        rows = [i for i, r in enumerate(requests) if r.num_tokens > k]
+        logits = step(rows, [feeds[i] for i in rows]).float().cpu()
+        for row, i in enumerate(rows):
+            tok, q = _pick(logits[row], requests[i])
+            out[i].token_ids.append(tok)
+            if q is not None:
+                probs[i].append(q)
+            start, toks = feeds[i]
+            feeds[i] = (start + len(toks), [tok])
+    for o, p in zip(out, probs):
+        if p:
+            o.probs = torch.stack(p)
+    return out
 
 
 class DraftModelProposer:
     """γ autoregressive steps of a small draft model, batched over all speculating sequences."""
 
     def __init__(self, model: torch.nn.Module, num_speculative_tokens: int, num_blocks: int,
-                 block_size: int, attention_backend: str | object = "torch") -> None:
+                 block_size: int, attention_backend: str | AttentionBackend = "torch") -> None:
         if isinstance(attention_backend, str):
-            from labkit.kv.attention import get_attention_backend
-
             attention_backend = get_attention_backend(attention_backend)
         self.model = model
         self.num_speculative_tokens = num_speculative_tokens
         self.block_size = block_size
-        self.kv = _DraftPagedKV(model, num_blocks, block_size, attention_backend)
+        self.runner = ModelRunner.for_model(model, block_size, num_blocks, 0, attention_backend)
         self._computed: dict[str, int] = {}  # positions 0..n-1 hold valid draft KV
         self._blocks: dict[str, list[int]] = {}  # the block table those positions were written to
 
@@ -144,6 +157,10 @@ class DraftModelProposer:
         """Forget a finished/aborted sequence (its blocks go back to the target's pool)."""
         self._computed.pop(seq_id, None)
         self._blocks.pop(seq_id, None)
+
+    def tracked(self) -> list[str]:
+        """Sequences whose draft KV state is kept."""
+        return list(self._computed)
 
     def _valid_prefix(self, r: ProposalRequest) -> int:
         old = self._blocks.get(r.seq_id, [])
@@ -154,60 +171,24 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
-        out = [Proposal([], None) for _ in requests]
-        active = [i for i, r in enumerate(requests) if r.num_tokens > 0]
-        if not active:
-            return out
-        bs, dev = self.block_size, self.model.device
-        for i in active:
-            r = requests[i]
+        active = [r for r in requests if r.num_tokens > 0]
+        for r in active:
             need = len(r.token_ids) + r.num_tokens - 1
-            if len(r.block_table) * bs < need:
+            if len(r.block_table) * self.block_size < need:
                 raise ValueError(f"sequence {r.seq_id}: block table covers "
-                                 f"{len(r.block_table) * bs} positions, drafting needs {need}")
-        width = max(len(requests[i].block_table) for i in active)
-        tables = {i: list(requests[i].block_table) + [0] * (width - len(requests[i].block_table))
-                  for i in active}
+                                 f"{len(r.block_table) * self.block_size} positions, drafting "
+                                 f"needs {need}")
         # first step: every token the draft has not seen yet (the whole prompt the first time,
         # one or two tokens afterwards); later steps: the previous draft token
-        feeds = {}
-        for i in active:
-            start = self._valid_prefix(requests[i])
-            feeds[i] = (start, list(requests[i].token_ids[start:]))
-        probs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
-        for step in range(max(requests[i].num_tokens for i in active)):
-            # the batch shrinks only when a sequence drafts fewer tokens
-            rows = [i for i in active if requests[i].num_tokens > step]
-            ids, pos, slots, qlens, ctx = [], [], [], [], []
-            for i in rows:
-                start, toks = feeds[i]
-                table = tables[i]
-                ids += toks
-                pos += range(start, start + len(toks))
-                slots += [table[p // bs] * bs + p % bs for p in range(start, start + len(toks))]
-                qlens.append(len(toks))
-                ctx.append(start + len(toks))
-            kv = self.kv
-            kv.meta = build_attention_metadata(slots, [tables[i] for i in rows], qlens, ctx, dev)
-            last = torch.tensor(qlens, device=dev).cumsum(0) - 1
-            logits = self.model(torch.tensor([ids], device=dev), torch.tensor([pos], device=dev),
-                                kv, logits_indices=last).float().cpu()
-            greedy = logits.argmax(-1).tolist()
-            for row, i in enumerate(rows):
-                r = requests[i]
-                if r.temperature == 0.0:
-                    tok = greedy[row]
-                else:
-                    q = apply_sampling_filters(logits[row], r.temperature, r.top_k, r.top_p)
-                    tok = int(torch.multinomial(q, 1, generator=r.generator))
-                    probs[i].append(q)
-                out[i].token_ids.append(tok)
-                feeds[i] = (ctx[row], [tok])
-        for i in active:
-            r = requests[i]
+        feeds = [(s, list(r.token_ids[s:])) for r in active for s in [self._valid_prefix(r)]]
+
+        def step(rows: list[int], fed: list[Feed]) -> torch.Tensor:
+            chunks = [(active[i].block_table, start, toks) for i, (start, toks) in zip(rows, fed)]
+            return self.runner.forward(chunks, [[len(toks) - 1] for _, toks in fed])
+
+        props = iter(draft_loop(step, active, feeds))
+        for r in active:
             # positions up to len + γ - 2 now hold draft KV (the last draft token is never fed)
             self._computed[r.seq_id] = len(r.token_ids) + r.num_tokens - 1
             self._blocks[r.seq_id] = list(r.block_table)
-            if probs[i]:
-                out[i].probs = torch.stack(probs[i])
-        return out
+        return [next(props) if r.num_tokens > 0 else Proposal([], None) for r in requests]

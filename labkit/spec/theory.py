@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from labkit.model.generate import ContiguousKVCache
-from labkit.model.sampling import apply_sampling_filters, validate_sampling
-from labkit.spec.proposers import NgramProposer
+from labkit.model.sampling import validate_sampling
+from labkit.spec.proposers import NgramProposer, ProposalRequest, draft_loop
 from labkit.spec.rejection import verify
 
 
@@ -104,7 +104,8 @@ def trace_acceptance(trace: dict) -> AcceptanceStats:
 
 
 class _ContiguousDraft:
-    """The reference's draft: a model with its own contiguous cache, fed lazily (see proposers)."""
+    """The reference's draft: a model with its own contiguous cache, fed lazily (see proposers),
+    through the same :func:`~labkit.spec.proposers.draft_loop` as the engine's proposer."""
 
     def __init__(self, model: torch.nn.Module, max_len: int) -> None:
         self.model, self.cache, self.computed = model, ContiguousKVCache(model, 1, max_len), 0
@@ -113,21 +114,16 @@ class _ContiguousDraft:
                 gen: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
         dev = self.model.device
         start = min(self.computed, len(ctx) - 1)
-        feed = ctx[start:]
-        toks, qs = [], []
-        for _ in range(gamma):
-            pos = torch.arange(start, start + len(feed), device=dev)[None]
-            logits = self.model(torch.tensor([feed], device=dev), pos, self.cache)[0, -1].float()
-            if temperature == 0.0:
-                tok = int(logits.argmax())
-            else:
-                q = apply_sampling_filters(logits.cpu(), temperature, top_k, top_p)
-                tok = int(torch.multinomial(q, 1, generator=gen))
-                qs.append(q)
-            toks.append(tok)
-            start, feed = start + len(feed), [tok]
-        self.computed = start  # the last draft token is proposed, not fed
-        return toks, (torch.stack(qs) if qs else None)
+
+        def step(rows: list[int], fed: list[tuple[int, list[int]]]) -> torch.Tensor:
+            pos, toks = fed[0]
+            positions = torch.arange(pos, pos + len(toks), device=dev)[None]
+            return self.model(torch.tensor([toks], device=dev), positions, self.cache)[:, -1]
+
+        req = ProposalRequest("ref", ctx, gamma, temperature, top_k, top_p, gen)
+        prop = draft_loop(step, [req], [(start, ctx[start:])])[0]
+        self.computed = len(ctx) + gamma - 1  # the last draft token is proposed, not fed
+        return prop.token_ids, prop.probs
 
 
 @torch.inference_mode()

@@ -116,7 +116,7 @@ class SimulatorControls(widgets.VBox):
 
     def run(self) -> Any:
         """Simulate with the current settings and refresh every tab; returns the SimResult."""
-        from labkit.engine.simulate import simulate
+        from labkit.sim.simulate import simulate
 
         kw = self.settings()
         self.status.value = "<i>simulating…</i>"

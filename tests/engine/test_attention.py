@@ -75,7 +75,7 @@ def _paged_case(g, block_size, ctx_lens, q_lens, Hq=4, Hkv=2, D=8, nb=64):
 def test_step_metadata_reused_across_layers(q_lens, window):
     """One AttentionMetadata serves every layer: two 'layers' with different K/V read through
     the same metadata (plans built by the first call) match plain attention on each."""
-    from labkit.kv.metadata import build_attention_metadata
+    from labkit.kv.cache import build_attention_metadata
 
     g = torch.Generator().manual_seed(1)
     ctx_lens, bs, D = [9, 13, 4, 7], 4, 8

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from labkit.engine.errors import EngineConfigError, InvalidPromptError, SamplingParamsError
 from labkit.engine.invariants import assert_no_leaks
 from labkit.engine.llm import LLM
 from labkit.engine.llm_engine import LLMEngine
 from labkit.engine.sampling_params import SamplingParams
+from labkit.errors import EngineConfigError, InvalidPromptError, SamplingParamsError
 
 
 @pytest.fixture()
@@ -77,10 +77,12 @@ def test_bad_engine_config(tiny_model):
 
 
 def test_speculative_config_without_support(tiny_model, monkeypatch):
-    import labkit.spec
+    """The engine builds the speculative executor only through a registered factory (it never
+    imports labkit.spec); without one it says so at construction."""
+    import labkit.engine.executor as executor
 
-    monkeypatch.delattr(labkit.spec, "make_spec_executor", raising=False)
-    with pytest.raises(ValueError, match="make_spec_executor"):
+    monkeypatch.setattr(executor, "_FACTORIES", {})
+    with pytest.raises(EngineConfigError, match="no executor registered for 'speculative'"):
         LLM.from_model(tiny_model, speculative_config={"num_speculative_tokens": 3})
 
 

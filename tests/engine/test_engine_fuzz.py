@@ -13,10 +13,10 @@ import random
 import pytest
 import torch
 
-from labkit.engine.errors import EngineStepError
 from labkit.engine.invariants import assert_no_leaks, check_kv_invariants
 from labkit.engine.llm_engine import LLMEngine
 from labkit.engine.sampling_params import SamplingParams
+from labkit.errors import EngineStepError
 from labkit.model.config import ModelConfig
 from labkit.model.generate import generate
 from labkit.model.llama import LlamaForCausalLM
@@ -54,7 +54,7 @@ def test_random_configs_match_reference(model, trial):
     for i in range(rng.randint(2, 8)):
         p = (shared if rng.random() < 0.5 else []) + [
             rng.randrange(128) for _ in range(rng.randint(1, 30))]
-        sp = SamplingParams(n=min(rng.choice([1, 1, 2, 3]), eng.config.max_num_seqs),
+        sp = SamplingParams(n=min(rng.choice([1, 1, 2, 3]), eng.config.scheduler.max_num_seqs),
                             temperature=rng.choice([0, 0.8]), top_k=rng.choice([0, -1, 10]),
                             top_p=rng.choice([1.0, 0.8]), seed=rng.randrange(1000),
                             max_tokens=rng.randint(1, 12), ignore_eos=rng.random() < 0.5,
@@ -120,8 +120,8 @@ def test_stress_greedy_tight_pool_spec_and_failures(model, draft, trial):
                                      "num_speculative_tokens": gamma}
     eng = LLMEngine.from_model(model, None, **kw)
     fail_at = rng.randint(1, 30) if rng.random() < 0.5 else 0
-    ex = getattr(eng.executor, "base", eng.executor)
-    forward, calls = ex.forward_chunks, [0]
+    runner = eng.executor.runner
+    forward, calls = runner.forward, [0]
 
     def flaky(*a, **k):
         calls[0] += 1
@@ -129,7 +129,7 @@ def test_stress_greedy_tight_pool_spec_and_failures(model, draft, trial):
             raise RuntimeError("injected")
         return forward(*a, **k)
 
-    ex.forward_chunks = flaky
+    runner.forward = flaky
     shared = [rng.randrange(128) for _ in range(rng.randint(1, 20))]
     todo = []
     for i in range(rng.randint(2, 8)):

@@ -13,12 +13,12 @@ import sys
 
 import pytest
 
-from labkit.engine.errors import EngineStepError
 from labkit.engine.invariants import KVInvariantError, assert_no_leaks, check_kv_invariants
 from labkit.engine.llm import LLM
 from labkit.engine.llm_engine import LLMEngine
 from labkit.engine.sampling_params import SamplingParams
 from labkit.engine.trace import replay
+from labkit.errors import EngineStepError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -90,9 +90,10 @@ def test_abort_while_swapped_out_is_freed_and_traced(tiny_model, reference):
 def _inject(eng: LLMEngine, where: str, at: int, exc: BaseException, monkeypatch=None) -> None:
     """Make the ``at``-th call of one engine stage raise ``exc`` ("model": an MLP of the
     model itself, halfway through the forward, after some layers wrote their KV)."""
-    ex = getattr(eng.executor, "base", eng.executor)
-    obj, name = {"forward": (ex, "forward_chunks"), "block_ops": (ex, "apply_block_ops"),
-                 "update": (eng, "_append"), "model": (ex.model.model.layers[-1].mlp, "forward"),
+    ex = eng.executor
+    obj, name = {"forward": (ex.runner, "forward"), "block_ops": (ex, "apply_block_ops"),
+                 "update": (eng.scheduler, "_append"),
+                 "model": (ex.runner.model.model.layers[-1].mlp, "forward"),
                  }[where]
     orig, calls = getattr(obj, name), [0]
 

@@ -31,7 +31,7 @@ def test_drill_ids_unique_and_fields_filled():
 
 @pytest.mark.parametrize("drill", [x for x in DRILLS if x.snippet], ids=lambda x: x.id)
 def test_snippet_runs_and_prints(drill):
-    out = run_snippet(drill)
+    out = output_of(drill.id)
     assert out.strip(), f"snippet {drill.id} printed nothing"
 
 
@@ -400,3 +400,301 @@ def test_cli_new_topic(capsys):
     out = capsys.readouterr().out
     assert "[parallelism / tp-split]" in out and "[parallelism / tp-vs-pp]" in out
     assert "4,587,520 B per GPU" in out
+
+
+# --- Search by id, topic and word stem (issue 19) -------------------------------------------------
+
+@pytest.mark.parametrize("query", ["preemption", "preempt", "Preempted", "preempting",
+                                   "preemptions", "sched-preempt"])
+def test_search_finds_preemption_drill_first(query):
+    assert [x.id for x in drills.search(query)][0] == "sched-preempt"
+
+
+@pytest.mark.parametrize("query,drill_id", [
+    ("watermark", "watermark"), ("watermarks", "watermark"), ("hysteresis", "watermark"),
+    ("block table", "block-table"), ("block tables", "block-table"), ("kv-size", "kv-size"),
+    ("quantize", "quant-per-channel"), ("quantized", "quant-gptq-awq"), ("caching", "prefix-hash"),
+    ("cached", "prefix-evict"), ("streamed", "sse"), ("batches", "batching-static"),
+    ("speculative decoding", "spec-speedup"), ("draining", "hot-update"),
+])
+def test_search_stems(query, drill_id):
+    assert drill_id in [x.id for x in drills.search(query)]
+
+
+def test_stem_is_shared_by_word_forms():
+    forms = {"preempt": ["preemption", "preemptions", "preempted", "preempting", "preempts"],
+             "cach": ["cache", "caches", "cached", "caching"],
+             "quantiz": ["quantize", "quantized", "quantization", "Quantization"]}
+    for root, words in forms.items():
+        assert {drills.stem(w) for w in words} == {root}, root
+    assert drills.stem("MIG") != drills.stem("might") and drills.stem("kv") == "kv"
+
+
+def test_search_ranks_id_and_topic_before_mentions():
+    ids = [x.id for x in drills.search("watermark")]
+    assert ids[0] == "watermark" and "tail-latency" in ids  # the tail drill only mentions it
+    topic_hits = [x.topic for x in drills.search("prefix-caching")]
+    assert topic_hits[:3] == ["prefix-caching"] * 3
+
+
+def test_search_topic_alias():
+    ids = [x.id for x in drills.search("ttft")]  # "ttft" is an alias of the metrics topic
+    assert ids[0] == "prefix-ttft"  # named in its id: first
+    assert {"metrics-defs", "metrics-roofline", "metrics-tradeoff"} <= set(ids[1:5])
+
+
+def test_search_matches_words_not_substrings():
+    assert "mig" not in [x.id for x in drills.search("might")]
+    assert drills.search("reempt") == []  # no substring matches inside words
+
+
+def test_search_empty_query_is_an_error():
+    with pytest.raises(ValueError, match="empty search"):
+        drills.search("  ")
+
+
+def test_cli_search_preempt(capsys):
+    assert main(["--search", "preempt"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("[scheduling / sched-preempt]")
+
+
+# --- Claims about named systems carry their source (issue 19) ------------------------------------
+
+from labkit.exercises.drills_sources import SOURCES, SYSTEMS  # noqa: E402
+
+
+def named_systems(drill) -> set[str]:
+    text = f"{drill.question} {drill.answer}"
+    return {name for name, pattern in SYSTEMS.items() if re.search(pattern, text)}
+
+
+@pytest.mark.parametrize("drill", DRILLS, ids=lambda x: x.id)
+def test_every_named_system_has_a_sourced_claim(drill):
+    missing = named_systems(drill) - {c.system for c in drill.claims}
+    assert not missing, f"{drill.id} names {sorted(missing)} without a Claim in drills_sources"
+    for claim in drill.claims:
+        assert claim.claim.strip() and claim.system in SYSTEMS, (drill.id, claim)
+        # a repository path ("owner/repo: path") or a documentation / paper URL
+        assert re.search(r"https://\S+|^[\w.-]+/[\w.-]+: \S+", claim.source), (drill.id, claim)
+
+
+def test_sources_only_for_existing_drills():
+    assert set(SOURCES) <= {x.id for x in DRILLS}
+
+
+def test_audit_finds_the_systems_the_bank_names():
+    # the detector is not vacuous: these drills name these systems
+    by_id = {x.id: x for x in DRILLS}
+    assert {"TGI", "vLLM"} <= named_systems(by_id["watermark"])
+    assert {"Transformers", "vLLM", "SGLang", "llama.cpp"} <= named_systems(by_id["frameworks"])
+    assert sum(bool(named_systems(x)) for x in DRILLS) >= 20
+
+
+def test_watermark_drill_says_what_each_server_does():
+    answer = next(x for x in DRILLS if x.id == "watermark").answer
+    for term in ("max_batch_total_tokens", "waiting_served_ratio", "hysteresis", "V1",
+                 "never preempted"):
+        assert term in answer
+    assert "TGI and similar servers stop admitting" not in answer  # the old, wrong claim
+
+
+@pytest.mark.slow
+def test_transformers_cache_claims_hold_for_the_installed_transformers():
+    """The frameworks drill: DynamicCache (generate's default) grows token by token, StaticCache
+    pre-allocates max_cache_len. Checked against transformers itself, not against the text."""
+    import torch
+    from transformers import DynamicCache, LlamaConfig, StaticCache
+
+    answer = next(x for x in DRILLS if x.id == "frameworks").answer
+    assert "DynamicCache grows" in answer and "pre-allocates KV contiguously" not in answer
+    dynamic = DynamicCache()
+    lengths = []
+    for n in (5, 1, 1):
+        k = torch.zeros(1, 2, n, 16)
+        dynamic.update(k, k, layer_idx=0)
+        lengths.append(dynamic.layers[0].keys.shape[-2])
+    assert lengths == [5, 6, 7]
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=1, intermediate_size=128, vocab_size=100)
+    static = StaticCache(config=cfg, max_cache_len=32)
+    k = torch.zeros(1, 2, 5, 16)
+    static.update(k, k, layer_idx=0, cache_kwargs={"cache_position": torch.arange(5)})
+    assert static.layers[0].keys.shape[-2] == 32
+
+
+# --- Drills in Chinese (issue 19) -----------------------------------------------------------------
+
+from labkit.exercises.drills_zh_core import TOPICS_ZH  # noqa: E402
+
+CJK = re.compile(r"[\u4e00-\u9fff]")
+
+
+def numbers(text: str) -> set[str]:
+    """Every number as written (1,000 and 1000 are the same number)."""
+    return {re.sub(r"(?<=\d),(?=\d{3})", "", n) for n in re.findall(r"\d+(?:[.,]\d+)*", text)}
+
+
+@pytest.mark.parametrize("drill", DRILLS, ids=lambda x: x.id)
+def test_drill_has_both_languages(drill):
+    for en, zh in ((drill.question, drill.question_zh), (drill.answer, drill.answer_zh)):
+        assert en.strip() and zh.strip(), drill.id
+        assert not CJK.search(en), f"{drill.id}: the English text must stay English"
+        letters = [c for c in zh if not c.isspace()]
+        share = sum(bool(CJK.match(c)) for c in letters) / len(letters)
+        assert share > 0.2, f"{drill.id}: only {share:.0%} of the Chinese text is Chinese"
+    assert drill.question_zh.endswith("？"), drill.id  # a question, with Chinese punctuation
+    assert len(drill.answer_zh) > 40, drill.id
+
+
+@pytest.mark.parametrize("drill", DRILLS, ids=lambda x: x.id)
+def test_chinese_states_the_same_numbers(drill):
+    """Every number of the English question and answer appears in the Chinese one and no other,
+    so a figure a snippet computes (and the English quotes) is the same in both languages."""
+    assert numbers(drill.question_zh) == numbers(drill.question), drill.id
+    assert numbers(drill.answer_zh) == numbers(drill.answer), drill.id
+
+
+@pytest.mark.parametrize("drill", [x for x in DRILLS if x.snippet], ids=lambda x: x.id)
+def test_computed_numbers_quoted_in_both_languages(drill):
+    quoted = numbers(output_of(drill.id)) & numbers(drill.answer)
+    assert quoted <= numbers(drill.answer_zh), (drill.id, sorted(quoted - numbers(drill.answer_zh)))
+
+
+def test_numbers_detector():
+    assert numbers("57,344 bytes, 0.9 and 4k at P99, Llama-2-7B") == {
+        "57344", "0.9", "4", "99", "2", "7"}
+    assert numbers("约 120k 个 token，60 个 2k 请求") == {"120", "60", "2"}
+
+
+@pytest.mark.parametrize("drill_id,terms", [
+    ("prefix-ttft", ["首 token 延迟", "前缀缓存"]), ("batching-static", ["连续批处理"]),
+    ("paged-why", ["分页注意力", "碎片"]), ("sched-preempt", ["抢占", "重算"]),
+    ("kv-size", ["KV 缓存", "分组查询注意力"]), ("quant-memory", ["显存"]),
+    ("quant-per-channel", ["量化"]), ("spec-speedup", ["投机解码", "接受率"]),
+    ("tp-split", ["张量并行"]), ("tp-vs-pp", ["流水线并行"]), ("watermark", ["水位线", "迟滞"]),
+    ("cold-start", ["冷启动"]), ("canary", ["灰度发布"]), ("rate-limit", ["限流", "令牌桶"]),
+])
+def test_chinese_uses_the_interview_terms(drill_id, terms):
+    drill = next(x for x in DRILLS if x.id == drill_id)
+    for term in terms:
+        assert term in drill.question_zh + drill.answer_zh, (drill_id, term)
+
+
+def test_every_topic_has_a_chinese_name():
+    assert set(TOPICS_ZH) == set(TOPICS)
+    assert all(CJK.search(name) for name in TOPICS_ZH.values())
+    assert drills.resolve_topic("前缀缓存") == "prefix-caching"
+    assert drills.resolve_topic("KV缓存") == "kv-cache"
+
+
+def test_format_drill_languages():
+    drill = next(x for x in DRILLS if x.id == "kv-size")
+    zh = drills.format_drill(drill, lang="zh")
+    both = drills.format_drill(drill, lang="both")
+    assert "问：" in zh and "答：" in zh and "Q: " not in zh and "动手试试：" in zh
+    assert both.index("问：") < both.index("Q: ") < both.index("答：") < both.index("A: ")
+    assert "Q: " in drills.format_drill(drill) and "问：" not in drills.format_drill(drill)
+    with pytest.raises(ValueError, match="unknown language 'fr'"):
+        drills.format_drill(drill, lang="fr")
+
+
+@pytest.mark.parametrize("drill", DRILLS, ids=lambda x: x.id)
+def test_wrap_keeps_text_and_width(drill):
+    from labkit.exercises.drills import _width, wrap
+
+    for text in (drill.answer_zh, drill.answer):
+        lines = wrap(text, "答：").splitlines()
+        assert "".join("".join(lines)[len("答："):].split()) == "".join(text.split()), drill.id
+        for line in lines:  # 96 columns (+2 for a closing mark kept off the next line's start)
+            assert _width(line) <= 98 or len(line.split()) == 1, (drill.id, line)
+        for a, b in zip(lines, lines[1:]):  # never inside an English word or a number
+            tail, head = re.findall(r"[A-Za-z0-9_]*$", a)[0], re.findall(r"^[A-Za-z0-9_]*",
+                                                                          b.strip())[0]
+            if tail and head:  # a break between two words must be where a space was
+                assert f"{tail} {head}" in text, (drill.id, a, b)
+            assert b.strip()[0] not in "，。、；：！？）》」』”", (drill.id, b)  # kinsoku
+            assert a[-1] not in "（《「『“", (drill.id, a)
+        assert len(lines) > 1
+
+
+def test_cli_lang_zh(capsys):
+    assert main(["prefix-caching", "--lang", "zh"]) == 0
+    out = capsys.readouterr().out
+    assert "问：" in out and "前缀缓存" in out and "Q: " not in out
+    assert main(["--lang", "zh"]) == 0
+    assert "前缀缓存" in capsys.readouterr().out  # the topic list shows the Chinese names
+    with pytest.raises(SystemExit) as e:
+        main(["--lang", "fr"])
+    assert e.value.code == 2
+
+
+def test_cli_quiz_both_languages(capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin.isatty", lambda: False, raising=False)
+    assert main(["watermarks", "--quiz", "--lang", "both"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("问：") < out.index("Q: ") < out.index("答：") < out.index("A: ")
+    assert "动手试试" not in out  # the quiz shows no snippet
+
+
+@pytest.mark.parametrize("query,first", [
+    ("抢占", "sched-preempt"), ("前缀缓存", "prefix-ttft"), ("投机解码", "spec-speedup"),
+    ("首 token 延迟", "prefix-ttft"), ("张量并行", "tp-split"),
+])
+def test_search_chinese_terms(query, first):
+    assert [x.id for x in drills.search(query)][0] == first
+
+
+def test_search_chinese_ignores_spaces():
+    assert drills.search("KV缓存") == drills.search("KV 缓存") != []
+
+
+def test_cli_sources(capsys):
+    assert main(["watermarks", "--sources"]) == 0
+    out = capsys.readouterr().out
+    assert "sources:" in out and "backends/v3/src/queue.rs" in out
+    assert "vllm/core/block_manager.py" in out
+    assert main(["watermarks"]) == 0 and "sources:" not in capsys.readouterr().out
+    assert main(["watermarks", "--sources", "--lang", "zh"]) == 0
+    assert "来源：" in capsys.readouterr().out
+
+
+def test_cli_one_drill_by_id(capsys):
+    assert main(["sched-preempt", "--lang", "zh"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("[scheduling / sched-preempt]") and out.count("[scheduling") == 1
+
+
+class _NotATensor:  # a pickled object torch.load must refuse by default (safetensors-mmap)
+    pass
+
+
+def test_torch_load_refuses_code_by_default(tmp_path):
+    """safetensors-mmap: torch.load's weights_only mode is the default (PyTorch >= 2.6), so a
+    pickle that would build an arbitrary object is refused unless the caller opts out."""
+    import pickle
+
+    import torch
+
+    path = tmp_path / "model.bin"
+    torch.save({"w": torch.ones(2), "extra": _NotATensor()}, path)
+    with pytest.raises(pickle.UnpicklingError, match="[Ww]eights only load failed"):
+        torch.load(path)
+    assert torch.equal(torch.load(path, weights_only=False)["w"], torch.ones(2))
+
+
+@pytest.mark.slow
+def test_bitsandbytes_nf4_defaults():
+    """quant-nf4: bitsandbytes quantizes NF4 in blocks of 64 and Linear4bit double-quantizes the
+    block scales by default."""
+    import inspect
+
+    import torch
+
+    functional = pytest.importorskip("bitsandbytes.functional")
+    from bitsandbytes.nn import Linear4bit
+
+    _, state = functional.quantize_4bit(torch.randn(256, dtype=torch.float16), quant_type="nf4")
+    assert state.blocksize == 64
+    assert inspect.signature(Linear4bit).parameters["compress_statistics"].default is True
+    assert "Blocks of 64" in next(x for x in DRILLS if x.id == "quant-nf4").answer

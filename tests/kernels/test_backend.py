@@ -9,19 +9,32 @@ from paged_fixtures import make_paged
 from labkit.kv.attention import AttentionBackend, TorchBackend, get_attention_backend
 
 
+def _shape(fn) -> list[tuple]:
+    """A signature without annotations: (name, kind, default) in order."""
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
 def test_protocol_signatures_match():
+    """Both backends take exactly the protocol's parameters, in its order, with its defaults
+    (the cache passes the scales positionally: an order mismatch would be a silent bug)."""
     assert get_attention_backend("triton").name == "triton"
     assert isinstance(get_attention_backend("triton"), TritonBackend)
     for method in ("reshape_and_cache", "decode", "prefill"):
-        want = list(inspect.signature(getattr(AttentionBackend, method)).parameters)
-        sig = inspect.signature(getattr(AttentionBackend, method)).parameters
-        required = [p for p in want if sig[p].default is inspect.Parameter.empty]
+        want = _shape(getattr(AttentionBackend, method))
         for backend in (TritonBackend, TorchBackend):
-            params = inspect.signature(getattr(backend, method)).parameters
-            # positional ones in the protocol's order; the optional ones (meta, the INT8
-            # scales) are passed by keyword, so the backend only has to take them
-            assert list(params)[:len(required)] == required, (backend.__name__, method)
-            assert set(want) <= set(params), (backend.__name__, method, set(want) - set(params))
+            assert _shape(getattr(backend, method)) == want, (backend.__name__, method)
+
+
+def test_signature_check_catches_a_swapped_argument():
+    """Negative control: the comparison above fails for a backend that swaps two arguments."""
+
+    class Swapped(TorchBackend):
+        def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping, v_scale=None,
+                              k_scale=None, meta=None):
+            return super().reshape_and_cache(key, value, k_cache, v_cache, slot_mapping,
+                                             k_scale, v_scale, meta)
+
+    assert _shape(Swapped.reshape_and_cache) != _shape(AttentionBackend.reshape_and_cache)
 
 
 def test_write_then_attend_equals_torch_backend():

@@ -2,8 +2,8 @@
 
 import pytest
 
-from labkit.engine.simulate import simulate
 from labkit.sim.cost import attention_pairs, step_time
+from labkit.sim.simulate import simulate
 from labkit.sim.workloads import RequestSpec
 
 

@@ -22,18 +22,21 @@ class RefPagedBackend:
 
     name = "test-ref"
 
-    def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping):
+    def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping, k_scale=None,
+                          v_scale=None, meta=None):
         bs = k_cache.shape[1]
         for i, s in enumerate(slot_mapping.tolist()):
             if s >= 0:
                 k_cache[s // bs, s % bs] = key[i]
                 v_cache[s // bs, s % bs] = value[i]
 
-    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale):
+    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, k_scale=None,
+               v_scale=None, meta=None, sliding_window=None):
         qsl = torch.arange(len(context_lens) + 1, dtype=torch.int32)
         return self.prefill(q, k_cache, v_cache, block_tables, qsl, context_lens, scale)
 
-    def prefill(self, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale):
+    def prefill(self, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
+                k_scale=None, v_scale=None, meta=None, sliding_window=None):
         bs = k_cache.shape[1]
         out = torch.empty_like(q)
         for b in range(len(context_lens)):

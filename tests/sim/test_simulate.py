@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from labkit.engine.simulate import simulate
 from labkit.engine.trace import replay
 from labkit.sim.cost import step_time
+from labkit.sim.simulate import simulate
 from labkit.sim.workloads import RequestSpec
 
 
@@ -54,7 +54,7 @@ def test_continuous_beats_static_in_simulation():
 
 
 def test_simulate_bad_config_is_a_named_error():
-    from labkit.engine.errors import EngineConfigError
+    from labkit.errors import EngineConfigError
 
     with pytest.raises(EngineConfigError, match="block_size"):
         simulate(num_requests=2, block_size=0)  # was: ZeroDivisionError
@@ -65,8 +65,8 @@ def test_simulate_bad_config_is_a_named_error():
 def test_swaps_and_copies_cost_time_in_the_simulator():
     """Swapped blocks cross PCIe and copy-on-write copies move HBM bytes: the simulator charges
     both (before this, a swap was free and always beat recomputation)."""
-    from labkit.engine.simulate import simulate
     from labkit.sim.presets import get_gpu, get_model_preset
+    from labkit.sim.simulate import simulate
 
     m, g = get_model_preset("llama-2-7b"), get_gpu("a100-80gb")
     kw = dict(workload="fixed", num_requests=24, block_size=16, max_num_seqs=24,

@@ -18,13 +18,16 @@ recomputation.
 from __future__ import annotations
 
 from labkit.engine.clock import VirtualClock
+from labkit.engine.executor import Executor, ModelRunnerOutput
+from labkit.kv.block_manager import BlockOps
 from labkit.sched.scheduler import SchedulerOutput
 from labkit.sim.cost import step_time
 from labkit.sim.presets import GPUPreset, ModelPreset, get_gpu, get_model_preset
 
 
-class SimExecutor:
-    kind = "sim"
+class SimExecutor(Executor):
+    name = "sim"
+    real_tokens = False  # placeholder ids: the trace keeps no prompt tokens
 
     def __init__(self, model: ModelPreset | str, gpu: GPUPreset | str,
                  clock: VirtualClock, vocab_size: int = 32000, block_size: int = 16) -> None:
@@ -36,20 +39,20 @@ class SimExecutor:
         self.busy_s = 0.0
         self.block_ops_s = 0.0  # of busy_s: swaps and copy-on-write copies
 
-    def apply_block_ops(self, copies: list, swap_out: list, swap_in: list) -> None:
+    def apply_block_ops(self, ops: BlockOps) -> None:
         """Charge the step's block copies and swaps (see the module doc) to the clock."""
-        dt = ((len(swap_out) + len(swap_in)) * self.block_bytes / self.gpu.host_bandwidth
-              + len(copies) * 2 * self.block_bytes / self.gpu.mem_bandwidth)
+        dt = ((len(ops.swap_out) + len(ops.swap_in)) * self.block_bytes / self.gpu.host_bandwidth
+              + len(ops.copies) * 2 * self.block_bytes / self.gpu.mem_bandwidth)
         if dt:
             self.block_ops_s += dt
             self.busy_s += dt
             self.clock.advance(dt)
 
-    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         prefill = decode = context = pairs = 0
         results: dict[str, list[int]] = {}
         V = self.vocab_size
-        for sc in out.scheduled:
+        for sc in scheduler_output.scheduled:
             n, start = sc.num_new_tokens, sc.start_pos
             if sc.is_prefill:
                 prefill += n
@@ -67,4 +70,4 @@ class SimExecutor:
         dt = step_time(self.model, self.gpu, prefill, decode, context, attention_pairs=pairs)
         self.busy_s += dt
         self.clock.advance(dt)
-        return results
+        return ModelRunnerOutput(results)

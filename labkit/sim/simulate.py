@@ -13,17 +13,18 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from labkit.config import EngineConfig
 from labkit.engine.clock import VirtualClock
-from labkit.engine.errors import EngineConfigError
 from labkit.engine.llm_engine import LLMEngine
 from labkit.engine.metrics import compute_metrics
 from labkit.engine.sampling_params import SamplingParams
-from labkit.engine.sim_executor import SimExecutor
 from labkit.engine.trace import Trace
-from labkit.engine.validate import check_int
+from labkit.errors import EngineConfigError
 from labkit.sim.cost import max_kv_tokens
+from labkit.sim.executor import SimExecutor
 from labkit.sim.presets import get_gpu, get_model_preset
 from labkit.sim.workloads import RequestSpec, Workload, get_workload
+from labkit.utils import check_int
 
 
 @dataclass
@@ -46,7 +47,7 @@ def simulate(model: str = "llama-2-7b", gpu: str = "a100-80gb",
 
     Extra keyword arguments go to LLMEngine (e.g. ``enable_chunked_prefill``,
     ``preemption_mode``, ``num_cpu_blocks``, ``watermark_high``/``watermark_low``)."""
-    check_int("block_size", block_size)
+    check_int("block_size", block_size)  # before it divides the byte budget
     m, g = get_model_preset(model), get_gpu(gpu)
     if isinstance(workload, list):
         specs = workload
@@ -62,30 +63,30 @@ def simulate(model: str = "llama-2-7b", gpu: str = "a100-80gb",
     max_len = max((s.prompt_len + s.output_len for s in specs), default=2) + 1
     clock = VirtualClock()
     vocab = getattr(m, "vocab_size", 32000)
-    engine = LLMEngine(SimExecutor(m, g, clock, vocab, block_size), num_blocks=num_blocks,
-                       block_size=block_size, max_model_len=max_len, vocab_size=vocab,
-                       enable_prefix_caching=enable_prefix_caching, policy=policy,
-                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                       batching=batching, clock=clock, model_name=m.name, **engine_kw)
+    config = EngineConfig.from_kwargs(
+        num_blocks=num_blocks, block_size=block_size, max_model_len=max_len, vocab_size=vocab,
+        enable_prefix_caching=enable_prefix_caching, policy=policy, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, batching=batching, name=m.name,
+        **engine_kw)
+    engine = LLMEngine(config, SimExecutor(m, g, clock, vocab, block_size), clock=clock)
     engine.record_trace = record_trace
     engine.trace.meta.update({"gpu": g.name, "kv_cache_bytes": int(kv_cache_bytes)})
-    for i, s in enumerate(specs):
-        params = SamplingParams(temperature=0.0, max_tokens=s.output_len, ignore_eos=True,
-                                detokenize=False)
-        engine.add_request(f"r{i}", s.prompt_token_ids(vocab), params, priority=s.priority,
-                           arrival_time=s.arrival_time)
-    bar = tqdm(total=len(specs), desc=f"simulate {m.name} on {g.name}", disable=not progress)
-    done = 0
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                done += 1
-        if progress and done:
-            bar.update(done)
-            done = 0
-    bar.close()
+    _run(engine, specs, vocab, f"simulate {m.name} on {g.name}" if progress else None)
     timings = engine.request_timings()
     stats = engine.stats()
     stats["busy_s"] = engine.executor.busy_s
     stats["block_ops_s"] = engine.executor.block_ops_s
     return SimResult(engine.trace, compute_metrics(timings), timings, stats, engine)
+
+
+def _run(engine: LLMEngine, specs: list[RequestSpec], vocab: int, progress: str | None) -> None:
+    """Add every request (its arrival time on the virtual clock) and step to the end."""
+    for i, s in enumerate(specs):
+        params = SamplingParams(temperature=0.0, max_tokens=s.output_len, ignore_eos=True,
+                                detokenize=False)
+        engine.add_request(f"r{i}", s.prompt_token_ids(vocab), params, priority=s.priority,
+                           arrival_time=s.arrival_time)
+    bar = tqdm(total=len(specs), desc=progress, disable=progress is None)
+    while engine.has_unfinished_requests():
+        bar.update(sum(o.finished for o in engine.step()))
+    bar.close()

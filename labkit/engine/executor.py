@@ -1,0 +1,73 @@
+"""The executor contract: what ``LLMEngine.step()`` asks of whatever runs a step.
+
+Every step the engine hands the executor the scheduler's decisions twice:
+
+1. ``apply_block_ops(ops)``: the block copies the block manager queued (copy-on-write, swap out,
+   swap in). The model executor moves KV tensors; the simulator charges their time.
+2. ``execute(scheduler_output) -> ModelRunnerOutput``: run the scheduled chunks and return the
+   sampled token(s) per sequence id. One token per sampling sequence normally; a speculative
+   executor may return several (the scheduler keeps them up to the first stop) and adds one
+   record per speculating sequence for the trace.
+
+Three executors implement it: ``ModelExecutor`` (the real model through a ``ModelRunner``,
+:mod:`labkit.engine.model_runner`), ``SpecDecodeExecutor`` (draft, then verify in one target
+forward, :mod:`labkit.spec.executor`) and ``SimExecutor`` (no tensors, a roofline clock,
+:mod:`labkit.sim.executor`). The engine knows only this class; the others live above it and are
+handed to it (``LLMEngine(config, executor)``), or built by a registered factory
+(:func:`register_executor_factory`, for ``speculative_config`` given to ``LLM``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from labkit.errors import EngineConfigError
+
+if TYPE_CHECKING:  # annotations only: this module stays light (labkit/__init__ imports it)
+    from labkit.kv.block_manager import BlockOps
+    from labkit.sched.scheduler import SchedulerOutput
+
+
+@dataclass
+class ModelRunnerOutput:
+    """One step's results: sampled token ids per sequence id, and the speculative records
+    (``{"request_id", "seq_id", "proposed", "accepted"}``) the trace stores."""
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_records: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Executor(ABC):
+    #: the trace's ``meta["executor"]``: "model" (real tensors) or "sim"
+    name: ClassVar[str] = "model"
+    #: False when token ids are placeholders (the simulator): the trace then stores no prompt ids
+    real_tokens: ClassVar[bool] = True
+
+    @abstractmethod
+    def apply_block_ops(self, ops: BlockOps) -> None:
+        """Apply (or charge) the step's queued block copies before ``execute``."""
+
+    @abstractmethod
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one scheduled step; return the sampled token(s) per sequence id."""
+
+
+# ---- factories for executors that live above the engine (dependency injection) ----------------
+ExecutorFactory = Callable[[Any, Any, Any], Executor]  # (base ModelExecutor, config, scheduler)
+_FACTORIES: dict[str, ExecutorFactory] = {}
+
+
+def register_executor_factory(name: str, factory: ExecutorFactory) -> None:
+    """Let a package above the engine (``labkit.spec``) wrap the model executor. ``labkit``'s
+    ``__init__`` registers the shipped ones, so the engine never imports upward."""
+    _FACTORIES[name] = factory
+
+
+def executor_factory(name: str) -> ExecutorFactory:
+    if name not in _FACTORIES:
+        raise EngineConfigError(f"no executor registered for {name!r} (registered: "
+                                f"{sorted(_FACTORIES)}); import the package that provides it")
+    return _FACTORIES[name]

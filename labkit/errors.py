@@ -1,0 +1,42 @@
+"""labkit's named errors (the bottom layer: every package may raise them, none is imported here).
+
+Each says what was wrong and what to change.
+
+Bad input is caught where it enters (``SamplingParams``, ``LLMEngine.add_request``, the engine's
+constructor), so it never reaches ``step()``: a bad value found mid-batch would fail every
+request sharing that step, or worse, come back as a silently wrong answer. All of them subclass
+``ValueError``, so ``except ValueError`` keeps working.
+
+``EngineStepError`` is different: something failed *inside* a step (a model forward, a kernel,
+a tokenizer). The engine then fails the requests that step touched, frees all their blocks, and
+raises it with their ids; every other request is untouched and the engine keeps working.
+"""
+
+from __future__ import annotations
+
+
+class SamplingParamsError(ValueError):
+    """A SamplingParams field has the wrong type or range."""
+
+
+class InvalidPromptError(ValueError):
+    """A prompt (or a request's other arguments) cannot be served: empty, wrong types, token ids
+    outside the vocabulary, too long for the context or the KV pool, a duplicate id."""
+
+
+class EngineConfigError(ValueError):
+    """An engine setting is out of range or unknown (block size, pool sizes, policy...)."""
+
+
+class SpeculativeConfigError(EngineConfigError):
+    """The speculative_config cannot work with this target model (a kind of engine setting)."""
+
+
+class EngineStepError(RuntimeError):
+    """A step failed; the requests it touched were failed (finish reason ``"abort"``) and freed.
+
+    ``request_ids`` lists them; ``__cause__`` is the original exception."""
+
+    def __init__(self, message: str, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids

@@ -1,0 +1,49 @@
+"""Reading K/V through block tables, and the INT8 KV codes: written once, used everywhere.
+
+The torch attention backend, the kernels' plain-PyTorch references, the INT8 reference cache
+(``labkit.quant.kv_int8``) and the kernel benchmark all need the same three operations, and a
+second copy of any of them is a second place for the layout or the rounding to drift:
+
+- :func:`gather_blocks`: ``[num_blocks, block_size, H, D]`` read through block tables ``[B, M]``
+  as each sequence's keys in order, ``[B, M * block_size, H, D]`` (dequantized on the way for
+  an INT8 cache, only the blocks read);
+- :func:`quantize_kv_per_head` / :func:`dequantize_kv_per_head`: one fp16 scale per
+  (token, head) = ``absmax / 127``; code = ``round(x / scale)`` clamped to +-127.
+
+This module imports only torch: the kernels (which sit beside ``labkit.kv``) may import it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KV_SCALE_DTYPE = torch.float16
+
+
+def quantize_kv_per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., H, D] -> (int8 [..., H, D], fp16 scale [..., H]); one scale per (token, head)."""
+    scale = (x.float().abs().amax(dim=-1) / 127).clamp(min=1e-8).to(KV_SCALE_DTYPE)
+    q = torch.round(x.float() / scale.float()[..., None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_kv_per_head(q: torch.Tensor, scale: torch.Tensor | None,
+                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """codes [..., H, D] * scale [..., H] -> ``dtype``. ``scale=None`` (a float cache): ``q``
+    unchanged, so callers need no branch."""
+    if scale is None:
+        return q
+    return (q.float() * scale.float()[..., None]).to(dtype)
+
+
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor,
+                  scale: torch.Tensor | None = None,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[num_blocks, bs, H, D] x block tables [B, M] (or one table [M]) -> [B, M*bs, H, D] (or
+    [M*bs, H, D]): each sequence's K or V in position order. With an INT8 cache's per-(slot, head)
+    ``scale`` [num_blocks, bs, H] the gathered blocks are dequantized to ``dtype``."""
+    bt = block_tables.long()
+    g = cache[bt]
+    if scale is not None:
+        g = dequantize_kv_per_head(g, scale[bt], dtype)
+    return g.reshape(*bt.shape[:-1], bt.shape[-1] * cache.shape[1], *cache.shape[2:])
