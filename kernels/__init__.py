@@ -9,7 +9,8 @@ with its tiling, what bounds it and its arithmetic intensity:
 - ``int8_kv``: the INT8 KV cache pieces those three share (quantize on write, scale on read);
 - ``rms_norm`` (optional fused residual add), ``rotary_embedding`` (in place);
 - ``dequant_matmul``: W4A16 GPTQ / AWQ and W8A16 matmuls on the tensor cores, dispatching
-  M = 1 to ``dequant_gemv`` (the decode GEMVs); ``nf4``: NF4 dequantisation;
+  M = 1 to ``dequant_gemv`` (the decode GEMVs); ``nf4``: NF4 dequantisation (its table,
+  ``nf4_code``, is the one labkit.quant reads too);
 - ``backend``: ``TritonBackend``, the engine's attention backend built from the above;
 - ``selfcheck`` (each kernel vs its reference) and ``timing`` (device time without launch
   overhead or a warm L2), used by ``labkit bench kernels``.

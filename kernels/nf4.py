@@ -2,7 +2,7 @@
 
 Layout: ``packed`` uint8 [numel/2] (two codes per byte, the first element in the HIGH nibble),
 ``absmax`` fp32 [numel/blocksize] (one scale per block of consecutive elements, flat order);
-``value = NF4_CODE[code] * absmax[element // blocksize]``. One program per BLOCK packed bytes::
+``value = NF4_LEVELS[code] * absmax[element // blocksize]``. One program per BLOCK packed bytes::
 
     packed bytes  [ b0 | b1 | ... ]        b = hi:lo
     outputs       [ e0 e1 | e2 e3 | ... ]  e(2i) = code[hi(b_i)], e(2i+1) = code[lo(b_i)]
@@ -17,14 +17,8 @@ import torch
 import triton
 import triton.language as tl
 from labkit.kernels._common import FLOAT_DTYPES, check
+from labkit.kernels.nf4_code import NF4_LEVELS
 
-# The NormalFloat4 table of the QLoRA paper (Dettmers et al. 2023), as bitsandbytes ships it.
-NF4_CODE = (
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
-)
 _CODE_CACHE: dict[torch.device, torch.Tensor] = {}
 
 
@@ -46,7 +40,7 @@ def _nf4_kernel(out_ptr, packed_ptr, absmax_ptr, code_ptr, n_bytes, numel, block
 
 def _code(device: torch.device) -> torch.Tensor:
     if device not in _CODE_CACHE:
-        _CODE_CACHE[device] = torch.tensor(NF4_CODE, dtype=torch.float32, device=device)
+        _CODE_CACHE[device] = torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device)
     return _CODE_CACHE[device]
 
 

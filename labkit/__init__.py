@@ -48,12 +48,18 @@ def _register_plugins() -> None:
 
         return make_spec_executor(base, config)
 
+    def tensor_parallel(model: Any, config: Any) -> Any:
+        from labkit.parallel.executor import build_tp_executor
+
+        return build_tp_executor(model, config)
+
     def triton() -> Any:
         from labkit.kernels.backend import TritonBackend
 
         return TritonBackend()
 
     register_executor_factory("speculative", speculative)
+    register_executor_factory("tensor_parallel", tensor_parallel)
     register_attention_backend("triton", triton)
 
 

@@ -1,4 +1,4 @@
-"""The ``labkit`` command: info, generate, train, bench, drill.
+"""The ``labkit`` command: info, generate, train, bench, drill, serve.
 
 Subcommands that need heavy modules import them only when run, so ``labkit --help`` is instant.
 """
@@ -60,6 +60,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         args.parser.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if not args.prompt:
         args.parser.error("PROMPT is empty: give some text to continue")
+    if args.tp != 1:
+        return _generate_tp(args)
     try:
         model, tok = load_pretrained(args.model, dtype=args.dtype, device=args.device)
     except CheckpointError as e:
@@ -86,6 +88,32 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         printed = text
     sys.stdout.write("\n")
+    return 0
+
+
+def _generate_tp(args: argparse.Namespace) -> int:
+    """Stream through the engine with ``tensor_parallel_size=args.tp`` worker processes."""
+    from labkit.engine.llm import LLM
+    from labkit.engine.sampling_params import SamplingParams
+    from labkit.model.loader import CheckpointError
+
+    try:
+        llm = LLM(args.model, tensor_parallel_size=args.tp, dtype=args.dtype)
+    except (CheckpointError, ValueError) as e:
+        args.parser.error(str(e))
+    try:
+        eng = llm.llm_engine
+        eng.add_request("cli", args.prompt, SamplingParams(
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+            seed=args.seed, max_tokens=args.max_tokens))
+        sys.stdout.write(args.prompt)
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                sys.stdout.write(o.text_delta)
+                sys.stdout.flush()
+        sys.stdout.write("\n")
+    finally:
+        llm.shutdown()
     return 0
 
 
@@ -132,11 +160,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default=None, help="cpu or cuda (default cpu)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallelism: split the model over N worker processes")
     g.set_defaults(func=_cmd_generate, parser=g)
 
     t = sub.add_parser("train", help="train the shipped tiny models", add_help=False)
     t.add_argument("rest", nargs=argparse.REMAINDER)
     t.set_defaults(func=lambda a: _delegate("labkit.train.cli", a.rest))
+
+    d = sub.add_parser("distill", help="distill a student from a teacher", add_help=False)
+    d.add_argument("rest", nargs=argparse.REMAINDER)
+    d.set_defaults(func=lambda a: _delegate("labkit.compress.cli", a.rest))
 
     b = sub.add_parser("bench", help=f"run a benchmark: {', '.join(BENCHMARKS)}")
     b.add_argument("name", metavar="NAME", help=f"one of: {', '.join(BENCHMARKS)}")
@@ -151,13 +185,24 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--type", default="f16", choices=["f32", "f16", "q8_0", "q4_0", "q4_k_m"])
     e.set_defaults(func=_cmd_export)
 
+    sv = sub.add_parser("serve", help="OpenAI-compatible server: labkit serve MODEL --port P",
+                        add_help=False)
+    sv.add_argument("rest", nargs=argparse.REMAINDER)
+    sv.set_defaults(func=lambda a: _delegate("labkit.serve.launcher", a.rest))
+
     d = sub.add_parser("drill", help="interview drills by topic", add_help=False)
     d.add_argument("rest", nargs=argparse.REMAINDER)
     d.set_defaults(func=lambda a: _delegate("labkit.exercises.drills", a.rest))
+
+    r = sub.add_parser("router", help="route over labkit serve replicas", add_help=False)
+    r.add_argument("rest", nargs=argparse.REMAINDER)
+    r.set_defaults(func=lambda a: _delegate("labkit.router.proxy", a.rest))
     return p
 
 
-_PASSTHROUGH = {"train": "labkit.train.cli", "drill": "labkit.exercises.drills"}
+_PASSTHROUGH = {"train": "labkit.train.cli", "drill": "labkit.exercises.drills",
+                "serve": "labkit.serve.launcher", "router": "labkit.router.proxy",
+                "distill": "labkit.compress.cli"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -30,7 +30,7 @@ from typing import Any
 from labkit.errors import EngineConfigError, SpeculativeConfigError
 from labkit.utils import check_int, is_int
 
-POLICIES = ("fcfs", "priority", "sjf")
+POLICIES = ("fcfs", "priority", "sjf", "fair")
 PREEMPTION_MODES = ("recompute", "swap")
 BATCHING = ("continuous", "static")
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -203,16 +203,14 @@ class SpeculativeConfig:
 
 @dataclass
 class ParallelConfig:
-    """Devices sharing the model. Only 1 runs today; the field is here so a tensor-parallel
-    executor plugs in without another constructor argument."""
+    """Devices sharing the model: ``tensor_parallel_size`` worker processes each hold a shard
+    (labkit.parallel); whether the model's head counts divide is checked against the model
+    when the executor is built."""
 
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         check_int("tensor_parallel_size", self.tensor_parallel_size)
-        if self.tensor_parallel_size != 1:
-            raise EngineConfigError(f"tensor_parallel_size={self.tensor_parallel_size}: only 1 "
-                                    "is supported yet (one device runs the whole model)")
 
 
 _PARTS = {"model": ModelSettings, "cache": CacheConfig, "scheduler": SchedulerConfig,

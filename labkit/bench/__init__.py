@@ -12,5 +12,9 @@ BENCHMARKS = {
     "kernels-static": "labkit.bench.kernels_static",
     "quant": "labkit.bench.quant",
     "spec": "labkit.bench.spec",
+    "serve": "labkit.bench.serve",
+    "serve-soak": "labkit.bench.serve_soak",
+    "cluster": "labkit.bench.cluster",
+    "compress": "labkit.bench.compress",
     "gguf": "labkit.bench.gguf",
 }

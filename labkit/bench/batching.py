@@ -21,7 +21,7 @@ tokens):
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,16 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from labkit.bench.common import bench_parser, environment, print_table, write_json
+from labkit.bench.common import (
+    Comparison,
+    bench_parser,
+    compare,
+    environment,
+    greedy_params,
+    print_table,
+    timed,
+    write_results,
+)
 from labkit.sim.workloads import LengthDist, get_workload, prompt_texts
 
 QUICK = {"num_requests": 128, "batch_size": 16, "output_mean": 48, "output_max": 256,
@@ -50,33 +59,45 @@ def make_requests(tokenizer: Any, num_requests: int, output_mean: float, output_
     return prompts, [int(m) for m in max_tokens]
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def run_labkit(model: str | Path, prompts: list[list[int]], max_tokens: list[int],
                batching: str, batch_size: int, dtype: str = "float32",
                device: str = "cpu") -> dict[str, Any]:
     """Greedy generation through ``labkit.LLM``; returns tokens/s, outputs and wall time."""
-    from labkit import LLM, SamplingParams
+    from labkit import LLM
 
     llm = LLM(model=str(model), batching=batching, max_num_seqs=batch_size,
               enable_prefix_caching=False, dtype=dtype, device=device)
-    # No detokenization: transformers' generate returns ids only, so neither side pays for text.
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, detokenize=False)
-              for m in max_tokens]
+    params = [greedy_params(m) for m in max_tokens]
     llm.generate(prompt_token_ids=prompts[:1], sampling_params=params[:1], use_tqdm=False)
-    _sync(device)
-    t0, c0 = time.perf_counter(), time.process_time()
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    _sync(device)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    outs, t = timed(llm.generate, prompt_token_ids=prompts, sampling_params=params,
+                    use_tqdm=False, device=device)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     n = sum(len(t) for t in tokens)
-    return {"tokens_per_s": n / wall, "wall_s": wall, "cpu_s": cpu, "output_tokens": n,
-            "outputs": tokens,
+    return {"tokens_per_s": n / t.wall_s, "wall_s": t.wall_s, "cpu_s": t.cpu_s,
+            "output_tokens": n, "outputs": tokens,
             "steps": len(llm.llm_engine.trace.to_dict()["steps"])}
+
+
+def compare_batching(model: Any, prompts: list[list[int]], max_tokens: list[int],
+                     batch_size: int, **compare_kw: Any) -> Comparison:
+    """Continuous vs static on one model, as notebook 02 shows it: interleaved rounds through
+    :func:`labkit.bench.common.compare` (speed-up = static CPU s / continuous CPU s, the same
+    useful tokens on both sides). ``model`` is a loaded model, ``(model, tokenizer)`` or a name.
+    ``results`` holds each mode's greedy token ids."""
+    from labkit import LLM
+
+    params = [greedy_params(m) for m in max_tokens]
+
+    def variant(mode: str) -> Callable[[], Callable[[], list[list[int]]]]:
+        llm = LLM(model, batching=mode, max_num_seqs=batch_size, enable_prefix_caching=False)
+
+        def work() -> list[list[int]]:
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+            return [list(o.outputs[0].token_ids) for o in outs]
+        return lambda: work
+
+    return compare({"continuous": variant("continuous"), "static": variant("static")},
+                   baseline="static", **compare_kw)
 
 
 def run_hf(model: str | Path, prompts: list[list[int]], max_tokens: list[int], batch_size: int,
@@ -105,22 +126,22 @@ def run_hf(model: str | Path, prompts: list[list[int]], max_tokens: list[int], b
                               max_new_tokens=new, do_sample=False, pad_token_id=pad_token_id)
         return out[:, width:].cpu(), new
 
+    def run_all() -> tuple[list[list[int]], int]:
+        outputs: list[list[int]] = [[] for _ in prompts]
+        computed = 0
+        for start in range(0, len(prompts), batch_size):
+            idx = list(range(start, min(start + batch_size, len(prompts))))
+            new_ids, new = run_batch(idx)
+            computed += new * len(idx)
+            for row, i in enumerate(idx):
+                outputs[i] = new_ids[row, : max_tokens[i]].tolist()
+        return outputs, computed
+
     run_batch([0])  # warm-up
-    outputs: list[list[int]] = [[] for _ in prompts]
-    computed = 0
-    _sync(device)
-    t0, c0 = time.perf_counter(), time.process_time()
-    for start in range(0, len(prompts), batch_size):
-        idx = list(range(start, min(start + batch_size, len(prompts))))
-        new_ids, new = run_batch(idx)
-        computed += new * len(idx)
-        for row, i in enumerate(idx):
-            outputs[i] = new_ids[row, : max_tokens[i]].tolist()
-    _sync(device)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    (outputs, computed), t = timed(run_all, device=device)
     useful = sum(len(o) for o in outputs)
-    return {"tokens_per_s": useful / wall, "wall_s": wall, "cpu_s": cpu, "output_tokens": useful,
-            "computed_tokens": computed, "outputs": outputs}
+    return {"tokens_per_s": useful / t.wall_s, "wall_s": t.wall_s, "cpu_s": t.cpu_s,
+            "output_tokens": useful, "computed_tokens": computed, "outputs": outputs}
 
 
 def static_step_bound(output_lens: list[int], batch_size: int) -> float:
@@ -271,10 +292,5 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nsimulated on A100-80GB, batch {payload['sweep_batch']}, chat-like prompts "
           "(161) and outputs (mean 338): output-length spread vs continuous batching's gain")
     print_table(payload["sim_sweep"])
-    write_json(args.json, payload)
-    if args.json:
-        try:
-            write_chart(payload, Path(args.json).with_suffix(".html"))
-        except ImportError:
-            print("plotly is not installed (pip install labkit[lab]); chart skipped")
+    write_results(args.json, payload, write_chart)
     return 0

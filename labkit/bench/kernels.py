@@ -20,21 +20,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from labkit.bench.common import bench_parser, environment, print_table, write_json
+from labkit.bench.common import bench_parser, environment, print_table, timed, write_json
 from labkit.bench.kernels_report import targets, to_markdown
 from labkit.bench.kernels_sizes import FULL, QUICK, SMOKE, SWEEP  # noqa: F401 (SMOKE: tests)
 from labkit.kernels import selfcheck as sc
 from labkit.kv.ops import gather_blocks
+from labkit.paths import RESULTS_DIR
 
-DEFAULT_JSON = Path(__file__).resolve().parents[2] / "datasets" / "results" / "kernels.json"
+DEFAULT_JSON = RESULTS_DIR / "kernels.json"
 
 
 def _wall_ms(fn: Callable[..., Any], args: tuple = ()) -> float:
     """CPU stand-in for the GPU timers (the smoke run under the interpreter)."""
     fn(*args)
-    t = time.perf_counter()
-    fn(*args)
-    return (time.perf_counter() - t) * 1e3
+    return timed(fn, *args)[1].wall_s * 1e3
 
 
 def _gathered(cache: torch.Tensor, block_tables: torch.Tensor, ctx: int) -> torch.Tensor:

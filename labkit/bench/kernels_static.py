@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from labkit.bench.common import bench_parser, print_table, write_json
+from labkit.paths import RESULTS_DIR
 
-DEFAULT_JSON = Path(__file__).resolve().parents[2] / "datasets" / "results" / "kernels_static.json"
+DEFAULT_JSON = RESULTS_DIR / "kernels_static.json"
 REGS_PER_SM, MAX_WARPS_PER_SM = 65536, 64
 DIV16 = {"N", "K", "stride_xm", "stride_om", "split_stride"}
 INT4 = {"x_ptr": "*fp16", "qw_ptr": "*i32", "qz_ptr": "*i32", "s_ptr": "*fp16",

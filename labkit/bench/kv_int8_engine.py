@@ -14,7 +14,6 @@ engine's (and the fraction of tokens before the first divergence).
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -41,15 +40,14 @@ def int8_reference_greedy(model: torch.nn.Module, prompt: list[int], max_new: in
 
 def _run(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int, kv_bytes: int,
          kv_cache_dtype: str) -> tuple[dict[str, Any], list[list[int]]]:
-    from labkit import LLM, SamplingParams
+    from labkit import LLM
+    from labkit.bench.common import greedy_params, timed
 
     llm = LLM.from_model(model, None, kv_cache_bytes=kv_bytes, kv_cache_dtype=kv_cache_dtype,
                          max_num_seqs=len(prompts))
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                        detokenize=False)
-    c0, t0 = time.process_time(), time.perf_counter()
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
-    cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+    outs, t = timed(llm.generate, prompt_token_ids=prompts,
+                    sampling_params=greedy_params(max_tokens))
+    cpu, wall = t.cpu_s, t.wall_s
     eng = llm.llm_engine
     s = eng.stats()
     tokens = [o.outputs[0].token_ids for o in outs]

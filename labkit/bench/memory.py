@@ -27,7 +27,13 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from labkit.bench.common import bench_parser, environment, print_table, write_json
+from labkit.bench.common import (
+    bench_parser,
+    environment,
+    greedy_params,
+    print_table,
+    write_results,
+)
 from labkit.engine.metrics import compute_metrics, kv_summary, kv_usage
 
 QUICK = {"sim_requests": 300, "real_requests": 8, "real_max_prompt": 192, "real_max_output": 192}
@@ -88,7 +94,7 @@ def run_sim(num_requests: int, model: str = "llama-2-7b", gpu: str = "a100-80gb"
 def run_real(model: str | Path, num_requests: int, max_prompt: int, max_output: int,
              block_size: int = 16, seed: int = 0) -> dict[str, Any]:
     """The same comparison on the real model: synthetic prompts with chat-shaped lengths."""
-    from labkit import LLM, SamplingParams
+    from labkit import LLM
     from labkit.model.loader import load_config, resolve_model_path
     from labkit.sim.workloads import get_workload
 
@@ -100,9 +106,7 @@ def run_real(model: str | Path, num_requests: int, max_prompt: int, max_output: 
     specs = get_workload("chat", max_prompt_len=max_prompt,
                          max_output_len=max_output).sample(num_requests, seed=seed)
     prompts = [s.prompt_token_ids(vocab_size=cfg.vocab_size, first_id=1) for s in specs]
-    params = [SamplingParams(temperature=0.0, max_tokens=s.output_len, ignore_eos=True,
-                             detokenize=False)
-              for s in specs]
+    params = [greedy_params(s.output_len) for s in specs]
     # One KV budget for both: every request's maximum fits at once in the contiguous layout.
     num_slots = num_requests * max_len
     rows = []
@@ -178,10 +182,5 @@ def main(argv: list[str] | None = None) -> int:
     print_table(real["rows"])
     print(f"\npaged_utilization = {payload['paged_utilization']:.3f}   "
           f"contiguous_utilization = {payload['contiguous_utilization']:.3f}")
-    write_json(args.json, payload)
-    if args.json:
-        try:
-            write_chart(payload, Path(args.json).with_suffix(".html"))
-        except ImportError:
-            print("plotly is not installed (pip install labkit[lab]); chart skipped")
+    write_results(args.json, payload, write_chart)
     return 0

@@ -18,14 +18,23 @@ saving from queueing. The simulator repeats the comparison for Llama-2-7B on an 
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from labkit.bench.common import bench_parser, environment, print_table, write_json
+from labkit.bench.common import (
+    Comparison,
+    bench_parser,
+    compare,
+    environment,
+    greedy_params,
+    print_table,
+    timed,
+    write_results,
+)
 from labkit.engine.metrics import compute_metrics
 from labkit.sim.workloads import load_prompt_set
 
@@ -46,30 +55,24 @@ def _drain(engine: Any) -> None:
 def run_real(model: str | Path, cache: bool, num_prompts: int, max_tokens: int,
              sequential: int) -> dict[str, Any]:
     """One engine, caching on or off: warm-up, a burst of every prompt, then a sequential pass."""
-    from labkit import LLM, SamplingParams
+    from labkit import LLM
     from labkit.model.loader import load_pretrained, resolve_model_path
 
     path = resolve_model_path(model)
     _, tok = load_pretrained(path)
-    rows = load_prompt_set("chat_prompts")
-    system = rows[0]["system"]
-    prompts = [tok.encode(r["system"] + r["user"]) for r in rows]
-    prompts = [prompts[i % len(prompts)] for i in range(num_prompts)]
-    sys_len = len(tok.encode(system))
+    prompts, system = chat_prompts(tok, num_prompts)
+    sys_len = len(system)
     llm = LLM(model=str(path), enable_prefix_caching=cache, dtype="float32",
               max_num_seqs=max(num_prompts, 1))
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                            detokenize=False)
-    engine.add_request("warmup", tok.encode(system), params)
+    params = greedy_params(max_tokens)
+    engine.add_request("warmup", system, params)
     _drain(engine)
 
     burst = {f"burst-{i}" for i in range(len(prompts))}
     for i, p in enumerate(prompts):
         engine.add_request(f"burst-{i}", p, params)
-    t0 = time.perf_counter()
-    _drain(engine)
-    burst_wall = time.perf_counter() - t0
+    burst_wall = timed(_drain, engine)[1].wall_s
     for i in range(min(sequential, len(prompts))):
         rid = f"seq-{i}"
         engine.add_request(rid, prompts[-1 - i], params)
@@ -88,6 +91,44 @@ def run_real(model: str | Path, cache: bool, num_prompts: int, max_tokens: int,
             "prefill_tokens": _prefill_tokens(trace, burst),
             "sequential_ttft_p50": float(np.median(seq_ttft)) if seq_ttft else None,
             "hit_rate": engine.stats().get("prefix_hit_rate", 0.0)}
+
+
+def chat_prompts(tokenizer: Any, num_prompts: int) -> tuple[list[list[int]], list[int]]:
+    """The lab's chat prompt set (cycled to ``num_prompts``) and its shared system prompt."""
+    rows = load_prompt_set("chat_prompts")
+    prompts = [tokenizer.encode(r["system"] + r["user"]) for r in rows]
+    return [prompts[i % len(prompts)] for i in range(num_prompts)], tokenizer.encode(
+        rows[0]["system"])
+
+
+def compare_ttft(model: Any, tokenizer: Any, num_prompts: int = 3,
+                 **compare_kw: Any) -> Comparison:
+    """Cache off vs on as notebook 03 shows it: the time to first token of ``num_prompts`` chat
+    prompts, one at a time, after the system prompt was served once (as a server would have).
+
+    Each round builds fresh engines (untimed, with that warm-up) so a round's hits come from
+    the system prompt only, never from an earlier round's identical prompt; the timed part is
+    each request's prefill (``max_tokens=1``), so speed-up = TTFT off / TTFT on in CPU time.
+    ``results[name]`` holds that engine's prefix hit rate."""
+    from labkit import LLM
+
+    prompts, system = chat_prompts(tokenizer, num_prompts)
+    first = greedy_params(1)
+
+    def variant(cache: bool) -> Callable[[], Callable[[], float]]:
+        def prepare() -> Callable[[], float]:
+            llm = LLM(model, tokenizer=tokenizer, enable_prefix_caching=cache)
+            llm.generate(prompt_token_ids=[system], sampling_params=first, use_tqdm=False)
+
+            def work() -> float:
+                for p in prompts:
+                    llm.generate(prompt_token_ids=[p], sampling_params=first, use_tqdm=False)
+                return llm.llm_engine.stats().get("prefix_hit_rate", 0.0)
+            return work
+        return prepare
+
+    return compare({"cache on": variant(True), "cache off": variant(False)},
+                   baseline="cache off", **compare_kw)
 
 
 def run_sim(num_requests: int, model: str = "llama-2-7b", gpu: str = "a100-80gb",
@@ -160,10 +201,5 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nTTFT P50: {1e3 * payload['ttft_p50_cache_off']:.1f} ms -> "
           f"{1e3 * payload['ttft_p50_cache_on']:.1f} ms "
           f"({payload['ttft_p50_reduction']:.0%} less), hit rate {payload['hit_rate']:.2f}")
-    write_json(args.json, payload)
-    if args.json:
-        try:
-            write_chart(payload, Path(args.json).with_suffix(".html"))
-        except ImportError:
-            print("plotly is not installed (pip install labkit[lab]); chart skipped")
+    write_results(args.json, payload, write_chart)
     return 0

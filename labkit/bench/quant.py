@@ -4,8 +4,11 @@ On the shipped model, side by side in one run: fp32, bf16, INT8 (W8A16), INT4 ro
 GPTQ and AWQ (INT4, group 128), NF4, FP8 and fp32 weights with an INT8 KV cache. For each:
 held-out perplexity, mean KL divergence of next-token distributions from fp32 (the damage done,
 token by token), measured weight bytes next to the memory calculator's prediction, and CPU decode
-tokens/s (context only: the CPU path dequantizes the whole weight every call, so 4-bit is *slower*
-here; the speed-up needs the fused GPU kernel, see ``labkit bench kernels``).
+tokens per CPU-second at batch 1 (labkit.bench.quant_speed): INT8, INT4 RTN, GPTQ and AWQ run
+PyTorch's packed CPU kernels (``tokens_per_s``) and, for comparison, the dequantize-the-whole-
+weight reference path (``tokens_per_s_dequant``); NF4 and FP8 only have the latter. labkit-tiny
+is overhead-bound (``matmul_share``); ``--large`` adds a 116 M-parameter random-weight model
+where decode is bandwidth-bound and fewer weight bytes pay.
 
 Calibration windows come from the corpus's train split, evaluation windows from its held-out
 split. labkit-tiny's FFN width 704 = 11 x 64 is not divisible by 128, so its down_proj falls back
@@ -18,19 +21,18 @@ byte budget: blocks, concurrency and throughput (labkit.bench.kv_int8_engine).
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 
-from labkit.bench.common import bench_parser, environment, print_table, write_json
+from labkit.bench.common import bench_parser, environment, print_table, timed, write_json
 
 QUICK = {"eval": (8, 128), "calib": (16, 128), "n_grid": 10, "search_batches": 2,
-         "decode_tokens": 16, "engine_kv": {"prompts": 8, "prompt_len": 32, "max_tokens": 32,
-                                            "auto_blocks": 8}}
+         "decode_tokens": 16, "rounds": 2,
+         "engine_kv": {"prompts": 8, "prompt_len": 32, "max_tokens": 32, "auto_blocks": 8}}
 FULL = {"eval": (64, 256), "calib": (128, 256), "n_grid": 20, "search_batches": 4,
-        "decode_tokens": 32, "engine_kv": {"prompts": 16, "prompt_len": 64, "max_tokens": 64,
-                                           "auto_blocks": 32}}
+        "decode_tokens": 32, "rounds": 3,
+        "engine_kv": {"prompts": 16, "prompt_len": 64, "max_tokens": 64, "auto_blocks": 32}}
 GROUP_SIZE = 128
 
 
@@ -65,6 +67,7 @@ def _chart(rows: list[dict], path: str) -> None:
 
 def run(model_name: str = "labkit-tiny", quick: bool = False,
         progress: bool = True) -> dict[str, Any]:
+    from labkit.bench.quant_speed import compare_decode, matmul_share
     from labkit.model.loader import load_pretrained
     from labkit.quant import (
         Int8ContiguousKVCache,
@@ -73,7 +76,7 @@ def run(model_name: str = "labkit-tiny", quick: bool = False,
         quantize_model,
     )
     from labkit.quant.calib import corpus_windows
-    from labkit.quant.evaluate import decode_tokens_per_s, log_probs, model_bytes
+    from labkit.quant.evaluate import log_probs, model_bytes
     from labkit.quant.memory import estimate_memory, kv_cache_bytes
 
     s = QUICK if quick else FULL
@@ -99,13 +102,13 @@ def run(model_name: str = "labkit-tiny", quick: bool = False,
         "nf4": (4, 64, "nf4", lambda: quantize_model(model, "nf4", blocksize=64)),
         "fp8": (8, -1, "fp8", lambda: quantize_model(model, "fp8")),
     }
-    rows, reports = [], {}
+    rows, reports, built = [], {}, {}
     for name, (bits, group, calc_fmt, build) in builders.items():
-        t0 = time.perf_counter()
-        qm = build()
+        qm, t = timed(build)
         if isinstance(qm, tuple):
             qm, reports[name] = qm
-        qtime = time.perf_counter() - t0
+        built[name] = qm
+        qtime = t.wall_s
         metrics = _evaluate(qm, eval_tokens, None if name == "fp32" else ref_lp)
         base = "bf16" if name == "bf16" else "fp32"
         calc = estimate_memory(cfg, calc_fmt, base_dtype=base, group_size=GROUP_SIZE,
@@ -113,14 +116,19 @@ def run(model_name: str = "labkit-tiny", quick: bool = False,
         rows.append({"format": name, "bits": bits, "group_size": group, **metrics,
                      "weight_bytes": model_bytes(qm), "calculator_bytes": calc,
                      "kv_dtype": base, "kv_bytes_per_token": kv_cache_bytes(cfg, 1, 1, base),
-                     "tokens_per_s": decode_tokens_per_s(qm, prompt, s["decode_tokens"]),
                      "quantize_s": qtime})
         print(f"{name}: ppl {metrics['perplexity']:.4f} kl {metrics['kl']:.5f}", flush=True)
+    speeds = compare_decode(built, prompt, s["decode_tokens"], s["rounds"])
+    for r in rows:
+        r.update(speeds[r["format"]])
+        r["speedup_vs_fp32"] = r["tokens_per_s"] / speeds["fp32"]["tokens_per_s"]
+    share = {n: matmul_share(built[n], speeds[n]["tokens_per_s"])
+             for n in ("fp32", "int8", "int4_rtn")}
     kv = _evaluate(model, eval_tokens, ref_lp,
                    kv_cache_factory=lambda m, b, t: Int8ContiguousKVCache(m, b, t))
     rows.append({**rows[0], **kv, "format": "int8_kv", "kv_dtype": "int8",
                  "kv_bytes_per_token": kv_cache_bytes(cfg, 1, 1, "int8"),
-                 "tokens_per_s": None, "quantize_s": 0.0})
+                 "tokens_per_s": None, "speedup_vs_fp32": None, "quantize_s": 0.0})
     from labkit.bench.kv_int8_engine import run_engine_int8_kv
 
     e = s["engine_kv"]
@@ -136,6 +144,9 @@ def run(model_name: str = "labkit-tiny", quick: bool = False,
         "bytes_within_5pct_of_calculator": all(
             abs(r["weight_bytes"] - r["calculator_bytes"]) <= 0.05 * r["calculator_bytes"]
             for r in rows),
+        "int8_decode_ge_1.0x_fp32": by["int8"]["speedup_vs_fp32"] >= 1.0,
+        **{f"{f}_decode_ge_0.9x_fp32": by[f]["speedup_vs_fp32"] >= 0.9
+           for f in ("int4_rtn", "gptq", "awq")},
     }
     fallback = sorted({n.split(".", 3)[-1] for n, m in model.named_modules()
                        if isinstance(m, torch.nn.Linear) and n != "lm_head"
@@ -150,6 +161,7 @@ def run(model_name: str = "labkit-tiny", quick: bool = False,
                          .weight_bytes / 1e9,
                          "llama2_7b_int4_g128_gb": estimate_memory("llama-2-7b", "gptq")
                          .weight_bytes / 1e9},
+            "cpu_decode_matmul_share": share,
             "engine_int8_kv": engine_kv, "gptq_report": reports.get("gptq", []),
             "awq_report": reports.get("awq", []),
             "environment": environment()}
@@ -160,10 +172,27 @@ def main(argv: list[str] | None = None) -> int:
                               "an INT8 KV cache on the shipped model")
     p.add_argument("--model", default="labkit-tiny", help="shipped model name or folder")
     p.add_argument("--chart", metavar="HTML", help="write a plotly chart of accuracy vs bytes")
+    p.add_argument("--large", action="store_true",
+                   help="also decode a 116 M-parameter random-weight model (bandwidth-bound)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
     out = run(args.model, args.quick)
+    if args.large:
+        from labkit.bench.quant_speed import run_large
+
+        out["large_model"] = run_large(args.quick)
+        out["targets"].update(out["large_model"]["targets"])
     print_table(out["results"], ["format", "bits", "group_size", "perplexity", "kl",
-                                 "weight_bytes", "calculator_bytes", "tokens_per_s"])
+                                 "weight_bytes", "calculator_bytes", "tokens_per_s",
+                                 "tokens_per_s_dequant", "speedup_vs_fp32"])
+    for n, sh in out["cpu_decode_matmul_share"].items():
+        print(f"{n}: linears {sh['linears_us_per_step']:.0f} us of a {sh['step_us']:.0f} us "
+              f"decode step ({100 * sh['matmul_share']:.0f}%): the rest is per-op overhead")
+    if args.large:
+        print("116 M-parameter random-weight model, batch-1 decode:")
+        print_table(out["large_model"]["rows"], ["format", "weight_bytes", "tokens_per_s",
+                                                 "tokens_per_s_dequant", "speedup_vs_fp32"])
     e = out["engine_int8_kv"]
     print(f"paged engine, same KV budget ({e['kv_cache_bytes']} bytes), {e['num_prompts']} "
           f"greedy requests:")

@@ -35,14 +35,22 @@ draft — a stand-in: a real pair's α depends on the models and the text.
 from __future__ import annotations
 
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from labkit.bench.common import bench_parser, environment, print_table, write_json
+from labkit.bench.common import (
+    Comparison,
+    bench_parser,
+    compare,
+    environment,
+    greedy_params,
+    print_table,
+    timed,
+    write_results,
+)
 from labkit.spec.theory import expected_speedup, expected_tokens_per_step, trace_acceptance
 
 QUICK = {"num_prompts": 4, "max_tokens": 64, "gammas": [2, 4], "rounds": 1}
@@ -50,27 +58,25 @@ FULL = {"num_prompts": 16, "max_tokens": 128, "gammas": [1, 2, 4, 6, 8], "rounds
 SIM = {"target": "llama-2-7b", "draft": "tinyllama-1.1b", "gpu": "a100-80gb", "context": 512}
 
 
-def _sampling(max_tokens: int):
-    from labkit import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                          detokenize=False)
-
-
-def run_engine(target: torch.nn.Module, prompts: list[list[int]], max_tokens: int,
-               spec: dict[str, Any] | None, concurrency: int = 1) -> dict[str, Any]:
-    """Generate every prompt, ``concurrency`` at a time; wall and process CPU time.
-    A warm-up request runs first."""
+def _engine(target: torch.nn.Module, prompts: list[list[int]], spec: dict[str, Any] | None,
+            concurrency: int = 1):
+    """An engine for ``target`` (speculative if ``spec``), warmed up on one short request."""
     from labkit import LLM
 
     llm = LLM(target, max_num_seqs=concurrency, speculative_config=spec)
-    llm.generate(prompt_token_ids=prompts[:1], sampling_params=_sampling(8))
+    llm.generate(prompt_token_ids=prompts[:1], sampling_params=greedy_params(8))
+    return llm
+
+
+def _counters(llm: Any) -> tuple[int, dict[str, float]]:
     eng = llm.llm_engine
-    steps0 = len(eng.trace.steps)
-    cpu_parts0 = dict(getattr(eng.executor, "cpu_s", {}))
-    t0, c0 = time.perf_counter(), time.process_time()
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=_sampling(max_tokens))
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return len(eng.trace.steps), dict(getattr(eng.executor, "cpu_s", {}))
+
+
+def _summary(llm: Any, outs: list[Any], before: tuple[int, dict[str, float]]) -> dict[str, Any]:
+    """Tokens, acceptance and per-part CPU of the steps after ``before`` (a :func:`_counters`)."""
+    eng = llm.llm_engine
+    steps0, cpu_parts0 = before
     tokens = [o.outputs[0].token_ids for o in outs]
     trace = eng.trace.to_dict()
     trace["steps"] = trace["steps"][steps0:]
@@ -79,11 +85,47 @@ def run_engine(target: torch.nn.Module, prompts: list[list[int]], max_tokens: in
                   for r in s["spec"])
     parts = {k: v - cpu_parts0.get(k, 0.0) for k, v in getattr(eng.executor, "cpu_s", {}).items()}
     drafted = sum(len(r["proposed"]) for s in trace["steps"] for r in s["spec"])
-    return {"wall_s": wall, "cpu_s": cpu, "tokens": tokens, "num_tokens": sum(map(len, tokens)),
+    return {"tokens": tokens, "num_tokens": sum(map(len, tokens)),
             "num_steps": len(trace["steps"]), "acc": trace_acceptance(trace),
             "tokens_per_step": emitted / verify_steps if verify_steps else 1.0,
             "drafts_per_step": drafted / verify_steps if verify_steps else 0.0,
             "verify_steps": verify_steps, "num_drafted": drafted, "cpu_parts_s": parts}
+
+
+def run_engine(target: torch.nn.Module, prompts: list[list[int]], max_tokens: int,
+               spec: dict[str, Any] | None, concurrency: int = 1) -> dict[str, Any]:
+    """Generate every prompt, ``concurrency`` at a time; wall and process CPU time.
+    A warm-up request runs first."""
+    llm = _engine(target, prompts, spec, concurrency)
+    before = _counters(llm)
+    outs, t = timed(llm.generate, prompt_token_ids=prompts,
+                    sampling_params=greedy_params(max_tokens))
+    return {"wall_s": t.wall_s, "cpu_s": t.cpu_s, **_summary(llm, outs, before)}
+
+
+def compare_spec(target: torch.nn.Module, prompts: list[list[int]], max_tokens: int,
+                 specs: dict[str, dict[str, Any]], **compare_kw: Any) -> Comparison:
+    """Plain decoding against each speculative config, as notebook 05 shows it: interleaved
+    rounds through :func:`labkit.bench.common.compare` (speed-up = plain CPU s / speculative
+    CPU s for the same greedy tokens). ``results[name]`` is the last round's
+    :func:`run_engine`-style summary (tokens, acceptance, tokens per verify step)."""
+
+    def variant(spec: dict[str, Any] | None):
+        def prepare():
+            llm = _engine(target, prompts, spec)
+            before = _counters(llm)
+
+            def work():
+                outs = llm.generate(prompt_token_ids=prompts,
+                                    sampling_params=greedy_params(max_tokens))
+                return llm, outs, before
+            return work
+        return prepare
+
+    c = compare({"plain": variant(None), **{n: variant(s) for n, s in specs.items()}},
+                baseline="plain", **compare_kw)
+    c.results = {n: _summary(*r) for n, r in c.results.items()}
+    return c
 
 
 @torch.inference_mode()
@@ -98,10 +140,9 @@ def _forward_ms(model: torch.nn.Module, context: int, num_tokens: int, reps: int
     model(ids[:, :context], None, cache)
     new, pos = ids[:, context:], torch.arange(context, context + num_tokens)[None]
     times = []
+    last = torch.tensor([num_tokens - 1])
     for _ in range(reps):
-        t0 = time.process_time()
-        model(new, pos, cache, torch.tensor([num_tokens - 1]))
-        times.append(time.process_time() - t0)
+        times.append(timed(model, new, pos, cache, last)[1].cpu_s)
     return 1e3 * statistics.median(times)
 
 
@@ -274,9 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table([r for r in payload["results"] if not r["measured"]],
                 ["gamma", "acceptance_rate", "draft_cost_c", "verify_over_decode",
                  "baseline_tokens_per_s", "tokens_per_s", "speedup"])
-    write_json(args.json, payload)
-    if args.json:
-        write_chart(payload, Path(args.json).with_suffix(".html"))
+    write_results(args.json, payload, write_chart)
     ok = all(r["outputs_match"] for r in payload["results"] if r["measured"])
     if not ok:
         print("MISMATCH: a speculative output differs from the plain output")

@@ -38,6 +38,8 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     spec_records: list[dict[str, Any]] = field(default_factory=list)
+    #: tensor parallelism: this step's collectives, ``{kind: {"count", "bytes"}}`` (rank 0's)
+    collectives: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class Executor(ABC):
@@ -53,6 +55,9 @@ class Executor(ABC):
     @abstractmethod
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step; return the sampled token(s) per sequence id."""
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Release what outlives a step (worker processes of a parallel executor)."""
 
 
 # ---- factories for executors that live above the engine (dependency injection) ----------------

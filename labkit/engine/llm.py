@@ -37,14 +37,18 @@ class LLM:
         if isinstance(model, (tuple, list)):
             model, tokenizer = model
         elif not isinstance(model, torch.nn.Module):
-            from labkit.model.loader import load_pretrained
+            from labkit.model.loader import load_pretrained, open_checkpoint
 
             name = str(model)
-            model, tok = load_pretrained(model, dtype=dtype, device=device)
+            if engine_settings.get("tensor_parallel_size", 1) != 1:  # ranks read their slices
+                model, tok = open_checkpoint(model, dtype)
+            else:
+                model, tok = load_pretrained(model, dtype=dtype, device=device)
             tokenizer = tokenizer or tok
-        if device is not None or dtype is not None:
-            model = model.to(device=device, dtype=dtype)
-        model.eval()
+        if isinstance(model, torch.nn.Module):
+            if device is not None or dtype is not None:
+                model = model.to(device=device, dtype=dtype)
+            model.eval()
         self.model = model
         self.tokenizer = tokenizer
         self.llm_engine = LLMEngine.from_model(model, tokenizer, name=name, **engine_settings)
@@ -53,6 +57,11 @@ class LLM:
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer: Any = None, **kw: Any) -> LLM:
         return cls((model, tokenizer), **kw)
+
+    def shutdown(self) -> None:
+        """Stop worker processes (tensor parallelism); they also stop when the LLM is garbage
+        collected or the interpreter exits."""
+        self.llm_engine.executor.shutdown()
 
     def generate(self, prompts: str | Sequence[str] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

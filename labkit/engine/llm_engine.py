@@ -81,9 +81,12 @@ class LLMEngine:
                                        c.num_key_value_heads, c.head_dim, model.dtype,
                                        cache.kv_cache_dtype)
         cache.resolve_num_blocks(per_block, config.scheduler.max_num_seqs, config.max_model_len)
-        backend = get_attention_backend(config.model.attention_backend)
-        kv = PagedKVCache.for_model(c, cache, model.dtype, model.device, backend)
-        executor: Executor = ModelExecutor(ModelRunner(model, kv))
+        if config.parallel.tensor_parallel_size > 1:  # N worker processes, one shard each
+            executor: Executor = executor_factory("tensor_parallel")(model, config)
+        else:
+            backend = get_attention_backend(config.model.attention_backend)
+            kv = PagedKVCache.for_model(c, cache, model.dtype, model.device, backend)
+            executor = ModelExecutor(ModelRunner(model, kv))
         if config.speculative is not None:
             _load_draft(config, model)
             executor = executor_factory("speculative")(executor, config)
@@ -178,7 +181,8 @@ class LLMEngine:
             raise
         self.num_steps += 1
         appended = {o.seq.seq_id: o.new_token_ids for o in seq_outputs}
-        self.observer.on_step(self.scheduler, out, t0, t1 - t0, appended, result.spec_records)
+        self.observer.on_step(self.scheduler, out, t0, t1 - t0, appended, result.spec_records,
+                              result.collectives)
         return outputs
 
     def _idle(self, out: SchedulerOutput, t0: float) -> None:

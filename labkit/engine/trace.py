@@ -166,12 +166,16 @@ class TraceObserver:
                 "max_tokens": params.max_tokens}
 
     def on_step(self, scheduler: Any, out: Any, t0: float, dur: float,
-                appended: dict[str, list[int]], spec: list[dict]) -> None:
+                appended: dict[str, list[int]], spec: list[dict],
+                collectives: dict[str, dict[str, int]] | None = None) -> None:
         events = scheduler.bm.take_events()
         finished = scheduler.take_finished()
         if self.enabled:
-            self.trace.steps.append(step_record(len(self.trace.steps), scheduler, out, t0, dur,
-                                                appended, finished, events, spec))
+            rec = step_record(len(self.trace.steps), scheduler, out, t0, dur, appended,
+                              finished, events, spec)
+            if collectives:  # tensor parallelism only: {kind: {"count", "bytes"}}
+                rec["collectives"] = collectives
+            self.trace.steps.append(rec)
 
 
 def step_record(index: int, sched: Any, out: Any, t0: float, dur: float,

@@ -1,8 +1,10 @@
 """Interview-prep exercises with automatic checks, and drills.
 
-Each exercise module poses a contract (``CONTRACT``) and a ``check(...)`` that runs the learner's
-function against labkit's own implementation and property tests, printing the input, expected and
-actual values and a hint when something is wrong:
+Each exercise states its contract in the notebook's stub docstring and has a ``check(...)`` that
+runs the learner's function against labkit's own implementation (``kv/prefix.py``, ``spec/``,
+``quant/``, ``engine/metrics.py``, the engine itself) or, where labkit has none with that exact
+contract, the checker's plainly written reference; it prints the input, the expected and actual
+values and a hint when something is wrong:
 
 - ``kv_size``          KV-cache bytes with grouped-query attention
 - ``allocator``        block allocator with ref counts, fork, copy-on-write (random op sequences);
@@ -14,7 +16,9 @@ actual values and a hint when something is wrong:
 - ``speculative``      acceptance rule (chi-square, seeded) and the expected speed-up
 - ``triton_kernels``   vector add and paged-attention decode through the CPU interpreter
 
-``solutions`` holds reference solutions (notebooks never import it unless
-``LABKIT_INJECT_SOLUTIONS=1``), ``wrong``/``triton_wrong`` the negative controls, ``drills`` the
-``labkit drill`` command, ``progress`` the local progress file and widget.
+Underneath: ``checks`` (reports, strict mode, ``ready`` for gated cells), ``shared`` (``Seq``, the
+tiny engine), ``progress`` (the local progress file and widget), ``quiz`` (the main notebooks'
+questions), ``drills`` (``labkit drill``). ``solutions`` holds the reference answers and is read
+only by ``inject``, under ``LABKIT_INJECT_SOLUTIONS=1``; the negative controls (plausible wrong
+answers every checker must reject) live in tests/exercises.
 """

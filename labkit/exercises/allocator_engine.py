@@ -16,7 +16,11 @@ from typing import Any
 
 import torch
 
+from labkit.engine.model_runner import ModelRunner
 from labkit.exercises.checks import CheckFailure, call, run_check
+from labkit.kv.attention import get_attention_backend
+from labkit.model.generate import generate
+from labkit.model.testing import tiny_model
 
 
 @dataclass
@@ -24,18 +28,6 @@ class _Seq:
     seq_id: str
     tokens: list[int]
     block_table: list[int]
-
-
-def tiny_model() -> torch.nn.Module:
-    """The seeded random model the tests use (no checkpoint needed)."""
-    from labkit.model.config import ModelConfig
-    from labkit.model.llama import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=256)
-    return LlamaForCausalLM(cfg).eval()
 
 
 @torch.inference_mode()
@@ -46,9 +38,6 @@ def generate_with_allocator(allocator_cls: Callable[[int, int], Any], model: tor
     """Greedy generation whose KV blocks come from ``allocator_cls``. Sample j of a prompt
     starts from the j-th most likely first token, then continues greedily. Returns new tokens
     per sequence id ``"p{i}:{j}"``; every block must be free again at the end."""
-    from labkit.engine.model_runner import ModelRunner
-    from labkit.kv.attention import get_attention_backend
-
     ex = ModelRunner.for_model(model, block_size, num_blocks, 0, get_attention_backend("torch"))
     alloc = allocator_cls(num_blocks, block_size)
     live: list[_Seq] = []
@@ -104,8 +93,6 @@ def check_on_model(allocator_cls: Callable[[int, int], Any], model: torch.nn.Mod
     """Run the model on your allocator and compare every sample with reference generation."""
 
     def body() -> str:
-        from labkit.model.generate import generate
-
         m = model if model is not None else tiny_model()
         g = torch.Generator().manual_seed(1)
         vocab = m.config.vocab_size

@@ -1,4 +1,4 @@
-"""Shared machinery of the exercise checkers: precise failure reports, progress, injection.
+"""Shared machinery of the exercise checkers: precise failure reports, progress, gating.
 
 A checker raises ``CheckFailure`` with the exact input, the expected and the actual value and a
 hint; ``run_check`` turns that (or a pass) into a printed report, records progress and returns a
@@ -14,6 +14,8 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from labkit.exercises import progress
 
@@ -65,9 +67,9 @@ def run_check(exercise: str, body: Callable[[], str], *, record: bool = True,
         passed = True
     except CheckFailure as f:
         message, passed = "✗ " + exercise + ": " + f.report(), False
-    except NotImplementedError:
-        message = (f"· {exercise}: not implemented yet — replace the `raise NotImplementedError` "
-                   "with your code and run the check again.")
+    except NotImplementedError as e:
+        todo = str(e) or "replace the `raise NotImplementedError` with your code"
+        message = f"· {exercise}: not implemented yet — {todo} and run the check again."
         passed = False
     result = CheckResult(exercise, passed, message)
     if record:
@@ -103,30 +105,20 @@ def signature(name: str, args: tuple, kwargs: dict) -> str:
 
 def short(value: Any, limit: int = 300) -> str:
     """repr trimmed for reports; tensors show shape, dtype and a few values."""
-    try:
-        import torch
-
-        if isinstance(value, torch.Tensor):
-            flat = value.detach().flatten()
-            head = flat[:8].tolist()
-            more = ", …" if flat.numel() > 8 else ""
-            return f"tensor(shape={list(value.shape)}, dtype={value.dtype}, values={head}{more})"
-    except ImportError:  # pragma: no cover - torch is a hard dependency
-        pass
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().flatten()
+        head = flat[:8].tolist()
+        more = ", …" if flat.numel() > 8 else ""
+        return f"tensor(shape={list(value.shape)}, dtype={value.dtype}, values={head}{more})"
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def inject(name: str, learner_fn: Any) -> Any:
-    """Return the reference solution when ``LABKIT_INJECT_SOLUTIONS=1`` (CI), else the learner's.
-
-    Notebooks call this right after the learner's cell, so CI executes every checker against the
-    reference and the notebooks cannot silently rot.
-    """
-    if os.environ.get("LABKIT_INJECT_SOLUTIONS") != "1":
-        return learner_fn
-    from labkit.exercises import solutions
-
-    if not hasattr(solutions, name):
-        raise ValueError(f"no reference solution named {name!r} in labkit.exercises.solutions")
-    return getattr(solutions, name)
+def ready(*results: CheckResult, then: str) -> bool:
+    """Gate for a cell that builds on earlier checks: True when all passed, else it says why
+    the cell does nothing (a silent cell looks like a broken one)."""
+    waiting = [r.exercise for r in results if not r]
+    if waiting:
+        print(f"· skipped: {then} runs once {' and '.join(waiting)} "
+              f"{'passes' if len(waiting) == 1 else 'pass'} (see the check above).")
+    return not waiting

@@ -18,18 +18,7 @@ from collections.abc import Callable
 import torch
 
 from labkit.exercises.checks import CheckFailure, call, run_check, signature
-
-CONTRACT = '''
-def kv_cache_bytes(num_layers: int, num_attention_heads: int, num_kv_heads: int, head_dim: int,
-                   seq_len: int, batch_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V cached for `batch_size` sequences of `seq_len` tokens each.
-
-    Every layer caches a key and a value vector of `head_dim` elements for every KV head and
-    every token. With grouped-query attention several query heads share one KV head, so
-    `num_attention_heads` does not enter the formula. The element size comes from `dtype`
-    (torch.float16 -> 2 bytes, torch.float32 -> 4, torch.int8 -> 1).
-    """
-'''
+from labkit.sim.presets import MODELS
 
 # (name, layers, query heads, kv heads, head dim): public configs (design.md's table).
 _MODELS = [
@@ -114,10 +103,6 @@ def check(kv_cache_bytes: Callable[..., int]) -> object:
 
 def _preset_cross_check() -> str:
     """Agree with labkit.sim.presets where it exists (an independent implementation)."""
-    try:
-        from labkit.sim.presets import MODELS
-    except ImportError:
-        return ""
     for name, layers, hq, hkv, d in _MODELS:
         preset = MODELS.get(name)
         if preset is None:

@@ -11,41 +11,26 @@ get equal keys: block i of two prompts must share a key exactly when labkit's ke
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
+from labkit.engine.sampling_params import SamplingParams
 from labkit.exercises.checks import CheckFailure, call, run_check, signature
-
-CONTRACT_HASHES = '''
-def block_hashes(token_ids: list[int], block_size: int, cache_salt: str | None = None) -> list:
-    """Cache keys of every FULL block of `token_ids` (a partial last block gets none).
-
-    key_0 = H(None, token_ids[0:block_size], cache_salt); key_i = H(key_{i-1}, block i, salt).
-    Keys must be hashable (they index a dict) and deterministic. Two prompts share key i exactly
-    when their first (i+1)*block_size tokens and their salts are equal.
-    """
-'''
-
-CONTRACT_LOOKUP = '''
-def longest_cached_prefix(hashes: list, num_tokens: int, block_size: int,
-                          cached: dict) -> list[int]:
-    """Physical block ids to reuse for a prompt of `num_tokens` tokens.
-
-    `hashes` are the prompt's full-block keys in order; `cached` maps key -> physical block id.
-    Take blocks from the start while their keys are cached; stop at the first miss (a later hit
-    is useless: its KV assumed the missing block's tokens were computed). At least one prompt
-    token must still be computed so the model produces logits for the next token: never reuse
-    blocks covering all `num_tokens` tokens.
-    """
-'''
+from labkit.exercises.shared import tiny_engine
+from labkit.kv.prefix import hash_prompt_blocks
 
 
-def _reference_hashes(tokens: Sequence[int], block_size: int, salt: str | None) -> list:
-    try:
-        from labkit.kv.prefix import hash_prompt_blocks
-    except ImportError:  # pragma: no cover - before the engine landed
-        from labkit.exercises.solutions import block_hashes as hash_prompt_blocks
-    return hash_prompt_blocks(list(tokens), block_size, salt)
+def reference_longest_cached_prefix(hashes: list, num_tokens: int, block_size: int,
+                                     cached: dict) -> list[int]:
+    """The lookup rule of labkit's block manager (``BlockManager.find_cached_prefix``) on plain
+    dicts: leading cached blocks, stopping at the first miss, never all ``num_tokens``."""
+    limit = (num_tokens - 1) // block_size  # keep >= 1 token to compute
+    blocks: list[int] = []
+    for key in hashes[:limit]:
+        if key not in cached:
+            break
+        blocks.append(cached[key])
+    return blocks
 
 
 def _pairs(rng: random.Random) -> list[tuple[list[int], list[int], int, Any, Any]]:
@@ -77,7 +62,7 @@ def check_hashes(block_hashes: Callable[..., list]) -> object:
         for a, b, bs, sa, sb in _pairs(rng):
             ha = call(block_hashes, a, bs, sa)
             hb = call(block_hashes, b, bs, sb)
-            ra, rb = _reference_hashes(a, bs, sa), _reference_hashes(b, bs, sb)
+            ra, rb = hash_prompt_blocks(a, bs, sa), hash_prompt_blocks(b, bs, sb)
             for toks, salt, mine, ref in ((a, sa, ha, ra), (b, sb, hb, rb)):
                 if not isinstance(mine, list) or len(mine) != len(ref):
                     raise CheckFailure(
@@ -155,12 +140,10 @@ def check_lookup(longest_cached_prefix: Callable[..., list[int]]) -> object:
     """Exact comparison with the reference on hand-written and random cache states."""
 
     def body() -> str:
-        from labkit.exercises.solutions import longest_cached_prefix as reference
-
         rng = random.Random(1)
         cases = _lookup_cases(rng)
         for hashes, n, bs, cached in cases:
-            expected = reference(hashes, n, bs, cached)
+            expected = reference_longest_cached_prefix(hashes, n, bs, cached)
             actual = call(longest_cached_prefix, list(hashes), n, bs, dict(cached))
             if actual != expected:
                 raise CheckFailure(
@@ -187,12 +170,8 @@ def engine_prefix_hits(num_requests: int = 10, block_size: int = 4, seed: int = 
                        ) -> list[dict[str, Any]]:
     """Serve requests one after another through labkit's engine (prefix caching on, a pool big
     enough that nothing is evicted) and record what its prefix cache reused for each."""
-    from labkit.engine.llm_engine import LLMEngine
-    from labkit.engine.sampling_params import SamplingParams
-    from labkit.exercises.allocator_engine import tiny_model
-
-    engine = LLMEngine.from_model(tiny_model(), None, block_size=block_size, num_blocks=256,
-                                  max_num_seqs=4, max_num_batched_tokens=64)
+    engine = tiny_engine(block_size=block_size, num_blocks=256, max_num_seqs=4,
+                         max_num_batched_tokens=64)
     rng = random.Random(seed)
     systems = [[rng.randrange(128) for _ in range(13)] for _ in range(2)]
     rows = []

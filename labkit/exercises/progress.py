@@ -27,8 +27,10 @@ EXERCISES: dict[str, tuple[str, str]] = {
     "spec_speedup": ("07_speculative_decoding", "Expected speculative speed-up"),
     "triton_vector_add": ("08_triton_kernels", "Triton warm-up: vector add"),
     "triton_paged_attention": ("08_triton_kernels", "Triton paged-attention decode, one head"),
-    "gguf_q8_0": ("09_gguf_block_quantizers", "GGUF Q8_0 blocks, bytes equal to gguf's"),
-    "gguf_q4_0": ("09_gguf_block_quantizers", "GGUF Q4_0 blocks, bytes equal to gguf's"),
+    "token_bucket": ("09_serving", "Per-key token bucket (429 + Retry-After)"),
+    "disconnect_abort": ("09_serving", "Streaming endpoint that aborts on disconnect"),
+    "gguf_q8_0": ("10_gguf_block_quantizers", "GGUF Q8_0 blocks, bytes equal to gguf's"),
+    "gguf_q4_0": ("10_gguf_block_quantizers", "GGUF Q4_0 blocks, bytes equal to gguf's"),
 }
 
 
@@ -89,10 +91,12 @@ def summary() -> str:
 
 
 def progress_widget() -> Any:
-    """An ipywidgets view: a progress bar and one row per exercise, with a refresh button."""
+    """An ipywidgets view: a progress bar with its count, one row per exercise, a refresh
+    button."""
     import ipywidgets as w
 
     bar = w.IntProgress(min=0, max=len(EXERCISES), description="passed")
+    count = w.Label()
     table = w.HTML()
     button = w.Button(description="refresh", icon="refresh")
 
@@ -111,9 +115,10 @@ def progress_widget() -> Any:
                         f"<td style='color:{color}'>{mark}</td>"
                         f"<td>{e.get('attempts', 0)}</td></tr>")
         bar.value = sum(1 for k in EXERCISES if data.get(k, {}).get("passed"))
+        count.value = f"{bar.value} of {len(EXERCISES)} exercises passed"
         table.value = ("<table><tr><th>exercise</th><th>what</th><th>notebook</th><th>state</th>"
                        "<th>attempts</th></tr>" + "".join(rows) + "</table>")
 
     button.on_click(refresh)
     refresh()
-    return w.VBox([w.HBox([bar, button]), table])
+    return w.VBox([w.HBox([bar, count, button]), table])

@@ -14,22 +14,18 @@ from collections.abc import Callable
 import torch
 
 from labkit.exercises.checks import CheckFailure, call, run_check
+from labkit.model.loader import load_pretrained
+from labkit.quant.rtn import dequantize_int8 as ref_dequantize_int8
+from labkit.quant.rtn import fake_quantize, quantize_int8
 
 Fake = Callable[[torch.Tensor], torch.Tensor]  # weight -> quantized-then-dequantized weight
 
 
 def _model() -> tuple[torch.nn.Module, list[int]]:
-    """labkit-tiny when shipped (real text statistics), else the seeded random test model."""
-    try:
-        from labkit.model.loader import load_pretrained
-
-        model, tok = load_pretrained("labkit-tiny", dtype=torch.float32)
-        text = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1)"
-        return model.eval(), tok.encode(text)
-    except Exception:  # noqa: BLE001 - no checkpoint: fall back to the random model
-        from labkit.exercises.allocator_engine import tiny_model
-
-        return tiny_model(), list(range(3, 40))
+    """labkit-tiny (shipped in datasets/models): real text statistics, a real code prompt."""
+    model, tok = load_pretrained("labkit-tiny", dtype=torch.float32)
+    text = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1)"
+    return model.eval(), tok.encode(text)
 
 
 def _quantized(model: torch.nn.Module, fake: Fake, label: str) -> torch.nn.Module:
@@ -73,17 +69,12 @@ def check_on_model(fmt: str, learner_fake: Fake, reference_fake: Fake) -> object
 
 
 def check_int8_on_model(quantize_int8_per_channel: Callable, dequantize_int8: Callable) -> object:
-    from labkit.quant.rtn import dequantize_int8 as ref_dq
-    from labkit.quant.rtn import quantize_int8 as ref_q
-
     return check_on_model("int8", lambda w: dequantize_int8(*quantize_int8_per_channel(w)),
-                          lambda w: ref_dq(*ref_q(w)))
+                          lambda w: ref_dequantize_int8(*quantize_int8(w)))
 
 
 def check_int4_on_model(quantize_int4_groupwise: Callable, dequantize_int4_groupwise: Callable,
                         group_size: int = 32) -> object:
-    from labkit.quant.rtn import fake_quantize
-
     return check_on_model(
         "int4", lambda w: dequantize_int4_groupwise(*quantize_int4_groupwise(w, group_size),
                                                     group_size),

@@ -14,48 +14,10 @@ from typing import Any
 import torch
 
 from labkit.exercises.checks import CheckFailure, call, run_check, short
+from labkit.quant.nf4 import NF4_CODE, quantize_nf4
+from labkit.quant.rtn import quantize_int8, quantize_rtn
 
-# QLoRA's NF4 levels (quantiles of N(0, 1) rescaled to [-1, 1]); index = 4-bit code.
-NF4_CODE = torch.tensor([
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0])
-
-CONTRACT_INT8 = '''
-def quantize_int8_per_channel(w: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric INT8, one scale per output channel (row) of w [N, K].
-    scale[n] = max_k |w[n, k]| / 127;  q = round(w / scale) clamped to [-127, 127] as int8.
-    Returns (q int8 [N, K], scale float [N])."""
-
-def dequantize_int8(q: Tensor, scale: Tensor) -> Tensor:
-    """w_hat [N, K] float32 = q * scale per row."""
-'''
-
-CONTRACT_INT4 = '''
-def quantize_int4_groupwise(w: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Asymmetric INT4: each row's run of `group_size` input columns shares (scale, zero).
-    Per group: lo = min(min(w_g), 0), hi = max(max(w_g), 0)  (the range always holds 0, so
-    zeros stay exact); scale = (hi - lo) / 15; zero = round(-lo / scale) clamped to [0, 15];
-    codes = clamp(round(w / scale) + zero, 0, 15).
-    Returns (codes uint8 [N, K], scales float [N, K // group_size], zeros [N, K // group_size]).
-    An all-zero group has no range: any positive scale will do (GPTQ takes lo = -1, hi = 1);
-    just never divide by 0."""
-
-def dequantize_int4_groupwise(codes, scales, zeros, group_size) -> Tensor:
-    """w_hat [N, K] float32 = (codes - zero) * scale, each group with its own pair."""
-'''
-
-CONTRACT_NF4 = '''
-def nf4_quantize(w: Tensor, blocksize: int) -> tuple[Tensor, Tensor]:
-    """NF4 as QLoRA/bitsandbytes: flatten w row-major, cut into blocks of `blocksize`; absmax of
-    each block (float32); each value / absmax goes to the NEAREST of the 16 levels in NF4_CODE.
-    Returns (codes uint8 [numel] in 0..15, absmax float32 [numel // blocksize])."""
-
-def nf4_dequantize(codes, absmax, blocksize, shape) -> Tensor:
-    """The lookup: value[i] = NF4_CODE[codes[i]] * absmax[i // blocksize], reshaped to `shape`."""
-'''
-
+__all__ = ["NF4_CODE", "check_int4", "check_int8", "check_nf4"]  # NF4_CODE: the notebook's table
 
 def _weights() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
@@ -99,8 +61,6 @@ def _first_diff(expect: torch.Tensor, actual: torch.Tensor) -> str:
 
 def check_int8(quantize_int8_per_channel: Callable, dequantize_int8: Callable) -> object:
     def body() -> str:
-        from labkit.quant.rtn import quantize_int8
-
         worst = 0.0
         for w in _weights():
             inputs = f"w={short(w)}"
@@ -153,8 +113,6 @@ def check_int8(quantize_int8_per_channel: Callable, dequantize_int8: Callable) -
 
 def check_int4(quantize_int4_groupwise: Callable, dequantize_int4_groupwise: Callable) -> object:
     def body() -> str:
-        from labkit.quant.rtn import quantize_rtn
-
         for w in _weights():
             for gs in (16, 32):
                 n, k = w.shape
@@ -168,6 +126,10 @@ def check_int4(quantize_int4_groupwise: Callable, dequantize_int4_groupwise: Cal
                 codes = _tensor(out[0], "codes", (n, k), inputs)
                 scales = _tensor(out[1], "scales", (n, k // gs), inputs, hint)
                 zeros = _tensor(out[2], "zeros", (n, k // gs), inputs, hint)
+                if codes.dtype != torch.uint8:
+                    raise CheckFailure("codes must be uint8", inputs=inputs, expected=torch.uint8,
+                                       actual=codes.dtype, hint="codes.to(torch.uint8) after "
+                                       "clamping to [0, 15]: two of them pack into one byte.")
                 ref = quantize_rtn(w, bits=4, group_size=gs)
                 ref_s, ref_z = ref.scales.T, ref.zeros.T.float()  # labkit stores [G, N]
                 flat = (w.float().reshape(n, k // gs, gs) == 0).all(dim=2)  # no range at all
@@ -222,8 +184,6 @@ def check_int4(quantize_int4_groupwise: Callable, dequantize_int4_groupwise: Cal
 
 def check_nf4(nf4_quantize: Callable, nf4_dequantize: Callable) -> object:
     def body() -> str:
-        from labkit.quant.nf4 import quantize_nf4
-
         for w in _weights():
             for bs in (32, 64):
                 inputs = f"w={short(w)}, blocksize={bs}"
@@ -236,6 +196,11 @@ def check_nf4(nf4_quantize: Callable, nf4_dequantize: Callable) -> object:
                                 "one code per element, flattened row-major (unpacked).")
                 absmax = _tensor(out[1], "absmax", (w.numel() // bs,), inputs,
                                  "one absmax per block of `blocksize` consecutive elements.")
+                if codes.dtype != torch.uint8 or absmax.dtype != torch.float32:
+                    raise CheckFailure("wrong dtypes", inputs=inputs,
+                                       expected="codes uint8, absmax float32",
+                                       actual=f"codes {codes.dtype}, absmax {absmax.dtype}",
+                                       hint="codes.to(torch.uint8); absmax stays float32.")
                 if not torch.allclose(absmax.float(), ref.absmax.float()):
                     raise CheckFailure("wrong absmax", inputs=inputs, expected=short(ref.absmax),
                                        actual=short(absmax),

@@ -16,8 +16,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from labkit.engine.model_runner import ModelRunner
 from labkit.exercises.checks import CheckFailure, call, run_check
-from labkit.exercises.scheduler_step import Seq
+from labkit.exercises.shared import Seq
+from labkit.kv.attention import get_attention_backend
+from labkit.model.generate import generate
+from labkit.model.testing import tiny_model
 
 
 @dataclass
@@ -43,12 +47,9 @@ def generate_with_scheduler(schedule_step: Callable[..., dict], model: torch.nn.
                             block_size: int = 4) -> tuple[dict[str, list[int]], list[int]]:
     """Greedy generation for every prompt, one engine step per ``schedule_step`` plan.
     Returns (new tokens per request id ``"r{i}"``, tokens computed at each step)."""
-    from labkit.engine.model_runner import ModelRunner
-    from labkit.kv.attention import get_attention_backend
-
     per_seq = -(-(max(map(len, prompts)) + max_new_tokens) // block_size)
     ex = ModelRunner.for_model(model, block_size, per_seq * len(prompts), 0,
-                       get_attention_backend("torch"))
+                               get_attention_backend("torch"))
     waiting = [_Request(f"r{i}", list(p), list(range(i * per_seq, (i + 1) * per_seq)))
                for i, p in enumerate(prompts)]
     running: list[_Request] = []
@@ -118,9 +119,6 @@ def check_on_model(schedule_step: Callable[..., dict], model: torch.nn.Module | 
     """Run the model under your scheduler; compare every request with reference generation."""
 
     def body() -> str:
-        from labkit.exercises.allocator_engine import tiny_model
-        from labkit.model.generate import generate
-
         m = model if model is not None else tiny_model()
         g = torch.Generator().manual_seed(2)
         prompts = [torch.randint(0, m.config.vocab_size, (n,), generator=g).tolist()

@@ -11,35 +11,36 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
+from labkit.engine.sampling_params import SamplingParams
 from labkit.exercises.checks import CheckFailure, call, run_check
+from labkit.exercises.shared import Seq, tiny_engine
 
 
-@dataclass
-class Seq:
-    """What the scheduler sees of a sequence. Decoding once num_computed >= num_prompt."""
-
-    seq_id: str
-    num_prompt_tokens: int
-    num_computed_tokens: int = 0  # tokens whose KV is already cached (prefix hit or earlier chunks)
-
-
-CONTRACT = '''
-def schedule_step(running: list[Seq], waiting: list[Seq], token_budget: int,
-                  max_num_seqs: int) -> dict[str, int]:
-    """Plan one engine step: {seq_id: number of tokens to compute}, in scheduling order.
-
-    1. Decode first: each running Seq whose prompt is done (num_computed_tokens >=
-       num_prompt_tokens) gets 1 token, in list order, while budget remains.
-    2. Then running Seqs still in prefill get min(prompt tokens left, budget left).
-    3. Then waiting Seqs are admitted in list (arrival) order, each getting min(prompt tokens left,
-       budget left) — the last one may get a partial chunk — while budget remains and the number
-       of sequences (len(running) + admitted) stays <= max_num_seqs. Stop at the first waiting
-       Seq that cannot be admitted (FCFS: nobody overtakes it).
-    Sequences getting 0 tokens are left out. Do not modify the inputs.
-    """
-'''
+def reference_schedule_step(running: list[Seq], waiting: list[Seq], token_budget: int,
+                            max_num_seqs: int) -> dict[str, int]:
+    """The checker's oracle: labkit's scheduler without preemption, policies or watermarks
+    (the engine replay below shows the two agree step for step)."""
+    plan: dict[str, int] = {}
+    budget = token_budget
+    for seq in running:  # decode first: one token each
+        if seq.num_computed_tokens >= seq.num_prompt_tokens and budget > 0:
+            plan[seq.seq_id] = 1
+            budget -= 1
+    for seq in running:  # then running prefills (chunked)
+        left = seq.num_prompt_tokens - seq.num_computed_tokens
+        if left > 0 and budget > 0:
+            plan[seq.seq_id] = min(left, budget)
+            budget -= plan[seq.seq_id]
+    num_seqs = len(running)
+    for seq in waiting:  # then admit in arrival order
+        if budget == 0 or num_seqs >= max_num_seqs:
+            break
+        plan[seq.seq_id] = min(seq.num_prompt_tokens - seq.num_computed_tokens, budget)
+        budget -= plan[seq.seq_id]
+        num_seqs += 1
+    return plan
 
 
 def _random_case(rng: random.Random) -> tuple[list[Seq], list[Seq], int, int]:
@@ -99,13 +100,11 @@ def check(schedule_step: Callable[..., dict]) -> object:
     """Exact plans on hand-written and 300 random queue states."""
 
     def body() -> str:
-        from labkit.exercises.solutions import schedule_step as reference
-
         rng = random.Random(0)
         cases = list(HAND_CASES) + [_random_case(rng) for _ in range(300)]
         for running, waiting, budget, max_seqs in cases:
             r_copy, w_copy = [replace(s) for s in running], [replace(s) for s in waiting]
-            expected = reference(r_copy, w_copy, budget, max_seqs)
+            expected = reference_schedule_step(r_copy, w_copy, budget, max_seqs)
             actual = call(schedule_step, r_copy, w_copy, budget, max_seqs)
             inputs = (f"running={running}\n            waiting={waiting}\n"
                       f"            token_budget={budget}, max_num_seqs={max_seqs}")
@@ -146,13 +145,8 @@ def engine_states(seed: int, budget: int, max_seqs: int, num_requests: int = 8
                   ) -> list[tuple[list[Seq], list[Seq], dict[str, int]]]:
     """Run labkit's engine (tiny model, ample KV so nothing is preempted) and rebuild, from its
     trace, the queues before every step and the plan labkit's scheduler made for it."""
-    from labkit.engine.llm_engine import LLMEngine
-    from labkit.engine.sampling_params import SamplingParams
-    from labkit.exercises.allocator_engine import tiny_model
-
-    engine = LLMEngine.from_model(tiny_model(), None, block_size=4, num_blocks=256,
-                                  max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                                  enable_prefix_caching=False)
+    engine = tiny_engine(num_blocks=256, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                         enable_prefix_caching=False)
     rng = random.Random(seed)
     prompt_len: dict[str, int] = {}
     for i in range(num_requests):

@@ -1,19 +1,26 @@
 """Reference solutions of every exercise. Spoilers: try the exercise first.
 
-Notebooks never import this module unless ``LABKIT_INJECT_SOLUTIONS=1`` (CI does that, so the
-notebooks are executed against these and cannot rot). The test suite checks each one passes its
-checker. Triton kernels live in ``labkit.exercises.triton_solutions`` and are re-exported lazily
-here, because defining a ``@triton.jit`` function needs the interpreter decided first.
+Only ``labkit.exercises.inject`` reads this module, and only under ``LABKIT_INJECT_SOLUTIONS=1``
+(CI does that, so the notebooks are executed against these and cannot rot); the checkers take
+their references from labkit itself. Where labkit has no implementation of the exercise's exact
+contract (the allocator, the scheduler step, the prefix lookup), the checker's own reference IS
+the solution and is re-exported here. The Triton kernels live in ``triton_solutions`` and are
+loaded on first use, after the interpreter is chosen.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any
 
 import torch
 
-from labkit.exercises.scheduler_step import Seq
+from labkit.exercises.allocator import ReferenceAllocator
+from labkit.exercises.prefix_cache import reference_longest_cached_prefix
+from labkit.exercises.scheduler_step import reference_schedule_step
+from labkit.exercises.triton_kernels import ensure_interpreter
+from labkit.quant.nf4 import NF4_CODE
 
 
 # ---- 01 KV-cache size ---------------------------------------------------------------------------
@@ -23,77 +30,12 @@ def kv_cache_bytes(num_layers: int, num_attention_heads: int, num_kv_heads: int,
     return 2 * num_layers * num_kv_heads * head_dim * seq_len * batch_size * elem
 
 
-# ---- 02 block allocator -------------------------------------------------------------------------
-class BlockAllocator:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.block_size = block_size
-        self.free_list = list(range(num_blocks))
-        self.refs = [0] * num_blocks
-        self.tables: dict[Any, list[int]] = {}
-        self.num_tokens: dict[Any, int] = {}
-
-    def _take(self) -> int:
-        block = self.free_list.pop()
-        self.refs[block] = 1
-        return block
-
-    def _drop(self, block: int) -> None:
-        self.refs[block] -= 1
-        if self.refs[block] == 0:
-            self.free_list.append(block)
-
-    def allocate(self, seq_id: Any, num_tokens: int) -> list[int]:
-        need = -(-num_tokens // self.block_size)
-        if need > len(self.free_list):
-            raise MemoryError(f"need {need} blocks, {len(self.free_list)} free")
-        self.tables[seq_id] = [self._take() for _ in range(need)]
-        self.num_tokens[seq_id] = num_tokens
-        return list(self.tables[seq_id])
-
-    def append_token(self, seq_id: Any) -> tuple[int, int] | None:
-        table, n = self.tables[seq_id], self.num_tokens[seq_id]
-        if n % self.block_size == 0:  # last block full (or no block yet)
-            if not self.free_list:
-                raise MemoryError("no free block")
-            table.append(self._take())
-            self.num_tokens[seq_id] = n + 1
-            return None
-        last = table[-1]
-        cow = None
-        if self.refs[last] > 1:  # shared and partly filled: copy before writing
-            if not self.free_list:
-                raise MemoryError("no free block for copy-on-write")
-            table[-1] = self._take()
-            self._drop(last)
-            cow = (last, table[-1])
-        self.num_tokens[seq_id] = n + 1
-        return cow
-
-    def fork(self, parent_id: Any, child_id: Any) -> None:
-        self.tables[child_id] = list(self.tables[parent_id])
-        self.num_tokens[child_id] = self.num_tokens[parent_id]
-        for block in self.tables[child_id]:
-            self.refs[block] += 1
-
-    def free(self, seq_id: Any) -> None:
-        for block in reversed(self.tables.pop(seq_id)):
-            self._drop(block)
-        del self.num_tokens[seq_id]
-
-    def block_table(self, seq_id: Any) -> list[int]:
-        return list(self.tables[seq_id])
-
-    def ref_count(self, block_id: int) -> int:
-        return self.refs[block_id]
-
-    def num_free_blocks(self) -> int:
-        return len(self.free_list)
+# ---- 02 block allocator: the checker's reference ----------------------------------------------
+BlockAllocator = ReferenceAllocator
 
 
 # ---- 03 prefix caching --------------------------------------------------------------------------
 def block_hashes(token_ids: list[int], block_size: int, cache_salt: str | None = None) -> list:
-    import hashlib
-
     keys: list = []
     parent = b""
     for start in range(0, len(token_ids) - block_size + 1, block_size):
@@ -104,39 +46,11 @@ def block_hashes(token_ids: list[int], block_size: int, cache_salt: str | None =
     return keys
 
 
-def longest_cached_prefix(hashes: list, num_tokens: int, block_size: int,
-                          cached: dict) -> list[int]:
-    limit = (num_tokens - 1) // block_size  # keep >= 1 token to compute
-    blocks: list[int] = []
-    for key in hashes[:limit]:
-        if key not in cached:
-            break
-        blocks.append(cached[key])
-    return blocks
+longest_cached_prefix = reference_longest_cached_prefix
 
 
 # ---- 04 scheduler step --------------------------------------------------------------------------
-def schedule_step(running: list[Seq], waiting: list[Seq], token_budget: int,
-                  max_num_seqs: int) -> dict[str, int]:
-    plan: dict[str, int] = {}
-    budget = token_budget
-    for seq in running:  # decode first: one token each
-        if seq.num_computed_tokens >= seq.num_prompt_tokens and budget > 0:
-            plan[seq.seq_id] = 1
-            budget -= 1
-    for seq in running:  # then running prefills (chunked)
-        left = seq.num_prompt_tokens - seq.num_computed_tokens
-        if left > 0 and budget > 0:
-            plan[seq.seq_id] = min(left, budget)
-            budget -= plan[seq.seq_id]
-    num_seqs = len(running)
-    for seq in waiting:  # then admit in arrival order
-        if budget == 0 or num_seqs >= max_num_seqs:
-            break
-        plan[seq.seq_id] = min(seq.num_prompt_tokens - seq.num_computed_tokens, budget)
-        budget -= plan[seq.seq_id]
-        num_seqs += 1
-    return plan
+schedule_step = reference_schedule_step
 
 
 # ---- 05 latency metrics -------------------------------------------------------------------------
@@ -188,8 +102,6 @@ def dequantize_int4_groupwise(codes: torch.Tensor, scales: torch.Tensor, zeros: 
 
 
 def nf4_quantize(w: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from labkit.exercises.quantization import NF4_CODE
-
     blocks = w.float().reshape(-1, blocksize)
     absmax = blocks.abs().amax(dim=1)
     x = blocks / absmax.clamp(min=1e-12)[:, None]
@@ -199,8 +111,6 @@ def nf4_quantize(w: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.T
 
 def nf4_dequantize(codes: torch.Tensor, absmax: torch.Tensor, blocksize: int,
                    shape: tuple[int, ...]) -> torch.Tensor:
-    from labkit.exercises.quantization import NF4_CODE
-
     values = NF4_CODE[codes.long()].reshape(-1, blocksize) * absmax[:, None]
     return values.reshape(shape)
 
@@ -231,6 +141,7 @@ _TRITON = ("add_kernel", "paged_attention_kernel")
 
 def __getattr__(name: str) -> Any:
     if name in _TRITON:
+        ensure_interpreter()  # before the @triton.jit decorators of triton_solutions run
         from labkit.exercises import triton_solutions
 
         return getattr(triton_solutions, name)

@@ -14,8 +14,15 @@ from typing import Any
 
 import torch
 
+from labkit.config import EngineConfig
+from labkit.engine.llm_engine import LLMEngine
+from labkit.engine.model_runner import ModelExecutor, ModelRunner
+from labkit.engine.sampling_params import SamplingParams
 from labkit.exercises import triton_kernels
 from labkit.exercises.checks import CheckFailure, run_check
+from labkit.kv.attention import TorchBackend
+from labkit.model.generate import generate
+from labkit.model.testing import tiny_model
 
 
 class LearnerDecodeBackend:
@@ -24,8 +31,6 @@ class LearnerDecodeBackend:
     name = "learner"
 
     def __init__(self, kernel: Any) -> None:
-        from labkit.kv.attention import TorchBackend
-
         self.kernel = kernel
         self.reference = TorchBackend()
         self.launches = 0
@@ -64,15 +69,8 @@ def check_on_engine(paged_attention_kernel: Any, model: torch.nn.Module | None =
     """Greedy generation through LLMEngine with your kernel doing every decode step."""
 
     def body() -> str:
-        from labkit.config import EngineConfig
-        from labkit.engine.llm_engine import LLMEngine
-        from labkit.engine.model_runner import ModelExecutor, ModelRunner
-        from labkit.engine.sampling_params import SamplingParams
-        from labkit.exercises.allocator_engine import tiny_model
-        from labkit.model.generate import generate
-
         m = model if model is not None else tiny_model()
-        m = m.to(triton_kernels.DEVICE)
+        m = m.to(triton_kernels.device())
         block_size = 4
         backend = LearnerDecodeBackend(paged_attention_kernel)
         ex = ModelExecutor(ModelRunner.for_model(m, block_size, 64, 0, backend))

@@ -2,7 +2,7 @@
 
 Without a GPU, Triton runs kernels through its interpreter (numpy on the CPU) when
 ``TRITON_INTERPRET=1`` is set *before the kernel is defined* (``@triton.jit`` decides then).
-Importing this module sets it when there is no GPU, so import it first in the notebook.
+``ensure_interpreter()`` sets it when there is no GPU: the notebook's first cell calls it.
 
 A real GPU does not tell you that a thread read past the end of a tensor: you get garbage or, much
 later, an illegal-address crash. Here every access is checked: each tensor handed to your kernel
@@ -22,40 +22,27 @@ from typing import Any
 import torch
 
 from labkit.exercises.checks import CheckFailure, run_check
+from labkit.kv.attention import get_attention_backend
 
 
 def ensure_interpreter() -> bool:
-    """Select Triton's CPU interpreter when there is no GPU. Returns whether it is active."""
-    if torch.cuda.is_available():
-        return os.environ.get("TRITON_INTERPRET") == "1"
-    os.environ["TRITON_INTERPRET"] = "1"
-    return True
+    """Select Triton's CPU interpreter when there is no GPU; returns whether it is active.
+
+    Call it before defining any ``@triton.jit`` kernel: the decorator reads ``TRITON_INTERPRET``
+    when it runs, and a kernel defined without it is compiled for a GPU that is not there."""
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+    return interpreted()
 
 
-INTERPRETED = ensure_interpreter()
-DEVICE = "cpu" if INTERPRETED or not torch.cuda.is_available() else "cuda"
+def interpreted() -> bool:
+    """Whether kernels defined from now on run through the CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
-CONTRACT_ADD = '''
-@triton.jit
-def add_kernel(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
-    """out[i] = x[i] + y[i] for i < n_elements. Launched with grid (cdiv(n_elements, BLOCK_SIZE),):
-    program p handles elements p*BLOCK_SIZE ... p*BLOCK_SIZE + BLOCK_SIZE - 1. n_elements need not
-    be a multiple of BLOCK_SIZE: mask the tail."""
-'''
 
-CONTRACT_PAGED = '''
-@triton.jit
-def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                           out_ptr, scale, max_blocks_per_seq,
-                           BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Decode attention for ONE head; one program per sequence (grid = (num_seqs,)).
-    q [num_seqs, HEAD_DIM]; k_cache, v_cache [num_blocks, BLOCK_SIZE, HEAD_DIM] (contiguous);
-    block_tables [num_seqs, max_blocks_per_seq] int32: logical block i of sequence s lives in
-    physical block block_tables[s, i]; context_lens [num_seqs] int32 (>= 1).
-    out[s] = softmax(scale * K_s @ q[s]) @ V_s over the context_lens[s] cached tokens of s,
-    K_s/V_s gathered through the block table. Slots past context_lens[s] hold garbage: mask them.
-    Use float32 math and an online softmax (running max and sum) over the blocks."""
-'''
+def device() -> str:
+    """Where the checkers put the tensors they hand your kernels."""
+    return "cpu" if interpreted() or not torch.cuda.is_available() else "cuda"
 
 
 # ---- guarded buffers and the bounds checker -----------------------------------------------------
@@ -80,7 +67,7 @@ class OutOfBounds(Exception):
 @contextlib.contextmanager
 def bounds_checked(tensors: dict[str, torch.Tensor], enabled: bool = True) -> Iterator[None]:
     """Raise OutOfBounds on any unmasked interpreter load/store outside ``tensors``."""
-    if not INTERPRETED or not enabled:
+    if not interpreted() or not enabled:
         yield
         return
     import numpy as np
@@ -171,12 +158,12 @@ def _find_oob(e: BaseException) -> str | None:
 
 def _launch(kernel: Any, grid: tuple, tensors: dict[str, torch.Tensor], args: list,
             meta: dict, what: str, check_bounds: bool = True) -> None:
-    if DEVICE == "cpu" and type(kernel).__name__ == "JITFunction":
+    if device() == "cpu" and type(kernel).__name__ == "JITFunction":
         raise CheckFailure(
             "your kernel was compiled for a GPU, but there is none", show_values=False,
-            hint="import labkit.exercises.triton_kernels (it sets TRITON_INTERPRET=1) BEFORE "
-                 "defining the @triton.jit kernel; restart the kernel if triton was set up "
-                 "without it.")
+            hint="call labkit.exercises.triton_kernels.ensure_interpreter() BEFORE defining "
+                 "the @triton.jit kernel (the notebook's first cell does), then run the kernel's "
+                 "cell again.")
     if not hasattr(kernel, "__getitem__"):
         raise CheckFailure("expected a @triton.jit function", expected="a triton kernel",
                            actual=kernel, hint="decorate your kernel with @triton.jit.")
@@ -185,7 +172,7 @@ def _launch(kernel: Any, grid: tuple, tensors: dict[str, torch.Tensor], args: li
         with bounds_checked(tensors, enabled=check_bounds), warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # numpy NaN noise from the interpreter
             kernel[grid](*args, **meta)
-        if DEVICE != "cpu":
+        if device() != "cpu":
             torch.cuda.synchronize()
         _check_guards(tensors, before, what)
     except CheckFailure:
@@ -203,18 +190,26 @@ def _launch(kernel: Any, grid: tuple, tensors: dict[str, torch.Tensor], args: li
                            hint="read the error: Triton names the line of the kernel.") from e
 
 
+def _untouched(out: torch.Tensor, name: str) -> None:
+    """A kernel that stored nothing is a stub, not a wrong answer: say so, not "wrong sum"."""
+    if bool((out == 0).all()):
+        raise NotImplementedError(f"your kernel stored nothing to {name}: write its body where "
+                                  "the cell says `# your code here`")
+
+
 # ---- vector add ---------------------------------------------------------------------------------
 def check_vector_add(add_kernel: Any) -> object:
     def body() -> str:
         g = torch.Generator().manual_seed(0)
         for n, block in [(1024, 256), (100, 64), (1, 128), (4097, 1024)]:
-            x = guarded(torch.randn(n, generator=g).to(DEVICE))
-            y = guarded(torch.randn(n, generator=g).to(DEVICE))
-            out = guarded(torch.zeros(n, device=DEVICE), fill=OUT_FILL)
+            x = guarded(torch.randn(n, generator=g).to(device()))
+            y = guarded(torch.randn(n, generator=g).to(device()))
+            out = guarded(torch.zeros(n, device=device()), fill=OUT_FILL)
             grid = ((n + block - 1) // block,)
             what = f"n_elements={n}, BLOCK_SIZE={block}, grid={grid}"
             _launch(add_kernel, grid, {"x_ptr": x, "y_ptr": y, "out_ptr": out},
                     [x, y, out, n], {"BLOCK_SIZE": block}, what)
+            _untouched(out, "out_ptr")
             expected = x + y
             if not torch.allclose(out, expected):
                 i = int((~torch.isclose(out, expected)).nonzero()[0])
@@ -284,9 +279,9 @@ def check_paged_attention(paged_attention_kernel: Any) -> object:
     def body() -> str:
         for seed, lens, bs, d, shuffle in PAGED_CASES:
             c = _paged_case(seed, lens, bs, d, shuffle)
-            t = {k: guarded(v.to(DEVICE)) for k, v in c.items()
+            t = {k: guarded(v.to(device())) for k, v in c.items()
                  if isinstance(v, torch.Tensor)}
-            out = guarded(torch.zeros(len(lens), d, device=DEVICE), fill=OUT_FILL)
+            out = guarded(torch.zeros(len(lens), d, device=device()), fill=OUT_FILL)
             tensors = {"q_ptr": t["q"], "k_cache_ptr": t["k_cache"],
                        "v_cache_ptr": t["v_cache"], "block_tables_ptr": t["block_tables"],
                        "context_lens_ptr": t["context_lens"], "out_ptr": out}
@@ -295,6 +290,7 @@ def check_paged_attention(paged_attention_kernel: Any) -> object:
             _launch(paged_attention_kernel, (len(lens),), tensors,
                     [*tensors.values(), c["scale"], c["max_blocks"]],
                     {"BLOCK_SIZE": bs, "HEAD_DIM": d}, what)
+            _untouched(out, "out_ptr")
             expected = reference_decode(c["q"], c["k_cache"], c["v_cache"], c["block_tables"],
                                         c["context_lens"], c["scale"])
             _cross_check_backend(c, expected)
@@ -302,14 +298,18 @@ def check_paged_attention(paged_attention_kernel: Any) -> object:
             for s, n in enumerate(lens):
                 if torch.allclose(got[s], expected[s], atol=1e-4, rtol=1e-4):
                     continue
-                if torch.isnan(got[s]).any():
-                    hint = ("NaN: you used K/V slots at positions >= context_len (the checker "
-                            "fills them with NaN). Mask them: scores of invalid positions must be "
-                            "-inf and their V loads masked (other=0).")
-                elif n > bs and (shuffle or _ignores_table(c, got)):
+                if _ignores_table(c, got):
                     hint = ("sequences spanning several blocks read the wrong blocks: look up "
                             "the physical block with tl.load(block_tables_ptr + seq * "
                             "max_blocks_per_seq + i); logical block i is not physical block i.")
+                elif torch.isnan(got[s]).any():
+                    hint = ("NaN: you used K/V slots at positions >= context_len (the checker "
+                            "fills them with NaN). Mask them: scores of invalid positions must be "
+                            "-inf and their V loads masked (other=0).")
+                elif torch.allclose(got[s], _no_rescale_decode(c, s), atol=1e-4, rtol=1e-4):
+                    hint = ("right for one block, wrong across blocks: when a later block raises "
+                            "the running max, rescale the running sum and the accumulator by "
+                            "exp(m_old - m_new) before adding the new block.")
                 else:
                     hint = ("compare with softmax(scale * K @ q) @ V; with an online softmax, "
                             "rescale the running sum and accumulator by exp(m_old - m_new) "
@@ -320,6 +320,22 @@ def check_paged_attention(paged_attention_kernel: Any) -> object:
                 "every access in bounds. This is the kernel vLLM's PagedAttention is built on.")
 
     return run_check("triton_paged_attention", body)
+
+
+def _no_rescale_decode(c: dict[str, Any], s: int) -> torch.Tensor:
+    """Sequence ``s`` through an online softmax that never rescales (the classic slip)."""
+    bs = c["k_cache"].shape[1]
+    n = int(c["context_lens"][s])
+    m, denom, acc = float("-inf"), 0.0, torch.zeros(c["q"].shape[1])
+    for i in range((n + bs - 1) // bs):
+        b = int(c["block_tables"][s, i])
+        valid = min(bs, n - i * bs)
+        k, v = c["k_cache"][b, :valid].float(), c["v_cache"][b, :valid].float()
+        scores = c["scale"] * (k @ c["q"][s].float())
+        m = max(m, float(scores.max()))
+        p = torch.exp(scores - m)
+        denom, acc = denom + float(p.sum()), acc + p @ v
+    return acc / denom
 
 
 def _ignores_table(c: dict[str, Any], got: torch.Tensor) -> bool:
@@ -335,10 +351,6 @@ def _ignores_table(c: dict[str, Any], got: torch.Tensor) -> bool:
 
 def _cross_check_backend(c: dict[str, Any], expected: torch.Tensor) -> None:
     """Where labkit's torch attention backend exists, it must agree with this reference."""
-    try:
-        from labkit.kv.attention import get_attention_backend
-    except ImportError:
-        return
     backend = get_attention_backend("torch")
     # NaN-free copies: labkit's backend multiplies masked probabilities (0) by the stale slots,
     # so it relies on stale KV being finite; the NaN canaries are this checker's own device

@@ -1,15 +1,13 @@
-"""Reference Triton kernels for the exercises (spoilers). Imported lazily via ``solutions``.
+"""Reference Triton kernels for the exercises (spoilers), read through ``solutions``.
 
-Importing ``triton_kernels`` first selects the CPU interpreter when there is no GPU; that must
-happen before the ``@triton.jit`` decorators below run.
+``solutions`` calls ``triton_kernels.ensure_interpreter()`` before importing this module: the
+``@triton.jit`` decorators below decide between the CPU interpreter and a GPU when they run.
 """
 
 from __future__ import annotations
 
-from labkit.exercises import triton_kernels  # noqa: F401  (sets TRITON_INTERPRET first)
-
-import triton  # noqa: E402  isort: skip
-import triton.language as tl  # noqa: E402  isort: skip
+import triton
+import triton.language as tl
 
 
 @triton.jit

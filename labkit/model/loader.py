@@ -11,16 +11,17 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from labkit.model.config import ModelConfig
+from labkit.model.config import ConfigError, ModelConfig
 from labkit.model.llama import LlamaForCausalLM
 from labkit.model.tokenizer import Tokenizer
+from labkit.paths import DATASETS_DIR
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_MODELS = ("labkit-tiny", "labkit-tiny-draft")
 
 
@@ -30,7 +31,7 @@ class CheckpointError(ValueError):
 
 def models_dir() -> Path:
     """Where shipped models live: $LABKIT_MODELS_DIR or <repo>/datasets/models."""
-    return Path(os.environ.get("LABKIT_MODELS_DIR", REPO_ROOT / "datasets" / "models"))
+    return Path(os.environ.get("LABKIT_MODELS_DIR", DATASETS_DIR / "models"))
 
 
 def available_models() -> list[str]:
@@ -71,13 +72,33 @@ def load_config(path: Path) -> ModelConfig:
         raise CheckpointError(f"{f} describes a quantized checkpoint "
                               f"({d['quantization_config'].get('quant_method', '?')}); load it "
                               "with labkit.quant instead")
-    return ModelConfig.from_hf_dict(d)
+    try:
+        return ModelConfig.from_hf_dict(d)
+    except ConfigError as e:
+        raise ConfigError(f"{f}: {e}") from e
+
+
+def _damaged(f: Path, problem: str) -> CheckpointError:
+    """The error for a file that exists but cannot be read, with what to do about it."""
+    head = f.read_bytes()[:64] if f.is_file() else b""
+    if head.startswith(b"version https://git-lfs"):
+        fix = "it is a Git LFS pointer, not the file itself: run `git lfs pull`"
+    elif f.parent.parent == models_dir() and f.parent.name in SHIPPED_MODELS:
+        fix = (f"restore it (`git checkout -- {f.name}` in {f.parent}) or rebuild it with "
+               "`labkit train`")
+    else:
+        fix = ("copy or download it again, or re-save the checkpoint "
+               "(save_pretrained, or labkit.train.export.export_hf)")
+    return CheckpointError(f"{f} is truncated or corrupt ({problem}); {fix}")
 
 
 def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise _damaged(index, f"not a JSON object with a weight_map: {e}") from e
         files = sorted({path / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -90,28 +111,37 @@ def _weight_files(path: Path) -> list[Path]:
                           "model.safetensors.index.json (only safetensors is supported)")
 
 
+def _copy_tensors(f: Path, params: dict[str, torch.nn.Parameter], tied: bool,
+                  seen: set[str]) -> None:
+    """Copy one safetensors file's tensors into ``params``, checking names and shapes."""
+    with safe_open(str(f), framework="pt") as st:
+        for name in st.keys():
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # some exporters save this buffer; labkit recomputes it
+            if name not in params:
+                if name == "lm_head.weight" and tied:
+                    continue
+                raise CheckpointError(f"{f.name}: unexpected tensor {name!r} (does "
+                                      "config.json match this checkpoint?)")
+            t = st.get_tensor(name)
+            if t.shape != params[name].shape:
+                raise CheckpointError(f"{f.name}: tensor {name!r} has shape "
+                                      f"{tuple(t.shape)} but config.json implies "
+                                      f"{tuple(params[name].shape)}")
+            with torch.no_grad():
+                params[name].copy_(t)
+            seen.add(name)
+
+
 def load_weights(model: LlamaForCausalLM, path: Path) -> None:
     """Copy every tensor into the model, checking names and shapes against the config."""
     params = dict(model.named_parameters())
     seen: set[str] = set()
     for f in _weight_files(path):
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue  # some exporters save this buffer; labkit recomputes it
-                if name not in params:
-                    if name == "lm_head.weight" and model.config.tie_word_embeddings:
-                        continue
-                    raise CheckpointError(f"{f.name}: unexpected tensor {name!r} (does "
-                                          "config.json match this checkpoint?)")
-                t = st.get_tensor(name)
-                if t.shape != params[name].shape:
-                    raise CheckpointError(f"{f.name}: tensor {name!r} has shape "
-                                          f"{tuple(t.shape)} but config.json implies "
-                                          f"{tuple(params[name].shape)}")
-                with torch.no_grad():
-                    params[name].copy_(t)
-                seen.add(name)
+        try:
+            _copy_tensors(f, params, model.config.tie_word_embeddings, seen)
+        except SafetensorError as e:  # a header or a tensor cut short, or garbage
+            raise _damaged(f, f"safetensors: {e}") from e
     missing = [n for n in params if n not in seen
                and not (n == "lm_head.weight" and model.config.tie_word_embeddings)]
     if missing:
@@ -137,6 +167,28 @@ def load_model(path_or_name: str | os.PathLike, dtype: torch.dtype | str | None 
     return model.eval()
 
 
+@dataclass
+class CheckpointHandle:
+    """A checkpoint the driver does not load: with tensor parallelism each worker process reads
+    only its own slices from ``folder``. Has the three attributes an engine reads of a model."""
+
+    config: ModelConfig
+    folder: Path
+    dtype: torch.dtype = torch.float32
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+def open_checkpoint(path_or_name: str | os.PathLike, dtype: torch.dtype | None = None
+                    ) -> tuple[CheckpointHandle, Tokenizer]:
+    """Config and tokenizer of a checkpoint, and a handle to its weights (not read here)."""
+    path = resolve_model_path(path_or_name)
+    config = load_config(path)
+    _weight_files(path)  # fail now if there are none
+    eos = config.eos_token_ids
+    tok = Tokenizer.from_dir(path, config.bos_token_id, eos[0] if eos else None)
+    return CheckpointHandle(config, path, dtype or torch.float32), tok
+
+
 def load_pretrained(path_or_name: str | os.PathLike, dtype: torch.dtype | str | None = None,
                     device: torch.device | str | None = None
                     ) -> tuple[LlamaForCausalLM, Tokenizer]:
@@ -154,5 +206,12 @@ def load_pretrained(path_or_name: str | os.PathLike, dtype: torch.dtype | str | 
     model = load_model(path_or_name, dtype, device)
     path = resolve_model_path(path_or_name)
     eos = model.config.eos_token_ids
-    tok = Tokenizer.from_dir(path, model.config.bos_token_id, eos[0] if eos else None)
+    try:
+        tok = Tokenizer.from_dir(path, model.config.bos_token_id, eos[0] if eos else None)
+    except FileNotFoundError as e:
+        raise CheckpointError(str(e)) from e
+    except json.JSONDecodeError as e:
+        raise _damaged(path / "tokenizer_config.json", f"not valid JSON: {e}") from e
+    except Exception as e:  # the tokenizers library raises plain Exceptions on a bad file
+        raise _damaged(path / "tokenizer.json", f"tokenizers: {e}") from e
     return model, tok

@@ -1,24 +1,47 @@
 """Quantized linear layers that replace ``nn.Linear`` in the model (and so in the engine).
 
 Each stores its weight in a real packed format (the tensors a checkpoint holds) and computes
-``y = x Wᵀ + b`` by dequantizing: in PyTorch on CPU (dequantize the whole weight, then one
-matmul — simple, and on CPU the matmul dominates anyway), with the Triton ``dequant_matmul``
-kernels on CUDA, which never materialise W in memory.
+``y = x Wᵀ + b`` without materialising W where a packed kernel exists: the Triton
+``dequant_matmul`` kernels on CUDA, and on CPU PyTorch's INT8 / INT4 weight-only kernels
+(labkit.quant.cpu_packed; INT8, INT4 RTN, GPTQ incl. act-order, AWQ). Everything else (NF4, FP8,
+layouts the kernels do not take) dequantizes the whole weight and runs one matmul: the simple
+reference, and what ``use_cpu_packed(False)`` forces for comparison.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.quant import packing
+from labkit.quant import cpu_packed, packing
 from labkit.quant.nf4 import NF4_CODE, Blockwise4bit, DoubleQuantAbsmax, unpack_4bit
 from labkit.quant.rtn import GroupQuant
 
 
 def _use_kernel(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+
+
+_CPU_PACKED = {"enabled": True}
+
+
+@contextmanager
+def use_cpu_packed(enabled: bool) -> Iterator[None]:
+    """Switch the packed CPU kernels on/off (off = the dequantize-then-matmul reference)."""
+    old = _CPU_PACKED["enabled"]
+    _CPU_PACKED["enabled"] = enabled
+    try:
+        yield
+    finally:
+        _CPU_PACKED["enabled"] = old
+
+
+_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_UNSET = object()
 
 
 def _kernels():
@@ -45,12 +68,43 @@ class QuantLinear(nn.Module):
     def _kernel_matmul(self, x2d: torch.Tensor) -> torch.Tensor | None:
         return None
 
+    def _build_cpu_pack(self) -> cpu_packed.Int8Pack | cpu_packed.Int4Pack | None:
+        """The weight repacked for a CPU kernel, or None (then the layer dequantizes)."""
+        return None
+
+    def cpu_pack(self) -> cpu_packed.Int8Pack | cpu_packed.Int4Pack | None:
+        """Built once from the stored buffers (at the first CPU call) and kept beside them:
+        the checkpoint layout stays the source of truth (save, GPU kernels, byte counts)."""
+        if not hasattr(self, "_cpu_pack"):
+            self._cpu_pack = self._build_cpu_pack()
+        return self._cpu_pack
+
+    def _drop_cpu_pack(self) -> None:
+        self.__dict__.pop("_cpu_pack", None)
+
+    def _apply(self, fn, recurse=True):  # .to(), .cuda(), .half(): the pack is stale
+        self._drop_cpu_pack()
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._drop_cpu_pack()
+        return super()._load_from_state_dict(*args, **kwargs)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _use_kernel(x):
-            y = self._kernel_matmul(x.reshape(-1, self.in_features).contiguous())
-            if y is not None:
-                y = y.reshape(*x.shape[:-1], self.out_features)
-                return y if self.bias is None else y + self.bias.to(y.dtype)
+        # Kept lean: on a 5 M-parameter model at batch 1 every µs of Python here is visible.
+        y = None
+        if x.is_cuda:
+            if _use_kernel(x):
+                y = self._kernel_matmul(x.reshape(-1, self.in_features).contiguous())
+        elif _CPU_PACKED["enabled"] and x.dtype in _CPU_DTYPES:
+            pack = self.__dict__.get("_cpu_pack", _UNSET)
+            if pack is _UNSET:
+                pack = self.cpu_pack()
+            if pack is not None:
+                y = pack.matmul(x.reshape(-1, self.in_features))
+        if y is not None:
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
         b = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantize().to(x.dtype), b)
 
@@ -75,6 +129,9 @@ class W8A16Linear(QuantLinear):
 
     def _kernel_matmul(self, x2d):
         return _kernels().w8a16_matmul(x2d, self.qweight, self.scales.to(x2d.dtype))
+
+    def _build_cpu_pack(self):
+        return cpu_packed.pack_int8(self.qweight, self.scales)
 
 
 class GPTQLinear(QuantLinear):
@@ -106,6 +163,13 @@ class GPTQLinear(QuantLinear):
         return _kernels().gptq_matmul(x2d, self.qweight, self.qzeros,
                                       self.scales.to(x2d.dtype), self.g_idx)
 
+    def _build_cpu_pack(self):
+        if self.bits > 4:
+            return None
+        codes, zeros = packing.unpack_gptq(self.qweight, self.qzeros, self.bits)
+        return cpu_packed.pack_int4(codes, zeros, self.scales, self.g_idx, self.group_size,
+                                     self.bits)
+
 
 class AWQLinear(QuantLinear):
     """AutoAWQ GEMM layout, 4-bit, group = k // group_size."""
@@ -131,6 +195,11 @@ class AWQLinear(QuantLinear):
     def _kernel_matmul(self, x2d):
         return _kernels().awq_matmul(x2d, self.qweight, self.qzeros,
                                      self.scales.to(x2d.dtype), self.group_size)
+
+    def _build_cpu_pack(self):
+        codes, zeros = packing.unpack_awq(self.qweight, self.qzeros)
+        g_idx = torch.arange(self.in_features) // self.group_size
+        return cpu_packed.pack_int4(codes, zeros, self.scales, g_idx, self.group_size)
 
 
 class NF4Linear(QuantLinear):

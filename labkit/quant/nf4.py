@@ -18,14 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+from labkit.kernels.nf4_code import NF4_LEVELS
 from labkit.quant.errors import QuantizationError
 
-# Normal quantiles, QLoRA appendix E; index = the 4-bit code.
-NF4_CODE = torch.tensor([
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0])
+# The one NF4 table (kernels/nf4_code.py), as a tensor; index = the 4-bit code.
+NF4_CODE = torch.tensor(NF4_LEVELS)
 # FP4 (1 sign, 2 exponent, 1 mantissa bits), bitsandbytes' code order; sign is bit 3.
 FP4_CODE = torch.tensor([
     0.0, 0.0052083334885537624, 0.6666666865348816, 1.0, 0.3333333432674408, 0.5,

@@ -38,6 +38,7 @@ from typing import Any
 from labkit.config import BATCHING, POLICIES, PREEMPTION_MODES, SchedulerConfig
 from labkit.kv.block_manager import BlockManager
 from labkit.sched.output import ScheduledSeq, SchedulerOutput, SeqOutput
+from labkit.sched.policies_fair import FairShare, preempt_for_waiting
 from labkit.sched.request import Request, Sequence, SequenceStatus
 from labkit.utils import cdiv
 
@@ -83,6 +84,8 @@ def policy_key(policy: str, req: Request, seq_index: int) -> tuple:
         return (req.priority, req.arrival_time, req.index, seq_index)
     if policy == "sjf":
         return (req.prompt_len, req.arrival_time, req.index, seq_index)
+    if policy == "fair":  # served-token counter first: FairShare.rekey sets it every step
+        return (0.0, req.arrival_time, req.index, seq_index)
     return (req.arrival_time, req.index, seq_index)
 
 
@@ -102,6 +105,7 @@ class Scheduler:
         self.admitting = True  # watermark hysteresis state
         self.num_preemptions = 0
         self.static_queue: list[Sequence] = []  # static batching: the current batch's waiting
+        self.fair = FairShare() if config.policy == "fair" else None  # policies_fair.py
 
     # ---- queues ---------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -182,6 +186,9 @@ class Scheduler:
         now = self.clock()
         while self.pending and self.pending[0][0] <= now:
             self._push_waiting(heapq.heappop(self.pending)[2])
+        if self.fair:
+            self.fair.rekey(self)
+        vip = preempt_for_waiting(self) if cfg.policy in ("priority", "fair") else []
         scheduled: list[ScheduledSeq] = []
         preempted: list[tuple[Sequence, str]] = []
         budget = self._schedule_running(cfg.max_num_batched_tokens, scheduled, preempted)
@@ -190,8 +197,10 @@ class Scheduler:
             budget = self._swap_in(scheduled, budget)
             if not self.swapped:
                 budget = self._admit(scheduled, budget)
-        self.num_preemptions += len(preempted)
-        return SchedulerOutput(scheduled, preempted, cfg.max_num_batched_tokens - budget,
+        if self.fair:
+            self.fair.charge(scheduled)
+        self.num_preemptions += len(preempted) + len(vip)
+        return SchedulerOutput(scheduled, vip + preempted, cfg.max_num_batched_tokens - budget,
                                cfg.max_num_batched_tokens, self.bm.take_block_ops())
 
     def _schedule_running(self, budget: int, scheduled: list[ScheduledSeq],

@@ -1,5 +1,12 @@
-"""The service around the engine: an OpenAI-compatible HTTP server over ``LLMEngine``.
+"""labkit.serve: the OpenAI-compatible service around the engine (``labkit serve MODEL``).
 
-Owns the async front (the engine loop off the event loop), the OpenAI protocol models, the
-API routes, admission control, rate limits and the Prometheus metrics.
+- ``async_llm.AsyncLLM``: the engine loop in a thread; per-request async output streams;
+  cancel = abort before the next step.
+- ``protocol``: OpenAI request parsing (every client mistake a 4xx ``APIError``), response and
+  SSE chunk shapes. ``chat``: chat templates (the model's Jinja template, else ChatML).
+- ``serving``: one accepted request from engine streams to SSE / JSON; timeouts; disconnects.
+- ``api_server``: the FastAPI app (routes, admission, keys, rate limits, drain state).
+- ``limits``: API keys (constant-time) and token buckets. ``metrics``: Prometheus (``labkit:``).
+- ``launcher``: the ``labkit serve`` command, graceful drain on SIGTERM, ``ServerThread``;
+  ``process.ServerProcess``: the server as a child process (benchmarks, notebooks).
 """

@@ -163,3 +163,48 @@ def get_model_preset(name: str | ModelPreset) -> ModelPreset:
     if isinstance(name, ModelPreset):
         return name
     return _lookup(name, MODELS, _MODEL_ALIASES, "model preset")
+
+
+@dataclass(frozen=True)
+class StoragePreset:
+    """Where a new replica reads its weights from: sequential read bandwidth in bytes/s.
+
+    Cold start (``cold_start_s``) is what autoscaling pays for every replica it adds: the weights
+    cross the slowest of this link and the host-to-GPU link, after a fixed process start-up."""
+
+    name: str
+    bandwidth: float
+    source: str = ""
+
+
+STORAGE: dict[str, StoragePreset] = {
+    s.name: s
+    for s in (
+        StoragePreset("nvme-gen4", 7.45e9, "Samsung 990 PRO datasheet: up to 7,450 MB/s "
+                      "sequential read"),
+        StoragePreset("network-100gbe", 12.5e9, "100 Gbit/s Ethernet line rate"),
+        StoragePreset("network-25gbe", 3.125e9, "25 Gbit/s Ethernet line rate"),
+        StoragePreset("network-10gbe", 1.25e9, "10 Gbit/s Ethernet line rate"),
+    )
+}
+
+# Process start, CUDA context, memory profiling and CUDA-graph capture before the first request:
+# our assumption, of the order vLLM's start-up log shows for an 8B model with its compile cache
+# warm (about ten seconds; a cold torch.compile adds tens of seconds more).
+DEFAULT_INIT_S = 10.0
+
+
+def get_storage(name: str | StoragePreset) -> StoragePreset:
+    """Look a storage preset up by name; ValueError lists the valid names."""
+    return name if isinstance(name, StoragePreset) else _lookup(name, STORAGE, {}, "storage")
+
+
+def cold_start_s(model: str | ModelPreset, gpu: str | GPUPreset,
+                 storage: str | StoragePreset = "nvme-gen4",
+                 init_s: float = DEFAULT_INIT_S) -> float:
+    """Seconds from launching a replica to its first request: ``init_s`` plus the weight bytes
+    over the slower of the storage link and the GPU's host link (the copy is pipelined)."""
+    if init_s < 0:
+        raise ValueError(f"init_s must be >= 0, got {init_s}")
+    m, g, s = get_model_preset(model), get_gpu(gpu), get_storage(storage)
+    return init_s + m.weight_bytes / min(s.bandwidth, g.host_bandwidth)

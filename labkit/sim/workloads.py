@@ -27,15 +27,16 @@ Arrivals: all at t = 0 (offline batch) or a Poisson process at ``arrival_rate`` 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-DATASETS_DIR = Path(__file__).resolve().parents[2] / "datasets"
+from labkit.paths import DATASETS_DIR
+
 WORKLOADS_DIR = DATASETS_DIR / "workloads"
 
 
@@ -61,11 +62,17 @@ class RequestSpec:
         span = vocab_size - first_id
         prefix: list[int] = []
         if self.prefix_group is not None and self.prefix_len:
-            g = np.random.default_rng([1, self.prefix_group])
-            prefix = (g.integers(0, span, self.prefix_len) + first_id).tolist()
+            prefix = list(_group_prefix(self.prefix_group, self.prefix_len, span, first_id))
         rng = np.random.default_rng([2, self.seed])
         rest = rng.integers(0, span, self.prompt_len - len(prefix))
         return prefix + (rest + first_id).tolist()
+
+
+@functools.lru_cache(maxsize=1024)
+def _group_prefix(group: int, length: int, span: int, first_id: int) -> tuple[int, ...]:
+    """A group's shared prefix, drawn once: thousands of requests repeat it (fleet traces)."""
+    g = np.random.default_rng([1, group])
+    return tuple((g.integers(0, span, length) + first_id).tolist())
 
 
 def _norm_cdf(x: float) -> float:

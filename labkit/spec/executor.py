@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from labkit.config import EngineConfig, SpeculativeConfig
+from labkit.config import CacheConfig, EngineConfig, SpeculativeConfig
 from labkit.engine.executor import Executor, ModelRunnerOutput
 from labkit.engine.model_runner import ModelExecutor, step_chunks
 from labkit.kv.block_manager import BlockOps
@@ -41,7 +41,8 @@ _MAX_DRAFT_STATES = 64  # forget draft KV of sequences not in the step beyond th
 
 class SpecDecodeExecutor(Executor):
     def __init__(self, base: ModelExecutor, config: SpeculativeConfig,
-                 max_model_len: int) -> None:
+                 max_model_len: int, cache: CacheConfig,
+                 attention_backend: str | None = None) -> None:
         self.base = base  # owns the target model, its KV cache and its runner
         self.runner = base.runner
         self.model = base.model
@@ -53,10 +54,11 @@ class SpecDecodeExecutor(Executor):
             self.proposer = NgramProposer(self.gamma, config.prompt_lookup_max,
                                           config.prompt_lookup_min)
         else:
-            kv = base.kv_cache
+            # the draft's own pool mirrors the target's block ids (same size, same tables),
+            # read from the config: the target's cache may live in other processes (TP)
             self.proposer = DraftModelProposer(config.draft_model, self.gamma,
-                                               kv.k_caches[0].shape[0], kv.block_size,
-                                               kv.backend)
+                                               cache.num_blocks, cache.block_size,
+                                               attention_backend or "torch")
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         # CPU seconds spent drafting / in the target forward / verifying (for the benchmark's
@@ -150,4 +152,5 @@ def make_spec_executor(base: ModelExecutor, config: EngineConfig) -> SpecDecodeE
     scheduler's lookahead slots set to γ (``EngineConfig``)."""
     if not isinstance(base, ModelExecutor):
         raise ValueError("speculative decoding needs the model executor (real tensors)")
-    return SpecDecodeExecutor(base, config.speculative, config.max_model_len)
+    return SpecDecodeExecutor(base, config.speculative, config.max_model_len, config.cache,
+                              config.model.attention_backend)

@@ -70,14 +70,19 @@ class MemoryWidget(widgets.VBox):
         capacity = int(meta["num_blocks"]) * int(meta["block_size"])
         xs = s[self.x]
         fig = go.Figure()
-        fig.add_trace(go.Scatter(x=xs, y=s["contiguous"], name="contiguous reservation "
-                                 "(prompt + max_tokens)", line=dict(color="#e45756", dash="dot")))
-        fig.add_trace(go.Scatter(x=xs, y=s["paged+cached"], name="paged + prefix-cached blocks",
-                                 line=dict(color=td.CACHED_COLOR)))
-        fig.add_trace(go.Scatter(x=xs, y=s["paged"], name="paged: allocated blocks",
-                                 line=dict(color="#4c78a8"), fill="tozeroy"))
-        fig.add_trace(go.Scatter(x=xs, y=s["tokens"], name="token slots holding KV",
-                                 line=dict(color="#54a24b"), fill="tozeroy"))
+        at = "step %{x}" if self.x == "step" else "at %{x:.2f} s"
+        for key, name, line, fill, says in (
+                ("contiguous", "contiguous reservation (prompt + max_tokens)",
+                 dict(color="#e45756", dash="dot"), None,
+                 "contiguous pre-allocation would reserve %{y:,} token slots"),
+                ("paged+cached", "paged + prefix-cached blocks", dict(color=td.CACHED_COLOR),
+                 None, "allocated and prefix-cached blocks span %{y:,} token slots"),
+                ("paged", "paged: allocated blocks", dict(color="#4c78a8"), "tozeroy",
+                 "paging has allocated blocks for %{y:,} token slots"),
+                ("tokens", "token slots holding KV", dict(color="#54a24b"), "tozeroy",
+                 "%{y:,} token slots hold KV")):
+            fig.add_trace(go.Scatter(x=xs, y=s[key], name=name, line=line, fill=fill,
+                                     hovertemplate=f"{at}: {says}.<extra></extra>"))
         fig.add_hline(y=capacity, line=dict(color="black"), annotation_text="KV pool capacity")
         # Watermark admission (labkit.sched): at KV usage >= watermark_high no new request is
         # admitted until usage falls to watermark_low. 1.0 means off.

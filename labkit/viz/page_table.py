@@ -27,16 +27,20 @@ class PageTableWidget(widgets.VBox):
     """Physical block grid + per-sequence block tables of a trace, with a step slider.
 
     `trace`: a trace dict, Trace, SimResult or LLMEngine. `tokenizer` (optional) decodes block
-    tokens in the hover text. `max_blocks` / `max_seqs` bound what is drawn for big simulations.
+    tokens in the hover text. `step` is where the slider starts: by default the step of peak
+    KV use (the slider stays free). `max_blocks` / `max_seqs` bound what is drawn for big
+    simulations; `max_width` (pixels) is the widest the figure gets (cells shrink to fit, so
+    it stays inside a notebook's or a tab's box).
     """
 
     def __init__(self, trace: Any, tokenizer: Any = None, step: int | None = None,
                  color_by: str = "owner", columns: int | None = None,
-                 max_blocks: int = 1024, max_seqs: int = 16) -> None:
+                 max_blocks: int = 1024, max_seqs: int = 16, max_width: int = 880) -> None:
         if color_by not in COLOR_MODES:
             raise ValueError(f"color_by must be one of {COLOR_MODES}, got {color_by!r}")
         self.tokenizer = tokenizer
         self.max_blocks, self.max_seqs, self._columns = max_blocks, max_seqs, columns
+        self.max_width = max_width
         self.slider = widgets.IntSlider(description="step", min=0, max=0, continuous_update=False,
                                         layout=widgets.Layout(width="420px"))
         self.prev_button = widgets.Button(description="◀", layout=widgets.Layout(width="40px"),
@@ -62,14 +66,15 @@ class PageTableWidget(widgets.VBox):
 
     # -- public ---------------------------------------------------------------------------
     def set_trace(self, trace: Any, step: int | None = None) -> None:
-        """Swap in a new trace (e.g. after a control re-ran the engine); redraw in place."""
+        """Swap in a new trace (e.g. after a control re-ran the engine); redraw in place at
+        `step` (default: peak KV use)."""
         self.trace = td.as_trace_dict(trace)
         meta = self.trace["meta"]
         self.block_size, self.num_blocks = int(meta["block_size"]), int(meta["num_blocks"])
         self.colors = td.request_color(self.trace)
         self._build_figure()
         last = len(self.trace["steps"]) - 1
-        step = last if step is None else step
+        step = td.peak_step(self.trace) if step is None else step
         with self.slider.hold_trait_notifications():
             self.slider.max = last
             self.slider.value = min(max(step, 0), last)
@@ -121,7 +126,10 @@ class PageTableWidget(widgets.VBox):
         cols = self._cols()
         rows = math.ceil(n / cols)
         table_rows = min(self.max_seqs, _max_live_seqs(self.trace))
-        cell = 28 if cols <= 16 else 16 if cols <= 32 else 11
+        width_blocks = max(cols, _max_logical_blocks(self.trace, self.block_size))
+        room = self.max_width - 140
+        cell = min(28 if cols <= 16 else 16 if cols <= 32 else 11, max(5, room // cols - 6))
+        self._table_cell = min(26, max(4, room // width_blocks - 6))
         grid_h = rows * (cell + 4) + 40
         table_h = max(table_rows, 1) * 30 + 40
         fig = make_subplots(rows=2, cols=1, vertical_spacing=0.12,
@@ -134,8 +142,8 @@ class PageTableWidget(widgets.VBox):
             textfont=dict(size=9, color="white"), hoverinfo="text", name="physical",
             showlegend=False), row=1, col=1)
         fig.add_trace(go.Scatter(
-            x=[], y=[], mode="markers+text",
-            marker=dict(symbol="square", size=26, line=dict(color="#222")),
+            x=[], y=[], mode="markers+text" if self._table_cell >= 16 else "markers",
+            marker=dict(symbol="square", size=self._table_cell, line=dict(color="#222")),
             textfont=dict(size=9, color="white"), hoverinfo="text", name="block table",
             showlegend=False), row=2, col=1)
         fig.update_yaxes(autorange="reversed", showgrid=False, zeroline=False,
@@ -145,11 +153,11 @@ class PageTableWidget(widgets.VBox):
         fig.update_xaxes(title_text="logical block", dtick=1, showgrid=False, zeroline=False,
                          row=2, col=1)
         self._show_ids = cols <= 16
-        width_blocks = max(cols, _max_logical_blocks(self.trace, self.block_size))
         fig.update_xaxes(range=[-0.6, cols - 0.4], row=1, col=1)
         fig.update_xaxes(range=[-0.6, width_blocks - 0.4], row=2, col=1)
         fig.update_layout(height=grid_h + table_h + 80,
-                          width=max(560, width_blocks * (cell + 8) + 140),
+                          width=min(self.max_width, max(560, width_blocks * (self._table_cell + 8)
+                                                        + 140, cols * (cell + 6) + 140)),
                           margin=dict(l=70, r=20, t=40, b=40), plot_bgcolor="white")
         self._base = fig
 

@@ -62,7 +62,8 @@ def prefix_tree(trace: Any, step: int) -> list[dict]:
 
 
 class PrefixTreeWidget(widgets.VBox):
-    """Icicle chart of the cached prefix tree at a step, with a step slider."""
+    """Icicle chart of the cached prefix tree at a step, with a step slider (starting, by
+    default, where the most blocks are in use or cached)."""
 
     def __init__(self, trace: Any, tokenizer: Any = None, step: int | None = None) -> None:
         self.tokenizer = tokenizer
@@ -70,7 +71,8 @@ class PrefixTreeWidget(widgets.VBox):
         self.block_size = int(self.trace["meta"]["block_size"])
         last = len(self.trace["steps"]) - 1
         self.slider = widgets.IntSlider(description="step", min=0, max=last,
-                                        value=last if step is None else step,
+                                        value=td.peak_step(self.trace, cached=True)
+                                        if step is None else step,
                                         layout=widgets.Layout(width="420px"))
         self.summary = widgets.HTML()
         self.figure = td.swap_figure(None, None, go.Figure(), "labkit-prefixtree-figure")

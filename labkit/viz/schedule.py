@@ -55,10 +55,7 @@ class ScheduleWidget(widgets.VBox):
         fig.add_trace(go.Bar(x=xs, y=[rec["num_batched_tokens"] for rec in steps],
                              name="batched tokens", marker_color="#4c78a8", showlegend=True),
                       row=1, col=1)
-        fig.add_trace(go.Scatter(x=xs, y=[rec["token_budget"] for rec in steps],
-                                 mode="lines", line=dict(color="#e45756", dash="dash",
-                                                         shape="hvh"),
-                                 name="token budget"), row=1, col=1)
+        top = _budget_line(fig, xs, steps)
         fig.add_trace(go.Heatmap(z=z, x=xs, y=rids, zmin=-0.5, zmax=n - 0.5,
                                  colorscale=scale,
                                  showscale=False, text=hover, hoverinfo="text",
@@ -76,8 +73,6 @@ class ScheduleWidget(widgets.VBox):
             fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name,
                                      marker=dict(symbol="square", size=12,
                                                  color=td.STATE_COLORS[name])), row=2, col=1)
-        top = max([rec["token_budget"] for rec in steps] + [rec["num_batched_tokens"]
-                                                            for rec in steps])
         fig.update_yaxes(title_text="tokens", range=[0, top * 1.15], row=1, col=1)
         fig.update_yaxes(autorange="reversed", type="category", title_text="request",
                          row=2, col=1)
@@ -126,3 +121,23 @@ class ScheduleWidget(widgets.VBox):
                 f"token budget used {100 * used / budget:.1f}%; {chunks} chunked-prefill "
                 f"chunks; {pre} preemptions</div>")
 
+
+def _budget_line(fig: go.Figure, xs: list[int], steps: list[dict]) -> float:
+    """Draw the per-step token budget where it does not flatten the bars; returns the top of
+    the bar axis. A budget far above what any step used (2,048 against steps of 40 tokens)
+    would squash the bars to nothing, so it is then stated in a corner and its line is left
+    to the legend (click it to show)."""
+    used = max(rec["num_batched_tokens"] for rec in steps) or 1
+    budget = max(rec["token_budget"] for rec in steps)
+    fits = budget <= 2 * used
+    fig.add_trace(go.Scatter(x=xs, y=[rec["token_budget"] for rec in steps], mode="lines",
+                             line=dict(color="#e45756", dash="dash", shape="hvh"),
+                             name="token budget", visible=True if fits else "legendonly"),
+                  row=1, col=1)
+    if fits:
+        return max(budget, used)
+    fig.add_annotation(text=f"token budget {budget:,} per step (off the scale; busiest step "
+                            f"used {used:,})", xref="x domain", yref="y domain", x=1, y=1.08,
+                       showarrow=False, font=dict(color="#e45756", size=11), xanchor="right",
+                       row=1, col=1)
+    return used

@@ -58,6 +58,18 @@ def snapshot(trace: dict, step: int) -> Any:
     return _engine_replay()(trace, step)
 
 
+def peak_step(trace: dict, cached: bool = False) -> int:
+    """The first step with the most KV blocks in use (plus prefix-cached ones if ``cached``):
+    where a page table has the most to show. The last step is usually the least informative,
+    since by then every finished request has freed its blocks."""
+    def used(rec: dict) -> int:
+        kv = rec.get("kv", {})
+        return int(kv.get("used", 0)) + (int(kv.get("cached", 0)) if cached else 0)
+
+    steps = trace["steps"]
+    return max(range(len(steps)), key=lambda i: (used(steps[i]), -i))
+
+
 def _engine_replay():
     from labkit.engine.trace import replay
 

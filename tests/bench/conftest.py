@@ -6,8 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit.model.config import ModelConfig
-from labkit.model.llama import LlamaForCausalLM
+from labkit.model.testing import tiny_model
 from labkit.sim.workloads import prompt_texts
 from labkit.train.export import export_hf
 from labkit.train.tokenizer import EOT_ID, save_tokenizer, train_tokenizer
@@ -18,12 +17,9 @@ def make_tiny_checkpoint(out: Path, vocab_size: int = 512, context: int = 512) -
     texts += [Path(__file__).read_text(), Path(torch.__file__).read_text()]
     tok = train_tokenizer(texts, vocab_size=vocab_size)
     save_tokenizer(tok, out / "tok", model_max_length=context)
-    cfg = ModelConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=16, max_position_embeddings=context, tie_word_embeddings=True,
-                      bos_token_id=EOT_ID, eos_token_id=EOT_ID)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
+    model = tiny_model(0, vocab_size=tok.get_vocab_size(), max_position_embeddings=context,
+                       tie_word_embeddings=True, bos_token_id=EOT_ID, eos_token_id=EOT_ID)
+    cfg = model.config
     # Unit-scale random weights: every layer moves the residual stream, so greedy outputs vary
     # from token to token (a tiny-std init makes the model repeat one token forever).
     with torch.no_grad():

@@ -5,19 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit.model.config import ModelConfig
+from labkit.model import testing
 from labkit.model.generate import generate
 from labkit.model.llama import LlamaForCausalLM
-
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            max_position_embeddings=256)
 
 
 @pytest.fixture(scope="session")
 def tiny_model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(ModelConfig(**TINY)).eval()
+    return testing.tiny_model()
 
 
 @pytest.fixture(scope="session")

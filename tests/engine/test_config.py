@@ -33,7 +33,7 @@ def test_flat_settings_are_sorted_into_their_parts():
 
 
 @pytest.mark.parametrize("make,match", [
-    (lambda: ParallelConfig(tensor_parallel_size=2), "only 1 is supported"),
+    (lambda: ParallelConfig(tensor_parallel_size=1.5), "tensor_parallel_size"),
     (lambda: ParallelConfig(tensor_parallel_size=0), "tensor_parallel_size"),
     (lambda: ModelSettings(max_model_len=300, max_position_embeddings=256), "exceeds"),
     (lambda: ModelSettings(), "max_model_len is needed"),
@@ -50,9 +50,9 @@ def test_each_part_checks_itself_at_construction(make, match):
         make()
 
 
-def test_tensor_parallel_is_rejected_by_the_engine_builder(tiny_model):
-    with pytest.raises(EngineConfigError, match="tensor_parallel_size=2"):
-        LLMEngine.from_model(tiny_model, tensor_parallel_size=2)
+def test_tensor_parallel_sizes_that_do_not_divide_fail_before_spawning(tiny_model):
+    with pytest.raises(EngineConfigError, match="not divisible by tensor_parallel_size 3"):
+        LLMEngine.from_model(tiny_model, tensor_parallel_size=3)
 
 
 def test_speculative_settings_resolve_before_the_scheduler_exists(tiny_model):

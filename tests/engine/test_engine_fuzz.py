@@ -11,25 +11,19 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from labkit.engine.invariants import assert_no_leaks, check_kv_invariants
 from labkit.engine.llm_engine import LLMEngine
 from labkit.engine.sampling_params import SamplingParams
 from labkit.errors import EngineStepError
-from labkit.model.config import ModelConfig
 from labkit.model.generate import generate
-from labkit.model.llama import LlamaForCausalLM
+from labkit.model.testing import tiny_model
 
 
 @pytest.fixture(scope="module", params=[None, 6], ids=["llama", "mistral-window6"])
 def model(request):
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=64, sliding_window=request.param, eos_token_id=5,
+    return tiny_model(0, max_position_embeddings=64, sliding_window=request.param, eos_token_id=5,
                       architecture="MistralForCausalLM" if request.param else "LlamaForCausalLM")
-    return LlamaForCausalLM(cfg).eval()
 
 
 def random_engine(model, rng):
@@ -88,11 +82,9 @@ def test_random_configs_match_reference(model, trial):
 
 @pytest.fixture(scope="module")
 def draft():
-    torch.manual_seed(1)
-    return LlamaForCausalLM(ModelConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
-        eos_token_id=5)).eval()
+    return tiny_model(1, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                      eos_token_id=5)
 
 
 @pytest.mark.parametrize("trial", range(24))

@@ -196,13 +196,9 @@ SWAP_UNDER_O = """
 import torch
 from labkit.engine.llm_engine import LLMEngine
 from labkit.engine.sampling_params import SamplingParams
-from labkit.model.config import ModelConfig
 from labkit.model.generate import generate
-from labkit.model.llama import LlamaForCausalLM
-torch.manual_seed(0)
-m = LlamaForCausalLM(ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-    max_position_embeddings=256)).eval()
+from labkit.model.testing import tiny_model
+m = tiny_model()
 e = LLMEngine.from_model(m, None, block_size=4, num_blocks=10, preemption_mode="swap",
                          num_cpu_blocks=20)
 for i in range(3):

@@ -1,6 +1,11 @@
-"""Exercise tests: progress goes to a temporary file, checks never run in strict mode here."""
+"""Exercise tests: progress goes to a temporary file, checks never run in strict mode here, and
+Triton's interpreter is chosen before any test module defines a kernel (wrong_kernels.py)."""
 
 import pytest
+
+from labkit.exercises.triton_kernels import ensure_interpreter
+
+ensure_interpreter()
 
 
 @pytest.fixture(autouse=True)

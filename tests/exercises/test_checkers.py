@@ -2,6 +2,8 @@
 message that names the mistake (negative controls)."""
 
 import pytest
+import torch
+import wrong_answers as W
 
 from labkit.exercises import (
     allocator,
@@ -13,7 +15,6 @@ from labkit.exercises import (
     speculative,
 )
 from labkit.exercises import solutions as S
-from labkit.exercises import wrong as W
 
 PASSING = [
     ("kv_cache_bytes", lambda: kv_size.check(S.kv_cache_bytes)),
@@ -54,7 +55,12 @@ WRONG = [
     ("alloc: no copy-on-write", lambda: allocator.check(W.AllocatorNoCopyOnWrite),
      ["append_token(", "copy-on-write"]),
     ("alloc: partial allocation on OOM", lambda: allocator.check(W.AllocatorPartialOnOOM),
-     ["-> MemoryError", "num_free_blocks()"]),
+     ["-> MemoryError", "no live sequence holds", "ref count 0"]),
+    ("alloc: swapped copy-on-write pair", lambda: allocator.check(W.AllocatorSwappedCowPair),
+     ["append_token(", "return value is wrong", "the pair is swapped", "copies src -> dst"]),
+    ("alloc: allocate returns nothing",
+     lambda: allocator.check(W.AllocatorAllocateReturnsNothing),
+     ["allocate(", "return value is wrong", "actual:   None", "returns the new sequence's block"]),
     ("hash: not chained", lambda: prefix_cache.check_hashes(W.hashes_not_chained),
      ["should NOT share", "chain the parent key"]),
     ("hash: ignores salt", lambda: prefix_cache.check_hashes(W.hashes_ignore_salt),
@@ -77,6 +83,9 @@ WRONG = [
      ["wrong ttft p99", "interpolate linearly"]),
     ("latency: ttft from scheduling", lambda: latency.check(W.latency_ttft_from_scheduling),
      ["wrong ttft", "from arrival"]),
+    ("latency: single-token tpot 0",
+     lambda: latency.check(W.latency_tpot_zero_for_single_token),
+     ["wrong tpot", "leave out single-token requests"]),
     ("int8: /128", lambda: quantization.check_int8(W.int8_scale_128, S.dequantize_int8),
      ["wrong scale for row", "127"]),
     ("int8: per tensor", lambda: quantization.check_int8(W.int8_per_tensor, S.dequantize_int8),
@@ -94,6 +103,8 @@ WRONG = [
      ["dequantize_int4_groupwise is wrong", "first difference at index"]),
     ("nf4: floor", lambda: quantization.check_nf4(W.nf4_quantize_floor, S.nf4_dequantize),
      ["not the nearest level"]),
+    ("nf4: int64 codes", lambda: quantization.check_nf4(W.nf4_codes_int64, S.nf4_dequantize),
+     ["wrong dtypes", "codes torch.int64", "torch.uint8"]),
     ("nf4: wrong block", lambda: quantization.check_nf4(S.nf4_quantize,
                                                         W.nf4_dequantize_wrong_block),
      ["wrong lookup", "first difference at index", "i // blocksize"]),
@@ -103,6 +114,14 @@ WRONG = [
      ["do not follow p", "chi-square", "max(0, p - q)"]),
     ("spec: resample q", lambda: speculative.check_accept(W.resample_from_q),
      ["do not follow p", "max(0, p - q)"]),
+    ("spec: top token without coin flip",
+     lambda: speculative.check_accept(W.accept_top_token_without_coin),
+     ["draft more confident than the target on the same token", "always accepted",
+      "most likely token", "min(1, p/q)"]),
+    ("spec: inverted ratio", lambda: speculative.check_accept(W.accept_inverted_ratio),
+     ["always accepted", "u < p[x] / q[x]"]),
+    ("spec: global RNG", lambda: speculative.check_accept(W.accept_global_rng),
+     ["same seed differ", "from `generator`"]),
     ("speedup: exponent", lambda: speculative.check_speedup(W.tokens_per_step_exponent_gamma,
                                                             S.expected_speedup),
      ["exponent is gamma + 1", "expected: 1.3"]),
@@ -115,9 +134,25 @@ WRONG = [
 ]
 
 
+# which exercise each negative control's name prefix belongs to
+EXERCISE_OF = {"kv": "kv_cache_bytes", "alloc": "block_allocator", "hash": "block_hashes",
+               "lookup": "longest_cached_prefix", "sched": "schedule_step",
+               "latency": "latency_metrics", "int8": "int8_per_channel", "int4": "int4_groupwise",
+               "nf4": "nf4_lookup", "spec": "spec_accept", "speedup": "spec_speedup"}
+
+
+def test_every_exercise_has_negative_controls():
+    """A plausible wrong answer for every exercise (the Triton ones in test_triton_exercises)."""
+    from labkit.exercises.progress import EXERCISES
+
+    covered = {EXERCISE_OF[name.split(":")[0]] for name, _, _ in WRONG}
+    assert covered | {"triton_vector_add", "triton_paged_attention"} == set(EXERCISES)
+
+
 @pytest.mark.parametrize("name,run,needles", WRONG, ids=[w[0] for w in WRONG])
 def test_wrong_solution_caught(name, run, needles):
     result = run()
+    assert result.exercise == EXERCISE_OF[name.split(":")[0]]
     assert not result.passed
     assert result.message.startswith("✗"), result.message
     for needle in needles:
@@ -248,3 +283,18 @@ def test_allocator_raising_the_wrong_error_on_oom_gets_a_hint():
 
     msg = allocator.check(WrongError).message
     assert "raised ValueError" in msg and "raise MemoryError" in msg
+
+
+@pytest.mark.slow
+def test_labkit_rejection_sampler_passes_the_acceptance_checker():
+    """The checker's notion of right is labkit's own sampler (labkit.spec.rejection): wrapped
+    to the exercise's signature, it passes every case, peaked ones included."""
+    from labkit.spec.rejection import rejection_sample
+
+    def accept_or_resample(p, q, draft_token, generator):
+        emitted, k = rejection_sample([draft_token], q[None], torch.stack([p, p]), generator)
+        return k == 1, emitted[0]
+
+    result = speculative.check_accept(accept_or_resample)
+    assert result.passed, result.message
+    assert "peaked target, draft peaked on another token" in result.message

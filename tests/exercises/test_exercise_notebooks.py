@@ -10,10 +10,15 @@ from nbmake.nb_run import NotebookRun
 NOTEBOOKS = sorted((Path(__file__).parents[2] / "notebooks" / "exercises").glob("*.ipynb"))
 
 
-def _run(path: Path) -> None:
+def _run(path: Path):
     result = NotebookRun(path, default_timeout=300).execute()
     if result.error is not None:
         pytest.fail(f"{path.name} failed:\n{result.error.summary}\n{result.error.trace[-3000:]}")
+    return result.nb
+
+
+def _text(cell) -> str:
+    return "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("name") == "stdout")
 
 
 def test_every_exercise_has_a_notebook():
@@ -35,10 +40,27 @@ def test_notebook_with_reference_solutions(path, monkeypatch, tmp_path):
         assert passed and all(e["passed"] for e in passed.values())
 
 
-@pytest.mark.parametrize("name", ["02_block_allocator", "08_triton_kernels"])
-def test_notebook_as_a_learner_first_sees_it(name, monkeypatch, tmp_path):
+EXERCISE_NOTEBOOKS = [p for p in NOTEBOOKS if p.stem != "drills"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", EXERCISE_NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_as_a_learner_first_sees_it(path, monkeypatch, tmp_path):
+    """Stubs untouched: every check says "not implemented yet" (never a wrong answer), every cell
+    gated on a check says why it was skipped, and nothing crashes."""
+    from labkit.exercises.progress import EXERCISES
+
     monkeypatch.setenv("LABKIT_PROGRESS", str(tmp_path / "progress.json"))
-    _run(next(p for p in NOTEBOOKS if p.stem == name))
+    nb = _run(path)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    out = "\n".join(_text(c) for c in code)
+    assert "✗" not in out and "✓" not in out, out
+    mine = [k for k, (nb_name, _) in EXERCISES.items() if nb_name == path.stem]
+    for key in mine:
+        assert f"· {key}: not implemented yet" in out, (key, out)
+    for c in code:
+        if "if ready(" in c.source:
+            assert "· skipped: " in _text(c), (c.source, _text(c))
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

@@ -3,10 +3,10 @@
 import json
 
 import pytest
+import wrong_answers as W
 
 from labkit.exercises import kv_size, progress
 from labkit.exercises import solutions as S
-from labkit.exercises import wrong as W
 
 
 def test_progress_path_from_env(tmp_path, monkeypatch):
@@ -45,6 +45,7 @@ def test_widget_shows_counts():
     box = progress.progress_widget()
     bar, table = box.children[0].children[0], box.children[1]
     assert bar.value == 1 and bar.max == len(progress.EXERCISES)
+    assert box.children[0].children[1].value == f"1 of {len(progress.EXERCISES)} exercises passed"
     assert "✓ passed" in table.value and "✗ not yet" in table.value
 
 

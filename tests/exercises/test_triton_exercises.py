@@ -2,15 +2,15 @@
 out-of-bounds accesses are named precisely."""
 
 import torch
+import wrong_kernels as W
 
 from labkit.exercises import solutions as S
 from labkit.exercises import triton_kernels as T
-from labkit.exercises import triton_wrong as W
 
 
 def test_interpreter_selected_without_gpu():
     if not torch.cuda.is_available():
-        assert T.INTERPRETED and T.DEVICE == "cpu"
+        assert T.interpreted() and T.device() == "cpu"
 
 
 def test_reference_kernels_pass():
@@ -37,6 +37,32 @@ def test_paged_ignoring_block_table_caught():
 def test_paged_without_context_mask_caught():
     msg = T.check_paged_attention(W.paged_no_context_mask).message
     assert "NaN" in msg and "context_len" in msg
+
+
+def test_paged_without_online_softmax_rescale_caught():
+    msg = T.check_paged_attention(W.paged_no_rescale).message
+    assert "wrong output for sequence" in msg and "exp(m_old - m_new)" in msg
+
+
+def test_untouched_stubs_read_not_implemented():
+    """The kernels as the notebook ships them (a program id, then `# your code here`)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_kernel(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
+        pid = tl.program_id(0)  # noqa: F841
+
+    @triton.jit
+    def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                               context_lens_ptr, out_ptr, scale, max_blocks_per_seq,
+                               BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+        seq = tl.program_id(0)  # noqa: F841
+
+    for result in (T.check_vector_add(add_kernel), T.check_paged_attention(paged_attention_kernel)):
+        assert not result.passed and result.message.startswith("·"), result.message
+        assert "not implemented yet" in result.message and "stored nothing" in result.message
+        assert "wrong" not in result.message
 
 
 def test_bounds_checker_catches_store_past_end():
@@ -97,3 +123,22 @@ def test_learner_kernel_serves_the_engine():
     assert ok.passed and "decode-attention launches" in ok.message
     bad = triton_engine.check_on_engine(W.paged_ignores_block_table)
     assert not bad.passed and "generated different tokens with your kernel" in bad.message
+
+
+def test_importing_the_exercises_changes_no_environment():
+    """The interpreter is chosen by an explicit ensure_interpreter() call, never as a side
+    effect of an import (a fresh interpreter, TRITON_INTERPRET unset)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import os\n"
+            "from labkit.exercises import inject, solutions, triton_engine, triton_kernels\n"
+            "assert 'TRITON_INTERPRET' not in os.environ, 'set by an import'\n"
+            "triton_kernels.ensure_interpreter()\n"
+            "import torch\n"
+            "assert torch.cuda.is_available() or os.environ['TRITON_INTERPRET'] == '1'\n")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]

@@ -6,9 +6,8 @@ from labkit.kernels.backend import TritonBackend
 
 from labkit.engine.llm import LLM
 from labkit.engine.sampling_params import SamplingParams
-from labkit.model.config import ModelConfig
 from labkit.model.generate import generate
-from labkit.model.llama import LlamaForCausalLM
+from labkit.model.testing import tiny_model
 
 
 def test_triton_backend_greedy_equals_reference(monkeypatch):
@@ -21,11 +20,7 @@ def test_triton_backend_greedy_equals_reference(monkeypatch):
             return _real(self, *a, **kw)
 
         monkeypatch.setattr(TritonBackend, name, counted)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(ModelConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=256)).eval()
+    model = tiny_model()
     g = torch.Generator().manual_seed(3)
     shared = torch.randint(0, 128, (16,), generator=g).tolist()
     prompts = [torch.randint(0, 128, (21,), generator=g).tolist(),  # chunked: 21 > 16 budget

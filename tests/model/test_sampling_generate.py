@@ -4,16 +4,9 @@ import pytest
 import torch
 from scipy import stats
 
-from labkit.model import LlamaForCausalLM, ModelConfig, generate
+from labkit.model import generate
 from labkit.model.sampling import apply_sampling_filters, sample_token
-
-
-def tiny(seed=0, **kw):
-    torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      **kw)
-    return LlamaForCausalLM(cfg).eval()
+from labkit.model.testing import tiny_model as tiny
 
 
 def test_filters_hand_computed():

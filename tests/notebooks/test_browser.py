@@ -9,23 +9,13 @@ browser here); everything listens on loopback only.
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from browser_support import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, ROOT, free_port, serving
 
-CHROMIUM = "/usr/bin/chromium"
-ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = Path(__file__).with_name("widgets_voila.ipynb")
-ARTIFACTS = ROOT / "test-artifacts"
-CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]
 
 pytestmark = [
     pytest.mark.browser,
@@ -34,44 +24,18 @@ pytestmark = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def voila_url(tmp_path):
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ)
     # The kernelspec runs `python`: make it the interpreter running the tests.
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
-    log = open(tmp_path / "voila.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "voila", str(NOTEBOOK.relative_to(ROOT)), "--no-browser",
-         f"--port={port}", "--Voila.ip=127.0.0.1", "--show_tracebacks=True"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("voila did not start:\n"
-                                       + (tmp_path / "voila.log").read_text()) from None
-                time.sleep(0.3)
-        yield f"http://127.0.0.1:{port}/"
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+    with serving([sys.executable, "-m", "voila", str(NOTEBOOK.relative_to(ROOT)), "--no-browser",
+                  f"--port={port}", "--Voila.ip=127.0.0.1", "--show_tracebacks=True"],
+                 port, tmp_path / "voila.log", cwd=ROOT, env=env) as url:
+        yield url
 
 
 POINT_FILLS = """() => Array.from(document.querySelectorAll(

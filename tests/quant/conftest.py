@@ -1,17 +1,7 @@
 import pytest
 import torch
 
-from labkit.model.config import ModelConfig
-from labkit.model.llama import LlamaForCausalLM
-
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            max_position_embeddings=256)
-
-
-def make_tiny(seed: int = 0, **kw) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(ModelConfig(**{**TINY, **kw})).eval()
+from labkit.model.testing import tiny_model as make_tiny
 
 
 @pytest.fixture

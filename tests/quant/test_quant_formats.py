@@ -15,7 +15,7 @@ from labkit.quant import (
     quantize_model,
     quantize_rtn,
 )
-from labkit.quant.linear import GPTQLinear, NF4Linear, QuantLinear
+from labkit.quant.linear import GPTQLinear, NF4Linear, QuantLinear, use_cpu_packed
 from labkit.quant.outliers import int8_vectorwise_matmul
 
 
@@ -114,7 +114,11 @@ def test_quantized_linears_compute_with_their_dequantized_weight(tiny, fmt):
     assert isinstance(qm.lm_head, torch.nn.Linear)  # lm_head stays full precision
     x = torch.randn(3, 5, 64)
     lin = qm.model.layers[0].self_attn.q_proj
-    torch.testing.assert_close(lin(x), F.linear(x, lin.dequantize()))
+    ref = F.linear(x, lin.dequantize())
+    with use_cpu_packed(False):  # the reference path: exactly the dequantized weight
+        torch.testing.assert_close(lin(x), ref)
+    # INT8 / INT4 take the packed CPU kernels (bf16 activations): within their tolerance
+    assert (lin(x) - ref).abs().max() <= 1e-2 * ref.abs().max()
     orig = tiny.model.layers[0].self_attn.q_proj.weight
     rel = (lin.dequantize() - orig).norm() / orig.norm()
     assert 0 < rel < {"int8": 0.01, "fp8": 0.05, "int4_rtn": 0.12, "nf4": 0.12}[fmt]

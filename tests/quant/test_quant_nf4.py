@@ -65,6 +65,20 @@ def test_nf4_levels_are_normal_quantiles():
     assert torch.allclose(NF4_CODE.double(), v, atol=1e-6)
 
 
+def test_one_nf4_table_equals_bitsandbytes():
+    """The table lives once (kernels/nf4_code.py); quantizer, dequant kernel and the exercises
+    all read it, and it is bitsandbytes' own table bit for bit."""
+    from labkit.kernels import nf4 as kernel_nf4
+    from labkit.kernels.nf4_code import NF4_LEVELS
+
+    from labkit.exercises import quantization
+
+    assert torch.equal(NF4_CODE, torch.tensor(NF4_LEVELS))
+    assert torch.equal(kernel_nf4._code(torch.device("cpu")), NF4_CODE)
+    assert quantization.NF4_CODE is NF4_CODE
+    assert torch.equal(bnb_f.get_4bit_type("nf4", device="cpu").float(), NF4_CODE)
+
+
 def test_hand_example():
     w = torch.tensor([[0.0, 2.0, -2.0, 1.0]])
     q = quantize_nf4(w, blocksize=32)

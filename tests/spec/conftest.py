@@ -7,22 +7,11 @@ import copy
 import pytest
 import torch
 
-from labkit.model.config import ModelConfig
 from labkit.model.llama import LlamaForCausalLM
+from labkit.model.testing import TINY
+from labkit.model.testing import tiny_model as build
 
-VOCAB = 128
-
-
-def tiny_config(**kw) -> ModelConfig:
-    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                max_position_embeddings=256)
-    return ModelConfig(**{**base, **kw})
-
-
-def build(seed: int, **kw) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(tiny_config(**kw)).eval()
+VOCAB = TINY["vocab_size"]
 
 
 def noisy_copy(model: LlamaForCausalLM, scale: float, seed: int) -> LlamaForCausalLM:

@@ -16,7 +16,8 @@ from labkit.model.loader import load_pretrained
 from labkit.train.cli import main
 
 MODELS = Path(__file__).resolve().parents[2] / "datasets" / "models"
-SHIPPED = {"labkit-tiny": (5_000_000, 5_600_000), "labkit-tiny-draft": (900_000, 1_200_000)}
+SHIPPED = {"labkit-tiny": (5_000_000, 5_600_000), "labkit-tiny-draft": (900_000, 1_200_000),
+           "labkit-tiny-draft-distilled": (900_000, 1_200_000)}
 
 
 def _shipped(name: str) -> Path:

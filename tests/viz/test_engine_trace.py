@@ -1,12 +1,10 @@
 """Widgets on a trace from a real engine run (tiny random Llama, paged KV, prefix caching)."""
 
 import pytest
-import torch
 
 from labkit.engine.llm_engine import LLMEngine
 from labkit.engine.sampling_params import SamplingParams
-from labkit.model.config import ModelConfig
-from labkit.model.llama import LlamaForCausalLM
+from labkit.model.testing import tiny_model
 from labkit.viz import LatencyWidget, MemoryWidget, PageTableWidget, ScheduleWidget
 from labkit.viz import tracedata as td
 from labkit.viz.latency import latency_samples
@@ -17,10 +15,7 @@ PREFIX = list(range(1, 13))  # three full 4-token blocks shared by r0 and r1
 
 @pytest.fixture(scope="module")
 def engine():
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(ModelConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256))
+    model = tiny_model()
     eng = LLMEngine.from_model(model, None, block_size=4, num_blocks=24,
                                max_num_batched_tokens=16, max_num_seqs=4)
     greedy = dict(temperature=0.0, ignore_eos=True)
@@ -87,10 +82,7 @@ def test_latency_from_trace_equals_engine_timings(engine):
 def test_page_table_reports_swapped_sequences():
     import labkit
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(ModelConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256))
+    model = tiny_model()
     llm = labkit.LLM.from_model(model, None, block_size=4, num_blocks=12, num_cpu_blocks=16,
                                 preemption_mode="swap", enable_prefix_caching=False)
     llm.generate(prompt_token_ids=[[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12]],

@@ -2,7 +2,7 @@
 
 Each is a mistake learners (and interview candidates) actually make. The test suite runs every
 checker on these and asserts it fails with a message that points at the mistake. Triton ones
-live in ``labkit.exercises.triton_wrong``.
+live in ``wrong_kernels``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from labkit.exercises import solutions as ref
-from labkit.exercises.scheduler_step import Seq
+from labkit.exercises.shared import Seq
+from labkit.quant.nf4 import NF4_CODE
 
 
 # ---- KV-cache size ------------------------------------------------------------------------------
@@ -87,6 +88,22 @@ class AllocatorPartialOnOOM(ref.BlockAllocator):
         self.tables[seq_id] = table
         self.num_tokens[seq_id] = num_tokens
         return list(table)
+
+
+class AllocatorSwappedCowPair(ref.BlockAllocator):
+    """Returns (dst, src): the engine would copy the empty new block over the shared one."""
+
+    def append_token(self, seq_id: Any) -> tuple[int, int] | None:
+        cow = super().append_token(seq_id)
+        return None if cow is None else (cow[1], cow[0])
+
+
+class AllocatorAllocateReturnsNothing(ref.BlockAllocator):
+    """Sets up the table but forgets to return it."""
+
+    def allocate(self, seq_id: Any, num_tokens: int) -> list[int]:
+        super().allocate(seq_id, num_tokens)
+        return None
 
 
 # ---- prefix caching -----------------------------------------------------------------------------
@@ -196,6 +213,15 @@ def latency_ttft_from_scheduling(requests: list[dict]) -> dict:
     return out
 
 
+def latency_tpot_zero_for_single_token(requests: list[dict]) -> dict:
+    """Counts a single-token request's TPOT as 0 instead of leaving it out."""
+    out = ref.latency_metrics(requests)
+    tpot = [(r["token_times"][-1] - r["token_times"][0]) / max(len(r["token_times"]) - 1, 1)
+            for r in requests]
+    out["tpot"] = ref._stats(tpot)
+    return out
+
+
 # ---- quantization -------------------------------------------------------------------------------
 def int8_scale_128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (w.float().abs().amax(dim=1) / 128).clamp(min=1e-8)
@@ -242,21 +268,23 @@ def dequantize_int4_wrong_group(codes, scales, zeros, group_size):
 
 def nf4_dequantize_wrong_block(codes, absmax, blocksize, shape):
     """Uses element i // (blocksize * 2) — the packed-byte index, not the element index."""
-    from labkit.exercises.quantization import NF4_CODE
-
     idx = (torch.arange(codes.numel()) // (blocksize * 2)).clamp(max=absmax.numel() - 1)
     return (NF4_CODE[codes.long()] * absmax[idx]).reshape(shape)
 
 
 def nf4_quantize_floor(w: torch.Tensor, blocksize: int):
     """Picks the level just below instead of the nearest."""
-    from labkit.exercises.quantization import NF4_CODE
-
     blocks = w.float().reshape(-1, blocksize)
     absmax = blocks.abs().amax(dim=1)
     x = (blocks / absmax.clamp(min=1e-12)[:, None]).reshape(-1)
     codes = (torch.bucketize(x, NF4_CODE, right=True) - 1).clamp(0, 15)
     return codes.to(torch.uint8), absmax
+
+
+def nf4_codes_int64(w: torch.Tensor, blocksize: int):
+    """Right codes, but left as argmin's int64: 8 bytes per 4-bit code."""
+    codes, absmax = ref.nf4_quantize(w, blocksize)
+    return codes.long(), absmax
 
 
 # ---- speculative decoding -----------------------------------------------------------------------
@@ -295,3 +323,28 @@ def tokens_per_step_no_alpha_one(alpha: float, gamma: int) -> float:
 
 def speedup_forgets_target(alpha: float, gamma: int, c: float) -> float:
     return ref.expected_tokens_per_step(alpha, gamma) / max(gamma * c, 1e-9)
+
+
+def accept_top_token_without_coin(p, q, draft_token, generator):
+    """Shortcut: the target's most likely token is always accepted, no coin flip."""
+    if draft_token == int(p.argmax()):
+        return True, draft_token
+    return ref.accept_or_resample(p, q, draft_token, generator)
+
+
+def accept_inverted_ratio(p, q, draft_token, generator):
+    """Accepts with probability min(1, q/p) instead of min(1, p/q)."""
+    u = float(torch.rand(1, generator=generator))
+    if u * float(p[draft_token]) < float(q[draft_token]):
+        return True, draft_token
+    residual = (p - q).clamp(min=0)
+    return False, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+
+
+def accept_global_rng(p, q, draft_token, generator):
+    """The right rule, but u comes from the global RNG: not reproducible from the seed."""
+    u = float(torch.rand(1))
+    if u * float(q[draft_token]) < float(p[draft_token]):
+        return True, draft_token
+    residual = (p - q).clamp(min=0)
+    return False, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))

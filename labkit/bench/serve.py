@@ -1,0 +1,269 @@
+"""``labkit bench serve``: load-test an OpenAI-compatible server and compare with in-process.
+
+Against ``--base-url`` (any OpenAI-compatible server), or, without it, a ``labkit serve`` child
+process it starts and stops itself. In one run:
+
+1. **rate sweep**: Poisson (or gamma, ``--burstiness``) arrivals at each ``--rates`` value; TTFT,
+   TPOT, ITL and E2E percentiles against the achieved throughput: the latency knee;
+2. **fixed concurrency** (16): the headline numbers, under vLLM ``benchmark_serving`` field
+   names, beside ``in_process_output_throughput``: the same requests through ``LLM.generate``
+   in this process. ``http_over_in_process`` is what HTTP, JSON and SSE cost;
+3. **concurrency 1**: client TTFT p50 beside the engine's own TTFT for the same prompts;
+4. **noisy neighbour** (own servers only): a light tenant alone, then under a heavy tenant that
+   sends 10x its load, on a server with ``--policy fcfs`` and one with ``--policy fair``;
+   ``fairness = {fcfs,fair}_light_p99_ttft_ratio`` = light p99 TTFT with the neighbour / alone.
+
+Absolute numbers are for this machine only; the ratios are the result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from labkit.bench.common import bench_parser, environment, print_table, write_json
+from labkit.bench.serve_client import BenchRequest, run_load, summarize
+from labkit.sim.workloads import prompt_texts
+
+QUICK = {"num_requests": 24, "max_tokens": 32, "rates": (4.0, 8.0, math.inf),
+         "concurrency": 16, "c1_requests": 6, "light_n": 8, "light_rate": 2.0,
+         "heavy_mult": 10, "fair_max_num_seqs": 4, "fair_max_tokens": 16}
+FULL = {"num_requests": 96, "max_tokens": 64, "rates": (2.0, 4.0, 8.0, 16.0, math.inf),
+        "concurrency": 16, "c1_requests": 16, "light_n": 24, "light_rate": 2.0,
+        "heavy_mult": 10, "fair_max_num_seqs": 4, "fair_max_tokens": 24}
+SERVER_ARGS = ["--max-num-seqs", "16", "--num-blocks", "512", "--dtype", "float32"]
+
+
+def make_requests(n: int, max_tokens: int, dataset: str = "code_prompts", api_key: str | None
+                  = None, tag: str = "", offset: int = 0) -> list[BenchRequest]:
+    texts = prompt_texts(dataset)
+    return [BenchRequest(texts[(offset + i) % len(texts)], max_tokens, api_key, tag)
+            for i in range(n)]
+
+
+def _load(url: str, model: str, reqs: list[BenchRequest], bar: Any, **kw: Any) -> tuple:
+    return asyncio.run(run_load(url, model, reqs, extra={"ignore_eos": True}, progress=bar,
+                                **kw))
+
+
+def in_process(model_path: str, reqs: list[BenchRequest], max_num_seqs: int) -> dict[str, Any]:
+    """The same requests through ``LLM.generate`` (throughput) and one at a time (TTFT)."""
+    import torch
+
+    from labkit import LLM, SamplingParams
+
+    torch.set_num_threads(1)  # as the server process (OMP_NUM_THREADS=1): same compute
+    llm = LLM(model=model_path, max_num_seqs=max_num_seqs, num_blocks=512, dtype="float32")
+    params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True)
+              for r in reqs]
+    prompts = [r.prompt for r in reqs]
+    llm.generate(prompts[:2], params[:2])  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    eng = llm.llm_engine
+    ttfts = []
+    for i, r in enumerate(reqs[:8]):
+        t0 = time.perf_counter()
+        eng.add_request(f"ttft-{i}", r.prompt, params[i])
+        first = None
+        while eng.has_unfinished_requests():
+            got = eng.step()
+            if first is None and got:
+                first = time.perf_counter() - t0
+        ttfts.append(first)
+    return {"output_throughput": n / wall, "wall_s": wall, "output_tokens": n,
+            "median_ttft_ms": float(np.median(ttfts)) * 1000,
+            "texts": [o.outputs[0].text for o in outs]}
+
+
+def fairness(model_path: str, cfg: dict[str, Any], bar: Any) -> dict[str, Any]:
+    """Light tenant p99 TTFT alone and beside a 10x heavy tenant, under fcfs and fair."""
+    from labkit.serve.process import ServerProcess
+
+    n, rate, k = cfg["light_n"], cfg["light_rate"], cfg["heavy_mult"]
+    light = make_requests(n, cfg["fair_max_tokens"], api_key="k-light", tag="light")
+    heavy = make_requests(n * k, cfg["fair_max_tokens"], api_key="k-heavy", tag="heavy",
+                          offset=7)
+    out: dict[str, Any] = {}
+    for policy in ("fcfs", "fair"):
+        args = ["--policy", policy, "--max-num-seqs", str(cfg["fair_max_num_seqs"]),
+                "--num-blocks", "512", "--dtype", "float32", "--api-key", "k-light:light",
+                "--api-key", "k-heavy:heavy"]
+        with ServerProcess(model_path, args) as srv:
+            _load(srv.url, "labkit-tiny", [light[0], heavy[0]], None)  # warm-up, both tenants
+
+            async def both() -> tuple:
+                return await asyncio.gather(
+                    run_load(srv.url, "labkit-tiny", light, rate, seed=1, progress=bar,
+                             extra={"ignore_eos": True}),
+                    run_load(srv.url, "labkit-tiny", heavy, rate * k, seed=2, progress=bar,
+                             extra={"ignore_eos": True}))
+            # mixed first: a solo run before it would leave the light tenant's counter ahead of
+            # the heavy one's, a head start for the heavy tenant that is not the steady state
+            (mixed, d_mixed), (hv, d_hv) = asyncio.run(both())
+            solo, d_solo = _load(srv.url, "labkit-tiny", light, bar, rate=rate, seed=1)
+        s_solo, s_mixed = summarize(solo, d_solo), summarize(mixed, d_mixed)
+        s_heavy = summarize(hv, d_hv)
+        out[policy] = {"light_solo_p99_ttft_ms": s_solo["p99_ttft_ms"],
+                       "light_mixed_p99_ttft_ms": s_mixed["p99_ttft_ms"],
+                       "heavy_p99_ttft_ms": s_heavy["p99_ttft_ms"],
+                       "heavy_output_throughput": s_heavy["output_throughput"],
+                       "failed": s_solo["failed"] + s_mixed["failed"] + s_heavy["failed"]}
+        out[f"{policy}_light_p99_ttft_ratio"] = (s_mixed["p99_ttft_ms"] /
+                                                 s_solo["p99_ttft_ms"])
+    return out
+
+
+def noisy_neighbour_steps(model: Any, tokenizer: Any = None, policy: str = "fcfs",
+                          steps: int = 400, max_num_seqs: int = 4,
+                          horizon: int = 160) -> dict[str, Any]:
+    """The noisy neighbour in process, counted in engine steps (no clocks, so it is the same
+    on any machine): a heavy tenant adds a request every 2 steps, a light one every 20 (10x
+    less) until step ``horizon``; returns each light request's wait, in steps, from arrival to
+    its first token."""
+    from labkit.engine.llm_engine import LLMEngine
+    from labkit.engine.sampling_params import SamplingParams
+
+    eng = LLMEngine.from_model(model, tokenizer, block_size=16, num_blocks=256,
+                               max_num_seqs=max_num_seqs, policy=policy)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, detokenize=False)
+    added: dict[str, int] = {}
+    first: dict[str, int] = {}
+    for step in range(steps):
+        if step % 2 == 0 and step < horizon:
+            rid = f"heavy{step // 2}"
+            eng.add_request(rid, [1 + step % 50] * 12, sp, cache_salt="heavy")
+            added[rid] = step
+        if step % 20 == 0 and step < horizon:
+            rid = f"light{step // 20}"
+            eng.add_request(rid, [2 + step // 20] * 12, sp, cache_salt="light")
+            added[rid] = step
+        for o in eng.step():
+            first.setdefault(o.request_id, step)
+        if step >= horizon and not eng.has_unfinished_requests():
+            break
+    waits = {r: first[r] - added[r] for r in added}
+    return {"policy": policy, "light_waits": [w for r, w in waits.items() if r[0] == "l"],
+            "heavy_waits": [w for r, w in waits.items() if r[0] == "h"],
+            "num_preemptions": eng.stats()["num_preemptions"], "engine": eng}
+
+
+def write_chart(payload: dict[str, Any], path: Path) -> None:
+    from plotly.subplots import make_subplots
+
+    rows = payload["sweep"]
+    x = [r["request_throughput"] for r in rows]
+    labels = [f"rate {r['request_rate']}" for r in rows]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("TTFT (ms)", "TPOT (ms)"))
+    for q, dash in (("median", None), ("p99", "dot")):
+        fig.add_scatter(x=x, y=[r[f"{q}_ttft_ms"] for r in rows], text=labels, row=1, col=1,
+                        mode="lines+markers", name=f"{q} TTFT", line={"dash": dash})
+        fig.add_scatter(x=x, y=[r[f"{q}_tpot_ms"] for r in rows], text=labels, row=1, col=2,
+                        mode="lines+markers", name=f"{q} TPOT", line={"dash": dash})
+    fig.update_xaxes(title_text="achieved requests/s")
+    fig.update_layout(title="labkit serve: latency against load (the knee is where the queue "
+                      "starts to grow)")
+    fig.write_html(str(path), include_plotlyjs="directory")
+    print(f"wrote {path}")
+
+
+def run(args: Any) -> dict[str, Any]:
+    from labkit.serve.process import ServerProcess
+
+    cfg = dict(QUICK if args.quick else FULL)
+    if args.num_requests:
+        cfg["num_requests"] = args.num_requests
+    if args.rates:
+        cfg["rates"] = tuple(float(r) for r in args.rates.split(","))
+    reqs = make_requests(cfg["num_requests"], cfg["max_tokens"], args.dataset)
+    own = args.base_url is None
+    total = (cfg["num_requests"] * (len(cfg["rates"]) + 1) + cfg["c1_requests"]
+             + (2 * cfg["light_n"] * (2 + cfg["heavy_mult"]) if own and args.fairness else 0))
+    bar = tqdm(total=total, desc="bench serve", unit="req")
+    slo = {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms}
+    srv = ServerProcess(args.model_path, SERVER_ARGS).start() if own else None
+    url = args.base_url or srv.url
+    try:
+        _load(url, args.model, reqs[:2], None)  # warm-up
+        sweep = []
+        for rate in cfg["rates"]:
+            res, dur = _load(url, args.model, reqs, bar, rate=rate,
+                             burstiness=args.burstiness, seed=args.seed)
+            sweep.append({"request_rate": rate, **summarize(res, dur, slo)})
+        res, dur = _load(url, args.model, reqs, bar, max_concurrency=cfg["concurrency"])
+        conc = summarize(res, dur, slo)
+        http_texts = [r.text for r in res]
+        res1, dur1 = _load(url, args.model, reqs[:cfg["c1_requests"]], bar, max_concurrency=1)
+        c1 = summarize(res1, dur1, slo)
+    finally:
+        if srv is not None:
+            srv.stop()
+    payload: dict[str, Any] = {"backend": "labkit" if own else "openai-compatible",
+                               "base_url": args.base_url, "model": args.model,
+                               "max_concurrency": cfg["concurrency"], **conc,
+                               "slo_ms": slo, "concurrency_1": c1, "sweep": sweep}
+    if own or args.in_process:
+        ip = in_process(args.model_path, reqs, 16)
+        payload["in_process_output_throughput"] = ip["output_throughput"]
+        payload["http_over_in_process"] = conc["output_throughput"] / ip["output_throughput"]
+        payload["in_process_median_ttft_ms"] = ip["median_ttft_ms"]
+        payload["c1_ttft_overhead_ms"] = c1["median_ttft_ms"] - ip["median_ttft_ms"]
+        payload["greedy_text_matches"] = sum(a == b for a, b in zip(http_texts, ip["texts"]))
+    if own and args.fairness:
+        payload["fairness"] = fairness(args.model_path, cfg, bar)
+    bar.close()
+    payload["config"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()}
+    payload["environment"] = environment()
+    return payload
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = bench_parser("serve", __doc__.splitlines()[0])
+    p.add_argument("--base-url", default=None, help="an OpenAI-compatible server (default: "
+                   "start labkit serve)")
+    p.add_argument("--model", default="labkit-tiny", help="model name sent in requests")
+    p.add_argument("--model-path", default="labkit-tiny", help="what the own server and "
+                   "the in-process run load")
+    p.add_argument("--dataset", default="code_prompts", help="a prompt set in "
+                   "datasets/workloads/")
+    p.add_argument("--rates", default=None, help="comma list of req/s; inf = all at once")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson")
+    p.add_argument("--num-requests", type=int, default=None)
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=200.0)
+    p.add_argument("--no-fairness", dest="fairness", action="store_false")
+    p.add_argument("--in-process", action="store_true", help="with --base-url: also run "
+                   "--model-path in process")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    payload = run(args)
+    cols = ["request_rate", "completed", "request_throughput", "output_throughput",
+            "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms"]
+    print_table(payload["sweep"], cols)
+    print(f"\nconcurrency {payload['max_concurrency']}: {payload['output_throughput']:.1f} "
+          f"output tok/s over HTTP", end="")
+    if "in_process_output_throughput" in payload:
+        print(f", {payload['in_process_output_throughput']:.1f} in process "
+              f"(ratio {payload['http_over_in_process']:.2f}); concurrency 1 TTFT p50 "
+              f"{payload['concurrency_1']['median_ttft_ms']:.1f} ms vs "
+              f"{payload['in_process_median_ttft_ms']:.1f} ms in process")
+    if "fairness" in payload:
+        f = payload["fairness"]
+        print(f"noisy neighbour, light tenant p99 TTFT with / without: "
+              f"fcfs {f['fcfs_light_p99_ttft_ratio']:.2f}x, fair "
+              f"{f['fair_light_p99_ttft_ratio']:.2f}x")
+    write_json(args.json, payload)
+    if args.json:
+        try:
+            write_chart(payload, Path(args.json).with_suffix(".html"))
+        except ImportError:
+            print("plotly is not installed (pip install labkit[lab]); chart skipped")
+    return 0

@@ -1,0 +1,205 @@
+"""Pruning: remove (structured) or zero (unstructured, 2:4) weights, then heal by distillation.
+
+* **Structured**: drop whole query heads and FFN channels. The result is a smaller *dense*
+  model (a valid Llama config with fewer ``num_attention_heads`` and a smaller
+  ``intermediate_size``), so it is faster everywhere with no special kernel. A config holds one
+  head count and one FFN width for all layers, so every layer loses the same number of units
+  (which ones differs per layer), and heads are removed evenly from every KV group (GQA repeats
+  each KV head over a fixed number of query heads).
+* **Unstructured magnitude**: zero the smallest |w| of every decoder linear. Dense kernels gain
+  nothing; sparse storage would save bytes.
+* **2:4 semi-structured**: in every 4 consecutive weights along the input dimension keep the 2
+  largest |w|: the pattern NVIDIA's sparse tensor cores (Ampere+) run at up to 2x; on CPU it is
+  just zeros.
+
+Importance of a unit (head or channel), three ways:
+  magnitude   the norms of the weights that write and read it (no data needed);
+  activation  mean size of its output on calibration data times the norm of the weights that
+              carry it to the residual stream (Wanda-like: weight x activation);
+  gradient    first-order Taylor estimate of the loss change if it were removed,
+              |Σ a · ∂L/∂a| over calibration tokens (Molchanov et al. 2019).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IMPORTANCE = ("magnitude", "activation", "gradient")
+
+
+def _heads(layer: nn.Module, n_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per head: q_proj rows [H, D*hidden] and o_proj columns [H, hidden*D], flattened."""
+    a = layer.self_attn
+    d = a.head_dim
+    q = a.q_proj.weight.detach().view(n_heads, d, -1).flatten(1)
+    o = a.o_proj.weight.detach().view(a.o_proj.out_features, n_heads, d).transpose(0, 1)
+    return q, o.flatten(1)
+
+
+class _Recorder:
+    """Inputs (and, for 'gradient', their gradients) of o_proj and down_proj in every layer."""
+
+    def __init__(self, model: nn.Module, grads: bool) -> None:
+        self.acts: dict[tuple[int, str], list[torch.Tensor]] = {}
+        self.grads: dict[tuple[int, str], list[torch.Tensor]] = {}
+        self.handles = []
+        for i, layer in enumerate(model.model.layers):
+            for kind, mod in (("attn", layer.self_attn.o_proj), ("ffn", layer.mlp.down_proj)):
+                self.handles.append(mod.register_forward_pre_hook(
+                    lambda _m, inp, key=(i, kind): self._hook(key, inp[0], grads)))
+
+    def _hook(self, key, x, grads):
+        self.acts.setdefault(key, []).append(x.detach())
+        if grads and x.requires_grad:
+            x.register_hook(lambda g: self.grads.setdefault(key, []).append(g.detach()))
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def importance(model: nn.Module, calib: torch.Tensor | None = None,
+               method: str = "activation") -> dict[str, torch.Tensor]:
+    """{"heads": [layers, num_heads], "channels": [layers, intermediate_size]} scores."""
+    if method not in IMPORTANCE:
+        raise ValueError(f"method must be one of {IMPORTANCE}, got {method!r}")
+    cfg = model.config
+    H, d = cfg.num_attention_heads, cfg.head_dim
+    layers = model.model.layers
+    if method == "magnitude":
+        heads, chans = [], []
+        for layer in layers:
+            q, o = _heads(layer, H)
+            heads.append(q.norm(dim=1) * o.norm(dim=1))
+            m = layer.mlp
+            chans.append(m.gate_proj.weight.norm(dim=1) * m.up_proj.weight.norm(dim=1) *
+                         m.down_proj.weight.norm(dim=0))
+        return {"heads": torch.stack(heads).detach(), "channels": torch.stack(chans).detach()}
+    if calib is None:
+        raise ValueError(f"importance {method!r} needs calibration tokens [batch, seq]")
+    rec = _Recorder(model, grads=method == "gradient")
+    try:
+        if method == "gradient":
+            model.zero_grad(set_to_none=True)
+            logits = model(calib[:, :-1])
+            F.cross_entropy(logits.float().flatten(0, 1), calib[:, 1:].flatten()).backward()
+            model.zero_grad(set_to_none=True)
+        else:
+            with torch.no_grad():
+                model(calib)
+    finally:
+        rec.close()
+    heads, chans = [], []
+    for i, layer in enumerate(layers):
+        a_attn = torch.cat([a.reshape(-1, H, d) for a in rec.acts[(i, "attn")]])
+        a_ffn = torch.cat([a.reshape(-1, a.shape[-1]) for a in rec.acts[(i, "ffn")]])
+        if method == "activation":
+            _, o = _heads(layer, H)
+            heads.append(a_attn.norm(dim=-1).mean(0) * o.norm(dim=1))
+            chans.append(a_ffn.abs().mean(0) * layer.mlp.down_proj.weight.detach().norm(dim=0))
+        else:
+            g_attn = torch.cat([g.reshape(-1, H, d) for g in rec.grads[(i, "attn")]])
+            g_ffn = torch.cat([g.reshape(-1, g.shape[-1]) for g in rec.grads[(i, "ffn")]])
+            heads.append((a_attn * g_attn).sum(-1).sum(0).abs())
+            chans.append((a_ffn * g_ffn).sum(0).abs())
+    return {"heads": torch.stack(heads), "channels": torch.stack(chans)}
+
+
+def _keep_heads(scores: torch.Tensor, kv_heads: int, keep_per_group: int) -> torch.Tensor:
+    """Indices of the kept query heads: the top ``keep_per_group`` of every KV group, in order."""
+    rep = scores.numel() // kv_heads
+    idx = [g * rep + scores[g * rep:(g + 1) * rep].topk(keep_per_group).indices.sort().values
+           for g in range(kv_heads)]
+    return torch.cat(idx)
+
+
+@torch.no_grad()
+def prune_structured(model: nn.Module, scores: dict[str, torch.Tensor], head_fraction: float,
+                     ffn_fraction: float) -> nn.Module:
+    """A new, smaller dense model: the least important ``head_fraction`` of query heads (evenly
+    per KV group) and ``ffn_fraction`` of FFN channels removed in every layer."""
+    from labkit.model.llama import LlamaForCausalLM
+
+    cfg = model.config
+    kv, rep = cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads
+    keep_rep = rep - int(round(head_fraction * rep))
+    keep_ffn = cfg.intermediate_size - int(round(ffn_fraction * cfg.intermediate_size))
+    if keep_rep < 1 or keep_ffn < 1:
+        raise ValueError("pruning would remove every head of a group or every FFN channel")
+    new_cfg = replace(cfg, num_attention_heads=kv * keep_rep, intermediate_size=keep_ffn)
+    new = LlamaForCausalLM(new_cfg).to(model.dtype)
+    state = {k: v for k, v in model.state_dict().items()}
+    d = cfg.head_dim
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        heads = _keep_heads(scores["heads"][i], kv, keep_rep)
+        rows = (heads[:, None] * d + torch.arange(d)).flatten()
+        state[p + "self_attn.q_proj.weight"] = state[p + "self_attn.q_proj.weight"][rows]
+        if p + "self_attn.q_proj.bias" in state:
+            state[p + "self_attn.q_proj.bias"] = state[p + "self_attn.q_proj.bias"][rows]
+        state[p + "self_attn.o_proj.weight"] = state[p + "self_attn.o_proj.weight"][:, rows]
+        ch = scores["channels"][i].topk(keep_ffn).indices.sort().values
+        for name in ("gate_proj", "up_proj"):
+            state[p + f"mlp.{name}.weight"] = state[p + f"mlp.{name}.weight"][ch]
+        state[p + "mlp.down_proj.weight"] = state[p + "mlp.down_proj.weight"][:, ch]
+    new.load_state_dict({k: v.clone() for k, v in state.items()})
+    return new.eval()
+
+
+# ---- unstructured and 2:4: masks over the decoder linears ------------------------------------
+def decoder_weights(model: nn.Module) -> dict[str, nn.Parameter]:
+    """name -> weight of every nn.Linear inside the decoder layers (not embeddings/lm_head)."""
+    return {f"{n}.weight": m.weight for n, m in model.model.layers.named_modules()
+            if isinstance(m, nn.Linear)}
+
+
+def magnitude_mask(w: torch.Tensor, sparsity: float) -> torch.Tensor:
+    """True where kept: all but the ``sparsity`` fraction of smallest |w| of this matrix."""
+    if not 0 <= sparsity < 1:
+        raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+    k = int(sparsity * w.numel())
+    if k == 0:
+        return torch.ones_like(w, dtype=torch.bool)
+    thresh = w.abs().flatten().kthvalue(k).values
+    return w.abs() > thresh
+
+
+def mask_2_4(w: torch.Tensor) -> torch.Tensor:
+    """True where kept: the 2 largest |w| of every 4 consecutive weights along the input dim."""
+    n, k = w.shape
+    if k % 4:
+        raise ValueError(f"2:4 sparsity needs in_features divisible by 4, got {k}")
+    g = w.abs().reshape(n, k // 4, 4)
+    keep = torch.zeros_like(g, dtype=torch.bool)
+    keep.scatter_(-1, g.topk(2, dim=-1).indices, True)
+    return keep.reshape(n, k)
+
+
+@torch.no_grad()
+def prune_masked(model: nn.Module, pattern: str, sparsity: float = 0.5
+                 ) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A copy with ``pattern`` "magnitude" (per-matrix) or "2:4" zeros; returns (model, masks)."""
+    model = copy.deepcopy(model)
+    masks = {}
+    for name, w in decoder_weights(model).items():
+        masks[name] = mask_2_4(w) if pattern == "2:4" else magnitude_mask(w, sparsity)
+        w.mul_(masks[name])
+    return model, masks
+
+
+def apply_masks(model: nn.Module, masks: dict[str, torch.Tensor]) -> None:
+    """Re-zero the pruned weights (after every optimizer step while healing)."""
+    weights = decoder_weights(model)
+    with torch.no_grad():
+        for name, m in masks.items():
+            weights[name].mul_(m)
+
+
+def is_2_4(w: torch.Tensor) -> bool:
+    """Every group of 4 along the input dim has at most 2 non-zeros."""
+    return bool((w.reshape(w.shape[0], -1, 4) != 0).sum(-1).le(2).all())

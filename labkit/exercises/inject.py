@@ -1,0 +1,24 @@
+"""Swap in the reference solution when CI runs the exercise notebooks.
+
+Notebooks call ``inject(name, learner_fn)`` right after the learner's cell. With
+``LABKIT_INJECT_SOLUTIONS=1`` (CI) it returns the reference from ``labkit.exercises.solutions``,
+so every checker runs against a right answer on every commit and the notebooks cannot silently
+rot; otherwise it returns the learner's own function. This is the only module that reads the
+solutions: the checkers take their references from labkit itself.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def inject(name: str, learner_fn: Any) -> Any:
+    """The reference ``name`` under ``LABKIT_INJECT_SOLUTIONS=1``, else ``learner_fn``."""
+    if os.environ.get("LABKIT_INJECT_SOLUTIONS") != "1":
+        return learner_fn
+    from labkit.exercises import solutions  # lazy: spoilers stay unread unless injecting
+
+    if not hasattr(solutions, name):
+        raise ValueError(f"no reference solution named {name!r} in labkit.exercises.solutions")
+    return getattr(solutions, name)

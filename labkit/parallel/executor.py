@@ -1,0 +1,138 @@
+"""The tensor-parallel executor: the engine's executor contract, run on N worker processes.
+
+The driver keeps everything that decides: the scheduler, the block manager and its block
+tables, sampling and the per-request generators. Each step it sends every rank the same packed
+chunks (block tables, positions, token ids: a few lists, no tensors) and applies the same block
+copies to every rank's KV cache; each rank runs its shard through an ordinary ``ModelRunner``
+over its own ``PagedKVCache`` (its heads only), the collectives inside the forward meet, and rank
+0 returns the full-vocabulary logits. So the driver-side code is ``ModelExecutor``'s, unchanged:
+only the runner it talks to lives in other processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from labkit.config import CacheConfig, EngineConfig
+from labkit.engine.executor import ModelRunnerOutput
+from labkit.engine.model_runner import Chunk, ModelExecutor, ModelRunner
+from labkit.kv.attention import get_attention_backend
+from labkit.kv.block_manager import BlockOps
+from labkit.model.config import ModelConfig
+from labkit.model.loader import CheckpointHandle
+from labkit.parallel.comm import TPGroup
+from labkit.parallel.plan import TensorParallelError, make_plan
+from labkit.parallel.shard import SafetensorsSource, StateDictSource, build_shard
+from labkit.parallel.workers import WorkerGroup
+from labkit.sched.scheduler import SchedulerOutput
+
+
+@dataclass
+class RankRecipe:
+    """What a worker process builds at start (picklable: sent once, at spawn)."""
+
+    config: ModelConfig
+    cache: CacheConfig
+    attention_backend: str | None
+    dtype: torch.dtype = torch.float32
+    folder: str | None = None                       # load my slices from here ...
+    state: dict[str, torch.Tensor] | None = field(default=None, repr=False)  # ... or from this
+
+    def __call__(self, group: TPGroup) -> RankWorker:
+        plan = make_plan(self.config, group.world, group.rank)
+        source = SafetensorsSource(Path(self.folder)) if self.folder else \
+            StateDictSource(self.state or {})
+        model = build_shard(self.config, plan, source, group, self.dtype)
+        backend = get_attention_backend(self.attention_backend)
+        c = self.cache
+        runner = ModelRunner.for_model(model, c.block_size, c.num_blocks, c.num_cpu_blocks,
+                                       backend, c.kv_cache_dtype)
+        return RankWorker(runner, group)
+
+
+class RankWorker:
+    """One rank: its runner, answering the driver's calls."""
+
+    def __init__(self, runner: ModelRunner, group: TPGroup) -> None:
+        self.runner, self.group = runner, group
+
+    def forward(self, chunks: list[Chunk], rows: list[list[int]]) -> Any:
+        logits = self.runner.forward(chunks, rows)
+        calls = list(self.group.log.calls)
+        log = self.group.log.reset()
+        return (logits, log, calls) if self.group.rank == 0 else None  # one copy is enough
+
+    def apply_block_ops(self, ops: BlockOps) -> None:
+        kv = self.runner.kv_cache
+        kv.swap_out(ops.swap_out)
+        kv.swap_in(ops.swap_in)
+        kv.copy_blocks(ops.copies)
+
+    def kv_heads(self) -> int:
+        return self.runner.kv_cache.k_caches[0].shape[2]
+
+    def fail(self, message: str) -> None:
+        raise RuntimeError(message)  # the failure tests use it
+
+
+class TPRunner:
+    """``ModelRunner``'s interface, executed on N ranks; sampling stays in the driver."""
+
+    sample = staticmethod(ModelRunner.sample)
+
+    def __init__(self, workers: WorkerGroup, model: CheckpointHandle, block_size: int) -> None:
+        self.workers, self.model, self.block_size = workers, model, block_size
+        self.device = model.device
+        self.last_collectives: dict[str, dict[str, int]] = {}
+        #: (site, kind, bytes) of each collective of the last forward, in order
+        self.last_calls: list[tuple[str, str, int]] = []
+
+    def forward(self, chunks: list[Chunk], rows: list[list[int]]) -> torch.Tensor:
+        logits, self.last_collectives, self.last_calls = \
+            self.workers.call("forward", chunks, rows)[0]
+        return logits
+
+
+class TPExecutor(ModelExecutor):
+    """``ModelExecutor`` over a ``TPRunner``; block copies go to every rank in one call."""
+
+    def __init__(self, runner: TPRunner) -> None:
+        super().__init__(runner)  # type: ignore[arg-type]
+        self.collectives: list[dict[str, dict[str, int]]] = []  # one entry per forward
+
+    def apply_block_ops(self, ops: BlockOps) -> None:
+        if ops.copies or ops.swap_out or ops.swap_in:
+            self.runner.workers.call("apply_block_ops", ops)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        result = super().execute(scheduler_output)
+        result.collectives = self.runner.last_collectives
+        self.runner.last_collectives = {}
+        return result
+
+    def shutdown(self) -> None:
+        self.runner.workers.shutdown()
+
+
+def build_tp_executor(model: Any, config: EngineConfig) -> TPExecutor:
+    """The registered ``"tensor_parallel"`` executor factory: ``model`` is a
+    ``CheckpointHandle`` (each rank reads only its slices of the folder) or a loaded model (its
+    tensors are sent to the ranks, which keep their slices)."""
+    world = config.parallel.tensor_parallel_size
+    make_plan(model.config, world, 0)  # fail here, with the count to fix, before spawning
+    if isinstance(model, CheckpointHandle):
+        recipe = RankRecipe(model.config, config.cache, config.model.attention_backend,
+                            model.dtype, folder=str(model.folder))
+    else:
+        if model.device.type != "cpu":
+            raise TensorParallelError("tensor parallelism over gloo runs on CPU; pass the "
+                                      "checkpoint folder so each rank loads its own slices")
+        state = {k: v.detach() for k, v in model.state_dict().items()}
+        recipe = RankRecipe(model.config, config.cache, config.model.attention_backend,
+                            model.dtype, state=state)
+    handle = CheckpointHandle(model.config, Path(), model.dtype)
+    return TPExecutor(TPRunner(WorkerGroup(world, recipe), handle, config.cache.block_size))

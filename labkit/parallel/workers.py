@@ -1,0 +1,167 @@
+"""N worker processes in one torch.distributed group, driven by method calls from the driver.
+
+The driver (the engine) keeps the scheduler and the block tables; every step it sends the same
+call to all ranks, each rank runs its shard (the collectives inside the forward meet across
+ranks), and the driver reads rank 0's answer. That is vLLM's shape: one scheduler, N identical
+workers.
+
+Failure handling is the part that matters in practice. A rank that raises answers with its
+traceback; a rank that dies is noticed by polling; either way the driver stops every worker and
+raises ``WorkerError``. Workers watch their parent: if the driver is killed (Ctrl-C, SIGKILL),
+they exit on their own instead of lingering as orphans. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from labkit.parallel.comm import TPGroup
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel worker raised, died or stopped answering; all workers were stopped."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_main(rank: int, world: int, port: int, factory: Callable[[TPGroup], Any],
+                 conn: Any, parent_pid: int, timeout_s: float) -> None:
+    torch.set_num_threads(1)  # N ranks share the cores; one thread each avoids oversubscription
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        target = factory(TPGroup(rank, world))
+        conn.send(("ok", None))
+    except BaseException:  # noqa: BLE001 - reported to the driver, which raises WorkerError
+        conn.send(("err", traceback.format_exc()))
+        return
+    try:
+        while True:
+            if not conn.poll(0.5):
+                if os.getppid() != parent_pid:  # the driver is gone: do not linger
+                    return
+                continue
+            method, args = conn.recv()
+            if method == "__stop__":
+                conn.send(("ok", None))
+                return
+            try:
+                conn.send(("ok", getattr(target, method)(*args)))
+            except BaseException:  # noqa: BLE001
+                conn.send(("err", traceback.format_exc()))
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        return
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class WorkerGroup:
+    """Start ``world`` processes, each holding ``factory(TPGroup(rank, world))``.
+
+    ``call(method, *args)`` runs the method on every rank and returns the per-rank results.
+    ``factory`` must be picklable (a module-level function or a functools.partial of one):
+    workers are started with the ``spawn`` method, never ``fork``, so no lock or thread state
+    of the driver is copied into them.
+    """
+
+    def __init__(self, world: int, factory: Callable[[TPGroup], Any],
+                 timeout_s: float = 120.0, start_timeout_s: float = 300.0) -> None:
+        ctx = mp.get_context("spawn")
+        self.world, self.timeout_s = world, timeout_s
+        port = _free_port()
+        self._conns, self._procs = [], []
+        for rank in range(world):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker_main, name=f"labkit-tp-{rank}", daemon=True,
+                            args=(rank, world, port, factory, child, os.getpid(), timeout_s))
+            p.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(p)
+        self._finalizer = weakref.finalize(self, _stop_all, self._procs, self._conns)
+        self._gather("start", start_timeout_s)  # importing torch N times is slow on a busy box
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        if not self._finalizer.alive:
+            raise WorkerError("the worker group was shut down")
+        for c in self._conns:
+            c.send((method, args))
+        return self._gather(method, self.timeout_s)
+
+    def _gather(self, what: str, timeout_s: float) -> list[Any]:
+        results: list[Any] = [None] * self.world
+        pending = set(range(self.world))
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            for rank in sorted(pending):
+                c = self._conns[rank]
+                if c.poll(0.05):
+                    try:
+                        status, value = c.recv()
+                    except (EOFError, OSError):  # the pipe closed: the process is gone
+                        self._procs[rank].join(2.0)
+                        code = self._procs[rank].exitcode
+                        self.shutdown()
+                        raise WorkerError(f"rank {rank} died (exit code {code}) during "
+                                          f"{what}") from None
+                    if status == "err":
+                        self.shutdown()
+                        raise WorkerError(f"rank {rank} failed in {what}:\n{value}")
+                    results[rank] = value
+                    pending.discard(rank)
+                elif not self._procs[rank].is_alive():
+                    code = self._procs[rank].exitcode
+                    self.shutdown()
+                    raise WorkerError(f"rank {rank} died (exit code {code}) during {what}")
+            if pending and time.monotonic() > deadline:
+                self.shutdown()
+                raise WorkerError(f"ranks {sorted(pending)} did not answer {what} within "
+                                  f"{timeout_s:.0f} s")
+        return results
+
+    def shutdown(self) -> None:
+        """Stop every worker (idempotent)."""
+        self._finalizer()
+
+    @property
+    def alive(self) -> bool:
+        return self._finalizer.alive and all(p.is_alive() for p in self._procs)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+
+def _stop_all(procs: list[Any], conns: list[Any]) -> None:
+    for p, c in zip(procs, conns):
+        if p.is_alive():
+            try:
+                c.send(("__stop__", ()))
+            except (BrokenPipeError, OSError):
+                pass
+    deadline = time.monotonic() + 5.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(2.0)
+    for c in conns:
+        c.close()

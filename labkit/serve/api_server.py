@@ -1,0 +1,291 @@
+"""The OpenAI-compatible HTTP server over AsyncLLM (FastAPI): routes, admission, errors.
+
+Every request passes the same gates, cheapest first, and each refusal is an OpenAI error body:
+
+1. draining (SIGTERM received)          -> 503 (``/health`` answers 503 too)
+2. ``Authorization: Bearer KEY``          -> 401 unless it matches a key (constant time)
+3. body larger than ``max_body_bytes``    -> 413 before it is read whole
+4. JSON and fields                        -> 400 naming the field; unknown model -> 404
+5. prompt too long for the context        -> 400 ``context_length_exceeded``
+6. queue full (``--max-waiting``)         -> 429 + Retry-After
+7. the key's token bucket (requests/s, tokens/s; cost = prompt + max_tokens) -> 429 + Retry-After
+8. the engine's own checks (``add_request``) -> 400 with its message
+
+Only then is the request accepted; from there its outcome is exactly one of finished, aborted
+(client disconnect, step error, shutdown) or timed out, so the counters add up:
+``accepted = finished + aborted + timed out``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from labkit.serve import protocol, serving
+from labkit.serve.async_llm import AsyncLLM
+from labkit.serve.chat import chatml
+from labkit.serve.limits import Authenticator
+from labkit.serve.metrics import ServerMetrics
+from labkit.serve.protocol import APIError, bad
+
+
+@dataclass
+class ServeConfig:
+    model_name: str = "labkit-tiny"
+    max_waiting: int | None = None
+    queue_timeout: float | None = None
+    request_timeout: float | None = None
+    api_keys: dict[str, str] = field(default_factory=dict)
+    rate_limit_rps: float | None = None
+    rate_limit_tps: float | None = None
+    max_body_bytes: int = 1 << 20
+    max_n: int = 16
+    drain_timeout: float = 30.0
+    bucket: Any = None  # the token-bucket class (None: labkit.serve.limits.TokenBucket)
+
+
+class ServerState:
+    """Everything the routes share; ``app.state.serve`` holds it."""
+
+    def __init__(self, llm: AsyncLLM, tokenizer: Any, config: ServeConfig,
+                 chat_template: Any = None) -> None:
+        self.llm, self.tokenizer, self.config = llm, tokenizer, config
+        self.render_chat = chat_template or chatml
+        self.metrics = ServerMetrics(llm, config.model_name)
+        llm.on_step = self.metrics.on_step
+        self.auth = Authenticator(config.api_keys, config.rate_limit_rps,
+                                  config.rate_limit_tps, bucket=config.bucket)
+        self.draining = False
+        self.counts = {"accepted": 0, "finished": 0, "aborted": 0, "timed_out": 0,
+                       "rejected": 0}
+        self._next_id = 0
+        eng = llm.engine
+        self.max_model_len: int = eng.max_model_len
+        self.vocab_size: int | None = eng.vocab_size
+
+    def new_request_id(self) -> str:
+        self._next_id += 1
+        return f"srv-{self._next_id}"
+
+    def num_waiting(self) -> int:
+        s = self.llm.stats
+        return s.get("num_waiting", 0) + s.get("num_pending", 0) + self.llm.num_pending_adds
+
+
+def _reject(state: ServerState, reason: str) -> None:
+    state.counts["rejected"] += 1
+    state.metrics.rejected.labels(state.config.model_name, reason).inc()
+
+
+def error_response(e: APIError, state: ServerState | None = None) -> JSONResponse:
+    if state is not None:
+        state.metrics.errors.labels(state.config.model_name, str(e.status)).inc()
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes."""
+    cl = request.headers.get("content-length")
+    too_big = APIError(413, f"request body exceeds {limit} bytes", "invalid_request_error",
+                       None, "request_too_large")
+    if cl is not None and cl.isdigit() and int(cl) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise too_big
+        chunks.append(part)
+    return b"".join(chunks)
+
+
+def _retry_after(seconds: float) -> dict[str, str]:
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}
+
+
+def _tokenize(state: ServerState, parsed: protocol.ParsedRequest) -> list[list[int]]:
+    tok = state.tokenizer
+    out = []
+    for p in parsed.prompts:
+        if isinstance(p, list) and p and isinstance(p[0], dict):  # chat messages
+            p = state.render_chat(p)
+        if isinstance(p, str):
+            if tok is None:
+                raise bad("this model has no tokenizer: send prompts as token ids", "prompt")
+            p = tok.encode(p)
+        out.append(list(p))
+    limit = state.max_model_len
+    for ids in out:
+        mt = parsed.params.max_tokens if parsed.max_tokens_given else 1
+        if len(ids) + mt > limit:
+            raise bad(f"this model's maximum context length is {limit} tokens; the request "
+                      f"has {len(ids)} prompt tokens and asks for {mt} more", "prompt"
+                      if len(ids) >= limit else "max_tokens", "context_length_exceeded")
+    if not parsed.max_tokens_given:  # chat default: the rest of the context
+        parsed.params.max_tokens = max(1, limit - max(len(i) for i in out))
+    return out
+
+
+async def _admit(state: ServerState, request: Request, kind: str) -> serving.Call:
+    """Run gates 1-8 and submit; returns the accepted call or raises APIError."""
+    cfg, m = state.config, state.metrics
+    if state.draining:
+        _reject(state, "draining")
+        raise APIError(503, "the server is shutting down", "server_unavailable", None,
+                       "draining", _retry_after(5))
+    tenant = state.auth.tenant(request.headers.get("authorization"))
+    if tenant is None:
+        raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                       "authentication_error", None, "invalid_api_key")
+    d = protocol.parse_json(await read_body(request, cfg.max_body_bytes))
+    parsed = protocol.parse_request(d, kind, served_model=cfg.model_name,
+                                    vocab_size=state.vocab_size, max_n=cfg.max_n)
+    parsed.extra["return_token_ids"] = protocol._bool(d, "return_token_ids")
+    ids = _tokenize(state, parsed)
+    if cfg.max_waiting is not None and state.num_waiting() + len(ids) > cfg.max_waiting:
+        _reject(state, "queue_full")
+        raise APIError(429, f"the queue is full ({cfg.max_waiting} waiting); retry later",
+                       "rate_limit_exceeded", None, "queue_full", _retry_after(1))
+    cost = sum(len(i) for i in ids) + parsed.params.max_tokens * parsed.params.n * len(ids)
+    wait = state.auth.limit(tenant, cost)
+    if wait:
+        _reject(state, "rate_limit")
+        if math.isinf(wait):
+            raise bad(f"this request costs {cost} tokens, more than the key's token bucket "
+                      "ever holds: lower max_tokens or n", "max_tokens", "rate_limit_cost")
+        raise APIError(429, f"rate limit for this key exceeded; retry in {wait:.2f} s",
+                       "rate_limit_exceeded", None, "rate_limit", _retry_after(wait))
+    call = serving.Call(parsed, [], [len(i) for i in ids], time.monotonic(),
+                        cfg.queue_timeout, cfg.request_timeout, protocol.new_id(kind),
+                        protocol.now_s())
+    try:
+        for p_ids in ids:
+            call.streams.append(await state.llm.add_request(
+                state.new_request_id(), p_ids, parsed.params, parsed.priority, tenant))
+    except ValueError as e:
+        call.abort_all()
+        raise bad(str(e), None, "invalid_prompt") from None
+    except Exception:
+        call.abort_all()
+        raise
+    state.counts["accepted"] += 1
+    m.accepted.labels(cfg.model_name).inc()
+    m.prompt_tokens.labels(cfg.model_name).inc(sum(call.prompt_lens))
+    return call
+
+
+def _finish(state: ServerState, call: serving.Call) -> None:
+    """Record the call's single outcome in the counters and histograms."""
+    m, name = state.metrics, state.config.model_name
+    if call.outcome is None:  # the generator was cancelled (client gone) before we knew
+        call.outcome = "aborted:disconnect"
+    call.abort_all()
+    kind, _, why = call.outcome.partition(":")
+    if kind == "finished":
+        state.counts["finished"] += 1
+        for r in call.reasons.values():
+            m.request_success.labels(name, r).inc()
+        m.e2e.labels(name).observe(time.monotonic() - call.arrival)
+    elif kind == "timeout":
+        state.counts["timed_out"] += 1
+        m.timeouts.labels(name, why).inc()
+        m.aborts.labels(name, "timeout").inc()
+    else:
+        state.counts["aborted"] += 1
+        m.aborts.labels(name, why).inc()
+    if call.first_token_time is not None:
+        m.ttft.labels(name).observe(call.first_token_time - call.arrival)
+        m.queue.labels(name).observe(max(0.0, call.first_step_start - call.arrival))
+
+
+async def _generate(state: ServerState, request: Request, kind: str) -> Response:
+    try:
+        call = await _admit(state, request, kind)
+    except APIError as e:
+        return error_response(e, state)
+    itl = state.metrics.itl.labels(state.config.model_name).observe
+    watcher = asyncio.create_task(serving.watch_disconnect(request.receive, call))
+    if call.parsed.stream:
+        async def body():
+            try:
+                async for b in serving.stream_events(call, itl):
+                    if call.outcome == "aborted:disconnect":
+                        break
+                    yield b
+            finally:
+                watcher.cancel()
+                _finish(state, call)
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    try:
+        result = await serving.collect(call, itl)
+    except APIError as e:
+        return error_response(e, state)
+    finally:
+        watcher.cancel()
+        _finish(state, call)
+    return JSONResponse(result)
+
+
+def build_app(llm: AsyncLLM, tokenizer: Any, config: ServeConfig | None = None,
+              chat_template: Any = None) -> FastAPI:
+    """The FastAPI app; starting it (uvicorn) starts the engine thread, stopping it stops it."""
+    config = config or ServeConfig()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        llm.start()
+        try:
+            yield
+        finally:
+            await llm.shutdown()
+
+    app = FastAPI(title="labkit serve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    state = app.state.serve = ServerState(llm, tokenizer, config, chat_template)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}:"
+                                       f" {exc.detail}", "invalid_request_error", None, code),
+                              state)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}",
+                                       "server_error"), state)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(state, request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(state, request, "chat")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{
+            "id": config.model_name, "object": "model", "created": 0, "owned_by": "labkit",
+            "max_model_len": state.max_model_len}]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.draining or not llm.is_running:
+            return PlainTextResponse("draining" if state.draining else "engine stopped", 503)
+        return PlainTextResponse("ok")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

@@ -1,0 +1,206 @@
+"""Start the server: ``labkit serve MODEL``, or in a background thread for tests and notebooks.
+
+Graceful shutdown (SIGTERM / Ctrl-C): stop admitting (new requests and ``/health`` get 503, so a
+load balancer takes the replica out), let the requests in flight finish for up to
+``--drain-timeout`` seconds, then stop uvicorn and the engine thread; whatever is still running
+then is aborted and freed. A second signal skips the drain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import uvicorn
+
+from labkit.serve.api_server import ServeConfig, build_app
+from labkit.serve.async_llm import AsyncLLM
+from labkit.serve.limits import parse_api_keys
+
+ENGINE_FLAGS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "policy",
+                "max_model_len", "preemption_mode", "num_cpu_blocks", "kv_cache_bytes",
+                "tensor_parallel_size")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with a drain phase between the first exit signal and the shutdown."""
+
+    def __init__(self, config: uvicorn.Config, app: Any) -> None:
+        super().__init__(config)
+        self.state = app.state.serve
+        self._drain: asyncio.Task | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.state.draining or self._drain is not None:
+            super().handle_exit(sig, frame)  # second signal: stop now
+            return
+        self.begin_drain()
+
+    def begin_drain(self) -> None:
+        self.state.draining = True
+        loop = asyncio.get_event_loop()
+        self._drain = loop.create_task(self._wait_drained())
+
+    async def _wait_drained(self) -> None:
+        deadline = time.monotonic() + self.state.config.drain_timeout
+        while self.state.llm.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # let the last responses flush
+        self.should_exit = True
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_engine(model: str, *, tokenizer: Any = None, dtype: str | None = None,
+                 device: str | None = None, **engine_kw: Any) -> tuple[Any, Any, Any]:
+    """(engine, tokenizer, chat template) for a shipped model name or a local folder."""
+    import torch
+
+    from labkit.engine.llm_engine import LLMEngine
+    from labkit.model.loader import load_pretrained, open_checkpoint, resolve_model_path
+    from labkit.serve.chat import load_chat_template
+
+    kw = {k: v for k, v in engine_kw.items() if v is not None}
+    if kw.get("tensor_parallel_size", 1) > 1:  # the worker processes read their own slices
+        m, tok = open_checkpoint(model, getattr(torch, dtype) if dtype else None)
+    else:
+        m, tok = load_pretrained(model, dtype=dtype, device=device)
+        m.eval()
+    eng = LLMEngine.from_model(m, tokenizer or tok, name=str(model), **kw)
+    render, _ = load_chat_template(resolve_model_path(model))
+    return eng, tokenizer or tok, render
+
+
+class ServerThread:
+    """A server on 127.0.0.1 in a background thread (tests, benchmarks, notebooks)::
+
+        with ServerThread(engine, tokenizer, ServeConfig(model_name="m")) as srv:
+            httpx.get(srv.url + "/health")
+
+    Leaving the block drains (bounded) and stops it; the thread is joined."""
+
+    def __init__(self, engine: Any, tokenizer: Any, config: ServeConfig | None = None,
+                 port: int | None = None, chat_template: Any = None) -> None:
+        self.llm = AsyncLLM(engine)
+        self.app = build_app(self.llm, tokenizer, config, chat_template)
+        self.state = self.app.state.serve
+        self.port = port or free_port()
+        ucfg = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+                              timeout_graceful_shutdown=5, lifespan="on")
+        self.server = DrainingServer(ucfg, self.app)
+        self.server.install_signal_handlers = lambda: None  # not the main thread
+        self.thread = threading.Thread(target=self.server.run, name="labkit-serve", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"server on port {self.port} did not start")
+            time.sleep(0.02)
+        return self
+
+    def call(self, fn: Any, timeout: float = 30.0) -> Any:
+        """Run ``fn(engine)`` on the engine thread between steps (e.g. assert_no_leaks)."""
+        fut = asyncio.run_coroutine_threadsafe(self.llm.call(fn), self.llm._loop)
+        return fut.result(timeout)
+
+    def drain(self) -> None:
+        """Begin a graceful shutdown, as SIGTERM would."""
+        loop = self.llm._loop
+        if loop is not None:
+            loop.call_soon_threadsafe(self.server.begin_drain)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.thread.is_alive():
+            self.server.should_exit = True
+            self.thread.join(timeout)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-bytes", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--policy", default="fcfs", help="fcfs | priority | sjf | fair")
+    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    p.add_argument("--num-cpu-blocks", type=int, default=0)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=None)
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=None, metavar="N",
+                   help="split the model over N worker processes (labkit.parallel)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="labkit serve", description="An OpenAI-compatible server "
+                                "over labkit's engine (SSE streaming, /metrics, rate limits).")
+    p.add_argument("model", metavar="MODEL", help="shipped model name or a local HF folder")
+    p.add_argument("--host", default="127.0.0.1", help="loopback unless you mean otherwise")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-waiting", type=int, default=None, help="queue length for 429")
+    p.add_argument("--queue-timeout", type=float, default=None, metavar="S")
+    p.add_argument("--request-timeout", type=float, default=None, metavar="S")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY[:TENANT]")
+    p.add_argument("--rate-limit-rps", type=float, default=None, help="per key, requests/s")
+    p.add_argument("--rate-limit-tps", type=float, default=None, help="per key, tokens/s")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S")
+    add_engine_args(p)
+    return p
+
+
+def _positive(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for name in ("max_waiting", "queue_timeout", "request_timeout", "rate_limit_rps",
+                 "rate_limit_tps"):
+        v = getattr(args, name)
+        if v is not None and not v > 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0, got {v}")
+    if not 0 < args.port < 65536:
+        p.error(f"--port must be in 1..65535, got {args.port}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    _positive(p, args)
+    from labkit.model.loader import CheckpointError
+
+    try:
+        keys = parse_api_keys(args.api_key)
+        eng, tok, render = build_engine(args.model, dtype=args.dtype, device=args.device,
+                                        **{k: getattr(args, k) for k in ENGINE_FLAGS})
+    except (CheckpointError, ValueError) as e:
+        p.error(str(e))
+    eng.record_trace = False  # a server runs for days: the trace would grow without bound
+    cfg = ServeConfig(args.served_model_name or str(args.model), args.max_waiting,
+                      args.queue_timeout, args.request_timeout, keys, args.rate_limit_rps,
+                      args.rate_limit_tps, args.max_body_bytes, drain_timeout=args.drain_timeout)
+    app = build_app(AsyncLLM(eng), tok, cfg, render)
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level="info", timeout_graceful_shutdown=5), app)
+    print(f"labkit serve: {cfg.model_name} on http://{args.host}:{args.port}  "
+          f"(blocks={eng.stats()['num_blocks']}, policy={args.policy})", flush=True)
+    server.run()
+    return 0

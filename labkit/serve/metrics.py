@@ -1,0 +1,127 @@
+"""Prometheus metrics with vLLM's meanings under a ``labkit:`` prefix.
+
+What pages an operator at 3 a.m. is queueing (``num_requests_waiting`` growing), memory
+pressure (``kv_cache_usage_perc`` near 1 with ``num_preemptions`` rising) and the latencies
+users feel (TTFT and inter-token latency histograms). The names follow vLLM's
+(``vllm:num_requests_running`` -> ``labkit:num_requests_running`` ...), so dashboards carry over:
+
+- gauges, read from ``engine.stats()`` after every step: requests running / waiting / swapped,
+  KV-cache usage (used blocks / all blocks, 0..1);
+- counters: prefix-cache queries and hits (tokens), preemptions, prompt and generation tokens,
+  finished requests by finish reason, rejections (429/503) by reason, timeouts by kind, aborts
+  by reason;
+- histograms (seconds): TTFT, inter-token latency, end-to-end latency and queue time. The
+  engine's public API does not say when a request was first scheduled, so queue time here is
+  arrival to the start of the step that produced its first token (equal to vLLM's queue time
+  when the prompt is prefilled in one chunk; longer by the earlier chunks otherwise).
+
+Each server owns its own ``CollectorRegistry``, so several servers (tests) live in one process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+P = "labkit:"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                   1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4,
+               0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class _EngineCollector:
+    """Gauges and engine-owned counters, read from the AsyncLLM's latest stats snapshot at
+    scrape time (the engine thread refreshes it after every step; nothing here touches the
+    engine)."""
+
+    def __init__(self, llm: Any, model: str) -> None:
+        self.llm, self.model = llm, model
+
+    def collect(self):  # noqa: ANN201 - prometheus_client's protocol
+        s, lab = self.llm.stats, ["model_name"]
+        gauges = {
+            "num_requests_running": ("Requests in the running batch", s.get("num_running", 0)),
+            "num_requests_waiting": ("Requests waiting to be scheduled",
+                                     s.get("num_waiting", 0) + s.get("num_pending", 0)),
+            "num_requests_swapped": ("Sequences swapped out to the CPU pool",
+                                     s.get("num_swapped", 0)),
+            "kv_cache_usage_perc": ("KV-cache usage: used blocks / all blocks (1 = full)",
+                                    s.get("num_used_blocks", 0) / max(s.get("num_blocks", 1), 1)),
+            "num_requests_in_flight": ("Requests the server holds (queued or running)",
+                                       self.llm.num_in_flight),
+        }
+        for name, (doc, v) in gauges.items():
+            g = GaugeMetricFamily(P + name, doc, labels=lab)
+            g.add_metric([self.model], float(v))
+            yield g
+        counters = {
+            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache",
+                                     s.get("prefix_query_tokens", 0)),
+            "prefix_cache_hits": ("Prompt tokens found in the prefix cache",
+                                  s.get("prefix_hit_tokens", 0)),
+            "num_preemptions": ("Preemptions (recompute or swap) since start",
+                                s.get("num_preemptions", 0)),
+        }
+        for name, (doc, v) in counters.items():
+            c = CounterMetricFamily(P + name, doc, labels=lab)
+            c.add_metric([self.model], float(v))
+            yield c
+
+
+class ServerMetrics:
+    def __init__(self, llm: Any, model: str) -> None:
+        self.registry = r = CollectorRegistry()
+        self.model = model
+        r.register(_EngineCollector(llm, model))
+        m = ["model_name"]
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prefill tokens of admitted requests",
+                                     m, registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated", m,
+                                         registry=r)
+        self.request_success = Counter(P + "request_success", "Sequences (choices) finished, "
+                                       "by finish reason", m + ["finished_reason"], registry=r)
+        self.rejected = Counter(P + "request_rejected", "Requests refused before admission, "
+                                "by reason (queue_full, rate_limit, draining)", m + ["reason"],
+                                registry=r)
+        self.timeouts = Counter(P + "request_timeout", "Requests dropped by a timeout, by kind "
+                                "(queue, request)", m + ["kind"], registry=r)
+        self.aborts = Counter(P + "request_aborted", "Requests aborted in the engine, by reason "
+                              "(disconnect, timeout, step_error, shutdown)", m + ["reason"],
+                              registry=r)
+        self.accepted = Counter(P + "request_accepted", "Requests admitted to the engine", m,
+                                registry=r)
+        self.errors = Counter(P + "request_errors", "Responses with an error status, by status",
+                              m + ["status"], registry=r)
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first token",
+                              m, buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Gap between consecutive "
+                             "output chunks of a request", m, buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to finish", m,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram(P + "request_queue_time_seconds", "Arrival to the start of "
+                               "the step that produced its first token", m,
+                               buckets=LATENCY_BUCKETS, registry=r)
+
+    def on_step(self, stats: dict, outputs: list) -> None:
+        """Engine-thread hook: count generated tokens as the steps make them (aborted
+        requests' tokens count too, as vLLM's counter does)."""
+        n = sum(len(o.new_token_ids) for o in outputs)
+        if n:
+            self.generation_tokens.labels(self.model).inc(n)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {sample name: value}, summed over labels (a dashboard's view)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out

@@ -1,0 +1,278 @@
+"""The OpenAI wire format: parse and check request bodies, shape responses and SSE chunks.
+
+Parsing is done by hand rather than by pydantic models so that every client mistake becomes an
+``APIError`` with OpenAI's error body (``{"error": {"message", "type", "param", "code"}}``), a 4xx
+status and a message naming the field, and never a 500 or a framework-shaped 422. Fields labkit
+cannot honour (``logprobs``, ``echo``, penalties...) are refused with 400 instead of silently
+ignored: a client that asked for them would otherwise get a different answer than it thinks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from labkit.engine.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's body; ``status`` < 500 for every client mistake."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+# fields that change the answer and that labkit does not implement: refuse, never ignore
+UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "logit_bias", "tools",
+               "tool_choice", "functions", "function_call", "response_format", "best_of")
+ZERO_ONLY = ("presence_penalty", "frequency_penalty")
+
+
+@dataclass
+class ParsedRequest:
+    """One OpenAI request, checked: its prompts and the engine's SamplingParams."""
+
+    kind: str  # "completion" | "chat"
+    model: str
+    prompts: list[str | list[int]]
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    priority: int = 0
+    user: str | None = None
+    max_tokens_given: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_json(body: bytes) -> dict[str, Any]:
+    try:
+        d = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise bad(f"the request body must be a JSON object, got {type(d).__name__}")
+    return d
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _num(d: dict, name: str, default: float, lo: float, hi: float,
+         lo_open: bool = False) -> float:
+    x = d.get(name)
+    if x is None:
+        return default
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or \
+            x < lo or x > hi or (lo_open and x == lo):
+        rng = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise bad(f"{name} must be a number in {rng}, got {x!r}", name)
+    return float(x)
+
+
+def _int(d: dict, name: str, default: int | None, lo: int | None = None,
+         hi: int | None = None) -> int | None:
+    x = d.get(name)
+    if x is None:
+        return default
+    if not _is_int(x) or (lo is not None and x < lo) or (hi is not None and x > hi):
+        lim = f" >= {lo}" if hi is None and lo is not None else \
+            f" in [{lo}, {hi}]" if lo is not None else ""
+        raise bad(f"{name} must be an integer{lim}, got {x!r}", name)
+    return x
+
+
+def _bool(d: dict, name: str, default: bool = False) -> bool:
+    x = d.get(name, default)
+    if x is None:
+        return default
+    if not isinstance(x, bool):
+        raise bad(f"{name} must be true or false, got {x!r}", name)
+    return x
+
+
+def _prompts(x: Any, vocab_size: int | None) -> list[str | list[int]]:
+    """OpenAI's four prompt shapes: a string, a list of strings, a list of token ids, or a
+    list of lists of token ids."""
+    if isinstance(x, str):
+        items: list[Any] = [x]
+    elif isinstance(x, list) and x and all(_is_int(t) for t in x):
+        items = [x]
+    elif isinstance(x, list) and x:
+        items = x
+    else:
+        raise bad("prompt must be a non-empty string, list of strings, list of token ids or "
+                  f"list of lists of token ids, got {json.dumps(x)[:80]}", "prompt")
+    for p in items:
+        if isinstance(p, str):
+            if not p:
+                raise bad("prompt must not be empty", "prompt")
+        elif isinstance(p, list) and p and all(_is_int(t) for t in p):
+            if vocab_size is not None and any(not 0 <= t < vocab_size for t in p):
+                raise bad(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+        else:
+            raise bad("each prompt must be a non-empty string or list of token ids, got "
+                      f"{json.dumps(p)[:80]}", "prompt")
+    return items
+
+
+def _stop(x: Any) -> list[str]:
+    if x is None:
+        return []
+    items = [x] if isinstance(x, str) else x
+    if not isinstance(items, list) or any(not isinstance(s, str) or not s for s in items):
+        raise bad(f"stop must be a non-empty string or a list of them, got {x!r}", "stop")
+    return items
+
+
+def messages_of(x: Any) -> list[dict[str, str]]:
+    """Chat messages as ``[{"role", "content": str}]``; content parts of type text are joined."""
+    if not isinstance(x, list) or not x:
+        raise bad("messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(x):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user",
+                                                             "assistant"):
+            raise bad(f"messages[{i}] needs a role of system, developer, user or assistant",
+                      "messages")
+        c = m.get("content")
+        if isinstance(c, list):
+            if any(not isinstance(p, dict) or p.get("type") != "text" or
+                   not isinstance(p.get("text"), str) for p in c):
+                raise bad(f"messages[{i}].content parts must be {{type: text, text: str}} "
+                          "(labkit's models read text only)", "messages")
+            c = "".join(p["text"] for p in c)
+        if not isinstance(c, str):
+            raise bad(f"messages[{i}].content must be a string", "messages")
+        out.append({"role": m["role"], "content": c})
+    return out
+
+
+def parse_request(d: dict[str, Any], kind: str, *, served_model: str,
+                  vocab_size: int | None = None, max_n: int = 16) -> ParsedRequest:
+    """Check an OpenAI completion / chat body and build the engine's SamplingParams.
+    For chat, ``prompts`` holds the messages list; the server renders the template."""
+    model = d.get("model", served_model)
+    if not isinstance(model, str):
+        raise bad(f"model must be a string, got {model!r}", "model")
+    if model != served_model:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                       f"{served_model!r}", "invalid_request_error", "model", "model_not_found")
+    for name in UNSUPPORTED:
+        if d.get(name) not in (None, False) and not (name == "best_of" and d[name] == 1):
+            raise bad(f"{name} is not supported by labkit's server", name, "unsupported")
+    for name in ZERO_ONLY:
+        if _num(d, name, 0.0, -2.0, 2.0) != 0.0:
+            raise bad(f"{name} is not supported by labkit's server (only 0)", name,
+                      "unsupported")
+    if kind == "chat":
+        prompts: list[Any] = [messages_of(d.get("messages"))]
+        mt_name = "max_completion_tokens" if d.get("max_completion_tokens") is not None \
+            else "max_tokens"
+    else:
+        if "prompt" not in d:
+            raise bad("prompt is required", "prompt")
+        prompts = _prompts(d["prompt"], vocab_size)
+        mt_name = "max_tokens"
+    default_mt = None if kind == "chat" else 16
+    max_tokens = _int(d, mt_name, default_mt, 1)
+    n = _int(d, "n", 1, 1, max_n)
+    top_k = _int(d, "top_k", 0, -1)
+    seed = _int(d, "seed", None, -(2**63), 2**63 - 1)
+    stream = _bool(d, "stream")
+    so = d.get("stream_options")
+    if so is not None and (not isinstance(so, dict) or not stream):
+        raise bad("stream_options is an object and only allowed with stream=true",
+                  "stream_options")
+    include_usage = _bool(so or {}, "include_usage")
+    user = d.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad(f"user must be a string, got {user!r}", "user")
+    priority = _int(d, "priority", 0, -(2**31), 2**31 - 1)
+    stop_ids = d.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or any(not _is_int(t) or t < 0 for t in stop_ids):
+        raise bad("stop_token_ids must be a list of token ids", "stop_token_ids")
+    params = SamplingParams(
+        n=n, temperature=_num(d, "temperature", 1.0, 0.0, 2.0),
+        top_p=_num(d, "top_p", 1.0, 0.0, 1.0, lo_open=True), top_k=top_k,
+        max_tokens=max_tokens or 1, stop=_stop(d.get("stop")), stop_token_ids=stop_ids,
+        seed=seed, ignore_eos=_bool(d, "ignore_eos"))
+    return ParsedRequest(kind, model, prompts, params, stream, include_usage, priority, user,
+                         max_tokens is not None)
+
+
+# ---- responses ------------------------------------------------------------------------------
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def response(kind: str, rid: str, model: str, created: int, texts: list[str],
+             reasons: list[str | None], use: dict[str, int]) -> dict[str, Any]:
+    if kind == "chat":
+        choices = [{"index": i, "message": {"role": "assistant", "content": t},
+                    "logprobs": None, "finish_reason": r}
+                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        obj = "chat.completion"
+    else:
+        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
+                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
+            "usage": use}
+
+
+def chunk(kind: str, rid: str, model: str, created: int, index: int, text: str | None,
+          reason: str | None, *, role: bool = False, with_usage: bool = False) -> dict[str, Any]:
+    """One SSE chunk for one choice; ``text=None`` with a reason is the closing chunk."""
+    if kind == "chat":
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else \
+            ({} if text is None else {"content": text})
+        c: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None,
+                             "finish_reason": reason}
+        obj = "chat.completion.chunk"
+    else:
+        c = {"index": index, "text": text or "", "logprobs": None,
+             "finish_reason": reason}
+        obj = "text_completion"
+    out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [c]}
+    if with_usage:
+        out["usage"] = None  # OpenAI sends usage: null on every chunk but the last
+    return out
+
+
+def usage_chunk(kind: str, rid: str, model: str, created: int,
+                use: dict[str, int]) -> dict[str, Any]:
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": use}
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    """One Server-Sent Event exactly as OpenAI frames it: ``data: <json>`` and a blank line."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def now_s() -> int:
+    return int(time.time())

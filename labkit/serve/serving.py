@@ -1,0 +1,220 @@
+"""One accepted OpenAI request from engine streams to HTTP: SSE events or one JSON body.
+
+A request with k prompts and n samples is k engine requests; choice ``i * n + j`` is sample j of
+prompt i (OpenAI's numbering). Their streams are merged as the engine produces them, so every
+chunk is flushed in the step that made it. The same merge enforces the timeouts:
+
+- queue timeout: a request that produced nothing within ``queue_timeout`` s of arrival is
+  aborted (its KV blocks freed) and answered with an error (the front cannot see the engine's
+  queue, so "queued" means "no output yet": queueing plus its prefill);
+- request timeout: the whole request is bounded by ``request_timeout`` s.
+
+Client disconnect: a watcher task waits for ASGI's ``http.disconnect`` and aborts every engine
+request of the call; the engine applies aborts before its next step, so the blocks come back
+within one step whether the request was queued, prefilling or decoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from labkit.serve import protocol
+from labkit.serve.async_llm import RequestStream, StreamItem
+from labkit.serve.protocol import APIError, ParsedRequest
+
+
+class Timeout(Exception):
+    def __init__(self, kind: str, seconds: float) -> None:
+        super().__init__(f"{kind} timeout after {seconds:g} s")
+        self.kind, self.seconds = kind, seconds
+
+
+@dataclass
+class Call:
+    """What the server knows about one accepted HTTP request while it runs."""
+
+    parsed: ParsedRequest
+    streams: list[RequestStream]
+    prompt_lens: list[int]
+    arrival: float
+    queue_timeout: float | None = None
+    request_timeout: float | None = None
+    id: str = ""
+    created: int = 0
+    outcome: str | None = None  # finished | aborted:<reason> | timeout:<kind>
+    completion_tokens: int = 0
+    texts: dict[int, list[str]] = field(default_factory=dict)
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+    reasons: dict[int, str] = field(default_factory=dict)
+    last_token_time: dict[int, float] = field(default_factory=dict)  # per choice (ITL)
+    first_step_start: float | None = None
+    first_token_time: float | None = None
+
+    def abort_all(self) -> None:
+        for s in self.streams:
+            if not s.finished:
+                s.finished = True
+                s.llm.abort(s.request_id)
+
+    @property
+    def n(self) -> int:
+        return self.parsed.params.n
+
+    @property
+    def usage(self) -> dict[str, int]:
+        return protocol.usage(sum(self.prompt_lens), self.completion_tokens)
+
+
+async def _pump(call: Call, i: int, s: RequestStream, out: asyncio.Queue) -> None:
+    first = True
+    while True:
+        wait, kind = _deadline(call, first)
+        try:
+            item = await s.get(wait)
+        except (TimeoutError, asyncio.TimeoutError):
+            await out.put((i, Timeout(kind, getattr(call, f"{kind}_timeout"))))
+            return
+        first = False
+        await out.put((i, item))
+        if item.finished or item.error is not None:
+            return
+
+
+def _deadline(call: Call, first: bool) -> tuple[float | None, str]:
+    now = time.monotonic()
+    best: tuple[float | None, str] = (None, "request")
+    if call.request_timeout is not None:
+        best = (max(0.0, call.arrival + call.request_timeout - now), "request")
+    if first and call.queue_timeout is not None:
+        q = max(0.0, call.arrival + call.queue_timeout - now)
+        if best[0] is None or q < best[0]:
+            best = (q, "queue")
+    return best
+
+
+async def merged(call: Call) -> AsyncIterator[tuple[int, StreamItem]]:
+    """(prompt index, item) from every stream of the call, in the order the engine made
+    them; raises Timeout or the step error; aborts everything still running on exit."""
+    out: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.create_task(_pump(call, i, s, out)) for i, s in enumerate(call.streams)]
+    live = len(tasks)
+    try:
+        while live:
+            i, item = await out.get()
+            if isinstance(item, Timeout):
+                raise item
+            if item.error is not None:
+                raise item.error
+            if item.finished:
+                live -= 1
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        call.abort_all()
+
+
+def account(call: Call, i: int, item: StreamItem, itl: Callable[[float], None] | None = None
+            ) -> list[tuple[int, str, list[int], str | None]]:
+    """Fold one item into the call's state; returns (choice, text, ids, reason) deltas."""
+    now = time.monotonic()
+    deltas = []
+    for o in item.outputs:
+        c = i * call.n + o.index
+        if o.new_token_ids:
+            if call.first_token_time is None:
+                call.first_token_time, call.first_step_start = now, item.step_start
+            if itl is not None and c in call.last_token_time:
+                itl(now - call.last_token_time[c])
+            call.last_token_time[c] = now
+        call.completion_tokens += len(o.new_token_ids)
+        call.texts.setdefault(c, []).append(o.text_delta)
+        call.token_ids.setdefault(c, []).extend(o.new_token_ids)
+        if o.finished:
+            call.reasons[c] = o.finish_reason or "stop"
+        deltas.append((c, o.text_delta, o.new_token_ids, o.finish_reason if o.finished
+                       else None))
+    return deltas
+
+
+def error_for(exc: BaseException) -> APIError:
+    if isinstance(exc, Timeout):
+        if exc.kind == "queue":
+            return APIError(503, f"the request waited {exc.seconds:g} s in the queue without "
+                            "being served (--queue-timeout); retry later", "server_overloaded",
+                            None, "queue_timeout", {"Retry-After": "1"})
+        return APIError(504, f"the request did not finish within {exc.seconds:g} s "
+                        "(--request-timeout); ask for fewer tokens", "timeout", None,
+                        "request_timeout")
+    return APIError(500, f"the engine failed while serving this request: {exc}",
+                    "server_error", None, "engine_step_failed")
+
+
+async def stream_events(call: Call, itl: Callable[[float], None] | None = None
+                        ) -> AsyncIterator[bytes]:
+    """The SSE body: chunks as the engine yields them, usage if asked, then ``[DONE]``. A step
+    failure or timeout becomes one error event (the server goes on serving the others)."""
+    p, kind = call.parsed, call.parsed.kind
+    ids = p.extra.get("return_token_ids", False)
+    if kind == "chat":
+        for c in range(len(call.streams) * call.n):
+            yield protocol.sse(protocol.chunk(kind, call.id, p.model, call.created, c, None,
+                                              None, role=True, with_usage=p.include_usage))
+    try:
+        async for i, item in merged(call):
+            for c, text, toks, reason in account(call, i, item, itl):
+                if not text and reason is None and not (ids and toks):
+                    continue  # nothing a client can see yet (held-back tail, partial UTF-8)
+                ch = protocol.chunk(kind, call.id, p.model, call.created, c, text, reason,
+                                    with_usage=p.include_usage)
+                if ids:
+                    ch["choices"][0]["token_ids"] = toks
+                yield protocol.sse(ch)
+        call.outcome = "finished"
+    except (Timeout, Exception) as e:  # noqa: BLE001 - reported to the client as an event
+        err = error_for(e)
+        call.outcome = f"timeout:{e.kind}" if isinstance(e, Timeout) else "aborted:step_error"
+        yield protocol.sse(err.body())
+    if call.outcome == "finished" and p.include_usage:
+        yield protocol.sse(protocol.usage_chunk(kind, call.id, p.model, call.created,
+                                                call.usage))
+    yield protocol.sse("[DONE]")
+
+
+async def collect(call: Call, itl: Callable[[float], None] | None = None) -> dict[str, Any]:
+    """The non-streaming answer; raises APIError on a timeout or a step failure."""
+    try:
+        async for i, item in merged(call):
+            account(call, i, item, itl)
+    except Timeout as e:
+        call.outcome = f"timeout:{e.kind}"
+        raise error_for(e) from None
+    except APIError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the step error, as an OpenAI error body
+        call.outcome = "aborted:step_error"
+        raise error_for(e) from None
+    call.outcome = call.outcome or "finished"
+    k = len(call.streams) * call.n
+    texts = ["".join(call.texts.get(c, [])) for c in range(k)]
+    body = protocol.response(call.parsed.kind, call.id, call.parsed.model, call.created, texts,
+                             [call.reasons.get(c) for c in range(k)], call.usage)
+    if call.parsed.extra.get("return_token_ids"):
+        for c, ch in enumerate(body["choices"]):
+            ch["token_ids"] = call.token_ids.get(c, [])
+    return body
+
+
+async def watch_disconnect(receive: Callable, call: Call) -> None:
+    """Abort the call's engine requests as soon as the client goes away."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            if call.outcome is None:
+                call.outcome = "aborted:disconnect"
+                call.abort_all()
+            return

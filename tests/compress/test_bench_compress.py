@@ -1,0 +1,47 @@
+"""`labkit bench compress` on labkit-tiny at toy sizes (schema and size invariants), and the
+committed datasets/results/compress.json against the claims the README and notebook 10 make."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+RESULT = Path(__file__).resolve().parents[2] / "datasets" / "results" / "compress.json"
+
+
+@pytest.mark.slow
+def test_bench_compress_toy_run(monkeypatch):
+    from labkit.bench import compress
+
+    monkeypatch.setattr(compress, "QUICK", {**compress.QUICK, "eval": (2, 64), "heal_steps": 1,
+                                             "heal_windows": 4, "sweep": [0.25],
+                                             "decode_tokens": 2, "calib": (2, 64)})
+    out = compress.run(quick=True, progress=False)
+    rows = {r["method"]: r for r in out["results"]}
+    dense = rows["dense"]
+    assert set(rows) == {"dense", "structured_magnitude", "structured_activation",
+                         "structured_gradient", "unstructured_magnitude", "2:4"}
+    for name in ("structured_magnitude", "structured_activation", "structured_gradient"):
+        r = rows[name]
+        # 2 of 8 query heads and 176 of 704 FFN channels in each of 6 layers
+        removed = 6 * (2 * 256 * 64 + 3 * 256 * 176)
+        assert r["parameters"] == dense["parameters"] - removed
+        assert r["engine_matches_reference"] is True and r["heal_steps"] == 1
+    assert rows["2:4"]["sparsity"] == 0.5
+    assert rows["2:4"]["sparse_format_bytes"] < 0.7 * dense["fp16_bytes"]
+    assert rows["unstructured_magnitude"]["sparsity"] == pytest.approx(0.5, abs=1e-3)
+    assert out["targets"]["engine_equals_reference"]
+
+
+def test_committed_compress_results():
+    if not RESULT.is_file():
+        pytest.skip("datasets/results/compress.json not committed")
+    d = json.loads(RESULT.read_text())
+    assert not d["quick"]
+    rows = d["results"]
+    assert rows[0]["method"] == "dense" and rows[0]["kl"] == 0
+    for r in rows[1:]:
+        assert r["kl"] < r["kl_before_heal"] and r["perplexity"] > rows[0]["perplexity"]
+    assert [s["fraction"] for s in d["sweep"]] == sorted(s["fraction"] for s in d["sweep"])
+    kls = [s["kl"] for s in d["sweep"]]
+    assert kls == sorted(kls)  # more pruned, more damage

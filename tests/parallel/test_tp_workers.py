@@ -1,0 +1,88 @@
+"""Worker failures never hang the driver or leave processes behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from labkit.parallel.shard_worker import ShardFactory
+from labkit.parallel.workers import WorkerError, WorkerGroup
+
+pytestmark = pytest.mark.slow
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0): read its state
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _group(checkpoints) -> WorkerGroup:
+    folder, model = checkpoints["llama_gqa"]
+    return WorkerGroup(2, ShardFactory(model.config, folder=str(folder)), timeout_s=30)
+
+
+def test_a_rank_that_raises_stops_all(checkpoints):
+    g = _group(checkpoints)
+    with pytest.raises(WorkerError, match="(?s)rank 0 failed in fail:.*boom"):
+        g.call("fail", "boom")
+    assert not any(p.is_alive() for p in g._procs)
+    with pytest.raises(WorkerError, match="shut down"):
+        g.call("kv_heads")
+
+
+def test_a_rank_that_dies_stops_all(checkpoints):
+    g = _group(checkpoints)
+    with pytest.raises(WorkerError, match="died|failed"):
+        g.call("crash")
+    assert not any(p.is_alive() for p in g._procs)
+
+
+def test_bad_checkpoint_fails_at_start(tmp_path, checkpoints):
+    _, model = checkpoints["llama_gqa"]
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(WorkerError, match="failed in start"):
+        WorkerGroup(2, ShardFactory(model.config, folder=str(tmp_path)), timeout_s=30)
+
+
+def test_workers_exit_when_the_driver_is_killed(checkpoints):
+    folder, _ = checkpoints["llama_gqa"]
+    script = textwrap.dedent(f"""
+        import json, sys, time
+        from labkit.model.loader import load_config
+        from pathlib import Path
+        from labkit.parallel.shard_worker import ShardFactory
+        from labkit.parallel.workers import WorkerGroup
+        cfg = load_config(Path({str(folder)!r}))
+        g = WorkerGroup(2, ShardFactory(cfg, folder={str(folder)!r}), timeout_s=30)
+        print(json.dumps(g.pids), flush=True)
+        time.sleep(60)
+    """)
+    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        line = driver.stdout.readline()
+        pids = [int(p) for p in line.strip("[]\n").split(",")]
+        assert all(_alive(p) for p in pids)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(10)
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in pids), "workers outlived their driver"
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait(5)

@@ -1,0 +1,32 @@
+"""Tiny random checkpoints of each supported architecture (shared by the parallel tests)."""
+
+from __future__ import annotations
+
+import json
+
+from safetensors.torch import save_file
+
+from labkit.model.llama import LlamaForCausalLM
+
+BASE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=128)
+
+ARCHS = {
+    "llama_gqa": dict(BASE),
+    "llama_mqa": dict(BASE, num_key_value_heads=1),  # fewer KV heads than ranks: replicated
+    "qwen2_bias": dict(BASE, architecture="Qwen2ForCausalLM", attention_bias=True,
+                       tie_word_embeddings=True),
+    "mistral_window": dict(BASE, architecture="MistralForCausalLM", sliding_window=8),
+}
+
+
+def save_checkpoint(model: LlamaForCausalLM, folder) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(model.config.to_hf_dict()))
+
+

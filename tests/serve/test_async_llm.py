@@ -1,0 +1,132 @@
+"""AsyncLLM: the engine thread, per-request streams, cancel = abort within one step."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from labkit.engine.errors import InvalidPromptError
+from labkit.engine.invariants import assert_no_leaks
+from labkit.engine.llm_engine import LLMEngine
+from labkit.engine.sampling_params import SamplingParams
+from labkit.model.generate import generate
+from labkit.serve.async_llm import AsyncLLM
+
+
+def _engine(model, **kw):
+    return LLMEngine.from_model(model, None, block_size=4, num_blocks=64, **kw)
+
+
+async def _collect(stream) -> dict[int, list[int]]:
+    toks: dict[int, list[int]] = {}
+    async for item in stream:
+        assert item.error is None
+        for o in item.outputs:
+            toks.setdefault(o.index, []).extend(o.new_token_ids)
+    return toks
+
+
+def test_concurrent_streams_equal_reference_and_free_everything(tiny_model):
+    prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10], [11] * 9, [3, 1]]
+
+    async def main():
+        llm = AsyncLLM(_engine(tiny_model)).start()
+        try:
+            streams = [await llm.add_request(f"r{i}", p, SamplingParams(temperature=0,
+                                                                        max_tokens=12))
+                       for i, p in enumerate(prompts)]
+            got = await asyncio.gather(*(_collect(s) for s in streams))
+            await llm.call(assert_no_leaks)
+            return got
+        finally:
+            await llm.shutdown()
+
+    got = asyncio.run(main())
+    for p, toks in zip(prompts, got):
+        assert toks[0] == generate(tiny_model, p, 12)
+
+
+def test_cancel_aborts_within_one_step_and_frees_blocks(tiny_model):
+    async def main():
+        eng = _engine(tiny_model)
+        llm = AsyncLLM(eng).start()
+        try:
+            s = await llm.add_request("long", [1, 2, 3, 4, 5], SamplingParams(
+                temperature=0, max_tokens=200, ignore_eos=True))
+            item = await s.get()
+            assert item.outputs and not item.finished
+            await s.aclose()
+            # call() is queued behind the abort and runs before the next step: were the abort
+            # left for later, the blocks of "long" would still be held here
+            stats = await llm.call(lambda e: e.stats())
+            assert stats["num_used_blocks"] == 0 and stats["num_running"] == 0
+            tail = [i async for i in s]
+            assert tail == [] or tail[-1].outputs[0].finish_reason == "abort"
+            other = await llm.add_request("other", [7, 8], SamplingParams(temperature=0,
+                                                                          max_tokens=6))
+            toks = await _collect(other)
+            await llm.call(assert_no_leaks)
+            return toks
+        finally:
+            await llm.shutdown()
+
+    toks = asyncio.run(main())
+    assert toks[0] == generate(tiny_model, [7, 8], 6)
+
+
+def test_bad_request_raises_at_add_and_engine_goes_on(tiny_model):
+    async def main():
+        llm = AsyncLLM(_engine(tiny_model)).start()
+        try:
+            with pytest.raises(InvalidPromptError, match="token ids"):
+                await llm.add_request("bad", [1, 999], SamplingParams(max_tokens=2))
+            s = await llm.add_request("ok", [1, 2], SamplingParams(temperature=0, max_tokens=3))
+            toks = await _collect(s)
+            await llm.call(assert_no_leaks)
+            return toks
+        finally:
+            await llm.shutdown()
+
+    assert asyncio.run(main())[0] == generate(tiny_model, [1, 2], 3)
+
+
+def test_step_failure_fails_only_its_requests(tiny_model):
+    eng = _engine(tiny_model, max_num_seqs=1)  # one at a time: the failing step holds only "boom"
+    real = eng.executor.execute
+
+    def execute(out):
+        if any(sc.seq.request_id == "boom" for sc in out.scheduled):
+            raise RuntimeError("injected kernel failure")
+        return real(out)
+
+    eng.executor.execute = execute
+
+    async def main():
+        llm = AsyncLLM(eng).start()
+        try:
+            boom = await llm.add_request("boom", [1, 2], SamplingParams(max_tokens=4))
+            ok = await llm.add_request("ok", [3, 4], SamplingParams(temperature=0, max_tokens=4))
+            item = await boom.get()
+            assert "injected kernel failure" in str(item.error.__cause__)
+            toks = await _collect(ok)
+            await llm.call(assert_no_leaks)
+            assert llm.is_running and llm.num_step_errors == 1
+            return toks
+        finally:
+            await llm.shutdown()
+
+    assert asyncio.run(main())[0] == generate(tiny_model, [3, 4], 4)
+
+
+def test_shutdown_fails_open_streams(tiny_model):
+    async def main():
+        llm = AsyncLLM(_engine(tiny_model)).start()
+        s = await llm.add_request("r", [1], SamplingParams(max_tokens=200, ignore_eos=True))
+        await llm.shutdown()
+        items = [i async for i in s]
+        assert items and (items[-1].error is not None or items[-1].finished)
+        assert not llm.engine.has_unfinished_requests()
+        assert_no_leaks(llm.engine)
+
+    asyncio.run(main())

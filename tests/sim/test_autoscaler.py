@@ -1,0 +1,75 @@
+"""The autoscaler's rule by hand, and the fleet it drives: cold starts, draining, billing."""
+
+import pytest
+
+from labkit.router.policies import LeastOutstanding, PrefixAffinity, RoundRobin
+from labkit.sim.autoscaler import Autoscaler, AutoscalerConfig
+from labkit.sim.fleet import Fleet, FleetConfig
+from labkit.sim.traces import poisson_trace
+from labkit.sim.workloads import RequestSpec
+
+
+def test_hpa_rule_by_hand():
+    a = Autoscaler(AutoscalerConfig(target=32, max_replicas=10, cooldown_s=0))
+    assert a.desired(0, [40, 40], 2) == 3  # ceil(80 / 32)
+    assert a.desired(1, [34, 30], 2) == 2  # mean 32: within 10% tolerance
+    assert a.desired(2, [400, 400], 2) == 10  # clamped to max
+    assert a.desired(3, [0, 0, 0], 3) == 1  # clamped to min
+    assert a.desired(4, [40], 3) == 2  # counts starting replicas: 3 current, 2 wanted
+
+
+def test_scale_down_is_stabilised_scale_up_is_not():
+    a = Autoscaler(AutoscalerConfig(target=10, cooldown_s=5))
+    assert a.desired(0, [50], 1) == 5
+    assert a.desired(1, [0] * 5, 5) == 5  # a dip: the window still holds the 5
+    assert a.desired(4, [0] * 5, 5) == 5
+    assert a.desired(6, [0] * 5, 5) == 1  # the 5 left the 5 s window
+    b = Autoscaler(AutoscalerConfig(target=10, scale_up_cooldown_s=3))
+    assert b.desired(0, [20], 1) == 2
+    assert b.desired(1, [40, 40], 2) == 2  # too soon after the last scale-up
+    assert b.desired(3, [40, 40], 2) == 8
+
+
+def test_bad_config_is_named():
+    with pytest.raises(ValueError, match="unknown autoscaler metric"):
+        AutoscalerConfig(metric="cpu")
+    with pytest.raises(ValueError, match="min_replicas"):
+        AutoscalerConfig(min_replicas=5, max_replicas=2)
+
+
+def test_static_fleet_bills_every_replica_to_the_end():
+    specs = [RequestSpec(64, 16, 0.5)]
+    res = Fleet(RoundRobin(), 3).run(specs, duration=10.0)
+    assert res.replica_seconds == pytest.approx(30.0)
+    assert len(res.requests) == 1 and res.requests[0]["replica"] == "replica-0"
+
+
+def test_cold_start_then_drain():
+    # 2 s of heavy load, then silence: the fleet grows (replicas ready cold_start later) and
+    # shrinks back to min_replicas one cooldown after the load ends
+    tr = poisson_trace(rate=150, duration=2.0, num_tenants=4, seed=0)
+    cfg = AutoscalerConfig(target=8, max_replicas=4, interval_s=0.25, cooldown_s=1.0)
+    fleet = Fleet(LeastOutstanding(), 1, FleetConfig(token_scale=8), Autoscaler(cfg),
+                  cold_start_s=0.5)
+    res = fleet.run(tr.specs, duration=12.0)
+    new = [r for r in res.replicas if r["name"] != "replica-0"]
+    assert new, "the load never triggered a scale-up"
+    assert all(r["ready_at"] == pytest.approx(r["launched_at"] + 0.5) for r in new)
+    served = {r["replica"] for r in res.requests}
+    assert served - {"replica-0"}  # the new replicas took traffic
+    first_ready = min(r["ready_at"] for r in new)
+    assert all(r["arrival"] >= first_ready for r in res.requests if r["replica"] != "replica-0")
+    assert res.timeline[-1]["ready"] == 1  # back to min after the quiet period
+    billed = sum(r["stopped_at"] - r["launched_at"] for r in res.replicas)
+    assert res.replica_seconds == pytest.approx(billed) and billed < 4 * 12.0
+
+
+@pytest.mark.slow
+def test_affinity_beats_round_robin_on_hit_rate_and_respects_the_bound():
+    tr = poisson_trace(rate=60, duration=4.0, num_tenants=24, seed=1)
+    cfg = FleetConfig(token_scale=8)
+    rr = Fleet(RoundRobin(), 8, cfg).run(tr.specs, tr.duration)
+    pa = Fleet(PrefixAffinity(eps=0.25), 8, cfg).run(tr.specs, tr.duration)
+    assert pa.hit_rate > rr.hit_rate + 0.1
+    per = [r["num_requests"] for r in pa.replicas]
+    assert sum(per) == len(tr.specs) and min(per) > 0  # the bound spreads the hot tenants
