@@ -29,6 +29,7 @@ _LAZY = {
     "InvalidPromptError": "labkit.errors",
     "EngineConfigError": "labkit.errors",
     "EngineStepError": "labkit.errors",
+    "export_gguf": "labkit.quant.gguf_export",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -130,6 +130,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return _delegate(BENCHMARKS[args.name], args.rest)
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from labkit.quant.gguf_export import export_gguf
+
+    chosen = export_gguf(args.model, args.out, type=args.type)
+    counts = {t: list(chosen.values()).count(t) for t in sorted(set(chosen.values()))}
+    print(f"wrote {args.out} ({args.type}): " + ", ".join(f"{n} x {t}" for t, n in counts.items()))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from labkit.bench import BENCHMARKS
 
@@ -168,6 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("rest", nargs=argparse.REMAINDER,
                    help="benchmark flags, e.g. --quick --json PATH")
     b.set_defaults(func=_cmd_bench, parser=b)
+
+    e = sub.add_parser("export", help="write a model in another format (gguf)")
+    e.add_argument("format", choices=["gguf"])
+    e.add_argument("model", metavar="MODEL", help="shipped model name or a local HF folder")
+    e.add_argument("out", metavar="OUT.gguf")
+    e.add_argument("--type", default="f16", choices=["f32", "f16", "q8_0", "q4_0", "q4_k_m"])
+    e.set_defaults(func=_cmd_export)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible server: labkit serve MODEL --port P",
                         add_help=False)

@@ -16,4 +16,5 @@ BENCHMARKS = {
     "serve-soak": "labkit.bench.serve_soak",
     "cluster": "labkit.bench.cluster",
     "compress": "labkit.bench.compress",
+    "gguf": "labkit.bench.gguf",
 }

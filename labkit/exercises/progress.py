@@ -29,6 +29,8 @@ EXERCISES: dict[str, tuple[str, str]] = {
     "triton_paged_attention": ("08_triton_kernels", "Triton paged-attention decode, one head"),
     "token_bucket": ("09_serving", "Per-key token bucket (429 + Retry-After)"),
     "disconnect_abort": ("09_serving", "Streaming endpoint that aborts on disconnect"),
+    "gguf_q8_0": ("10_gguf_block_quantizers", "GGUF Q8_0 blocks, bytes equal to gguf's"),
+    "gguf_q4_0": ("10_gguf_block_quantizers", "GGUF Q4_0 blocks, bytes equal to gguf's"),
     "distillation_loss": ("11_distillation_pruning", "Distillation loss with temperature and T²"),
     "mask_2_4": ("11_distillation_pruning", "2:4 semi-structured pruning mask"),
 }

@@ -194,8 +194,15 @@ def load_pretrained(path_or_name: str | os.PathLike, dtype: torch.dtype | str | 
                     ) -> tuple[LlamaForCausalLM, Tokenizer]:
     """(model, tokenizer) from a local Hugging Face folder or a shipped model's name.
 
-    dtype defaults to float32 (exact comparisons on CPU); device defaults to CPU.
+    dtype defaults to float32 (exact comparisons on CPU); device defaults to CPU. A path
+    ending in ``.gguf`` is read through a memory map by :mod:`labkit.model.gguf_loader`.
     """
+    if str(path_or_name).endswith(".gguf"):
+        from labkit.model.gguf_loader import load_gguf
+
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        return load_gguf(path_or_name, dtype, device)
     model = load_model(path_or_name, dtype, device)
     path = resolve_model_path(path_or_name)
     eos = model.config.eos_token_ids
