@@ -16,7 +16,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from labkit.paths import REPO_ROOT
+
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
 
 
