@@ -116,14 +116,15 @@ class Timing:
 
 
 def timed(fn: Callable[..., T], *args: Any, device: str | None = None,
-          **kwargs: Any) -> tuple[T, Timing]:
+          cpu_clock: Callable[[], float] = time.process_time, **kwargs: Any) -> tuple[T, Timing]:
     """Call ``fn(*args, **kwargs)``; return its result and a :class:`Timing`. On CUDA the device
-    is synchronized before and after, so queued kernels are counted where they run."""
+    is synchronized before and after, so queued kernels are counted where they run.
+    ``cpu_clock``: ``time.process_time`` (all threads) or ``time.thread_time`` (this one)."""
     _sync(device)
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0, c0 = time.perf_counter(), cpu_clock()
     out = fn(*args, **kwargs)
     _sync(device)
-    return out, Timing(time.perf_counter() - t0, time.process_time() - c0)
+    return out, Timing(time.perf_counter() - t0, cpu_clock() - c0)
 
 
 def write_results(path: str | Path | None, payload: dict[str, Any],
@@ -238,7 +239,10 @@ def compare(variants: dict[str, Variant], baseline: str | None = None, *, min_ro
     * **One torch thread** (``threads=1``) while measuring. With several threads, a thread
       descheduled by another process makes the rest spin at the next barrier, and the spinning
       is charged as CPU time; one thread's CPU time is its work alone. (A 5 M-parameter model
-      gains little from more threads anyway.)
+      gains little from more threads anyway.) With one thread the clock is this *thread's* CPU
+      time: CPU bursts of the process's other threads (OpenMP workers spin-waiting after an
+      earlier parallel region, a server loop left by an earlier cell) land on whichever run they
+      happen to overlap.
     * **Interleaved rounds**: every round runs every variant once, in alternating order
       (A B, then B A), and each round gives one speed-up per variant from the same few seconds
       of machine state, so slow phases of the machine hit both sides of a ratio.
@@ -264,6 +268,7 @@ def compare(variants: dict[str, Variant], baseline: str | None = None, *, min_ro
     t_start = time.perf_counter()
     c = Comparison(baseline, {n: [] for n in names if n != baseline}, timings, results,
                    max_spread, max_load)
+    clock = time.thread_time if threads == 1 else time.process_time
     with torch_threads(threads):
         if warmup:
             for n in names:
@@ -271,7 +276,7 @@ def compare(variants: dict[str, Variant], baseline: str | None = None, *, min_ro
         for r in range(max_rounds):
             for n in names if r % 2 == 0 else names[::-1]:
                 work = variants[n]()
-                results[n], t = timed(work)
+                results[n], t = timed(work, cpu_clock=clock)
                 timings[n].append(t)
             for n in c.speedups:
                 c.speedups[n].append(timings[baseline][-1].cpu_s / max(timings[n][-1].cpu_s, 1e-9))

@@ -218,6 +218,14 @@ class _App:
                                                self.llm._loop)
         return fut.result(30)
 
+    def finish_reason(self, request_id: str) -> str | None:
+        """How the engine finished ``request_id`` ("abort", "length", ...; None: still running)."""
+        fut = asyncio.run_coroutine_threadsafe(self.llm.call(lambda e: [
+            t["finish_reason"] for t in e.request_timings() if t["request_id"] == request_id]),
+            self.llm._loop)
+        reasons = fut.result(30)
+        return reasons[0] if reasons else None
+
     def wait_idle(self, seconds: float) -> dict:
         deadline = time.monotonic() + seconds
         while True:
@@ -265,6 +273,13 @@ def _stream_cases(app: _App) -> str:
         for _ in range(2):
             next(lines)
     s = app.wait_idle(3.0)
+    reason = app.finish_reason(f"ex-{app.n}")
+    if reason not in (None, "abort"):  # ran to the end: fast machines finish 600 tokens in 3 s
+        raise CheckFailure("a client left mid-stream, but its request was never aborted: it "
+                           "ran to the end with nobody reading", expected="finish reason 'abort'",
+                           actual=f"finish reason {reason!r}",
+                           hint="abort when the generator is closed or cancelled: "
+                                "try/finally with await stream.aclose()")
     if s["num_used_blocks"] or s["num_running"]:
         raise CheckFailure("a client left mid-stream, but 3 s later its request still runs "
                            "and holds KV blocks", expected="0 blocks, 0 running",
@@ -279,22 +294,27 @@ def _queued_case(sse_stream: Any) -> str:
         async with httpx.AsyncClient(timeout=60) as c:
             prompt = app.tok.encode("import os")
             async with c.stream("POST", app.url, json={"prompt": prompt,
-                                                       "max_tokens": 40}) as a:
+                                                       "max_tokens": 600}) as a:
                 it = a.aiter_lines()
                 await it.__anext__()  # A runs (max_num_seqs=1); B will wait behind it
-                with contextlib.suppress(httpx.TimeoutException):
-                    await c.post(app.url, json={"prompt": prompt, "max_tokens": 600},
-                                 timeout=0.3)  # B's client gives up while B is queued
+                # B's client gives up while B is queued: a deadline on the whole call (a read
+                # timeout would never fire once B streamed)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(c.post(app.url, json={"prompt": prompt,
+                                                                 "max_tokens": 600}), 0.3)
 
     with _App(sse_stream, max_num_seqs=1) as app:
         _run(main(app))
         s = app.wait_idle(6.0)
         from labkit.engine.invariants import assert_no_leaks
 
-        if s["num_used_blocks"] or s["num_running"] or s["num_waiting"]:
+        reason = app.finish_reason("ex-2")  # B; a fast machine may run all 600 tokens in 6 s
+        if reason not in (None, "abort") or s["num_used_blocks"] or s["num_running"] \
+                or s["num_waiting"]:
             raise CheckFailure("a client left while its request was still queued; the request "
                                "was never aborted and ran anyway", expected="idle engine",
-                               actual=f"{s['num_running']} running, {s['num_waiting']} waiting",
+                               actual=f"{s['num_running']} running, {s['num_waiting']} "
+                                      f"waiting, B's finish reason {reason!r}",
                                hint="the generator is cancelled before its first item: the "
                                     "abort must be in a finally, not after the loop")
         fut = asyncio.run_coroutine_threadsafe(app.llm.call(assert_no_leaks), app.llm._loop)

@@ -56,7 +56,7 @@ async def abort_after_loop(stream):
     await stream.aclose()  # never reached when the client leaves
 
 
-async def abort_once_streaming(stream):  # NOT caught by the checker yet (see the report)
+async def abort_once_streaming(stream):
     first = await stream.get()  # waits while queued outside the try: a cancel here leaks
     try:
         for item in [first]:
@@ -114,10 +114,11 @@ def test_disconnect_reference_passes():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("wrong,needle", [
-    # abort_after_loop is not listed: whether it leaks depends on when asyncio's async-generator
-    # finalizer closes the dropped stream (garbage collection), so the checker catches it only
-    # sometimes; a deterministic version of that control remains to be written
-    (no_abort, "mid-stream"),
+    # a fast machine runs the abandoned request to its end within the checker's wait, so the
+    # checker asks the engine how each request finished ("abort" vs "length"), not only
+    # whether blocks are still held
+    (no_abort, "mid-stream"), (abort_after_loop, "mid-stream"),
+    (abort_once_streaming, "while its request was still queued"),
     (no_done, "[DONE]"), (one_newline, "blank line")])
 def test_disconnect_negative_controls(wrong, needle):
     r = serving.check_disconnect(wrong)
