@@ -1,4 +1,4 @@
-"""The ``labkit`` command: info, generate, train, bench, drill, serve.
+"""The ``labkit`` command: info, generate, train, bench, drill, serve, router, cluster.
 
 Subcommands that need heavy modules import them only when run, so ``labkit --help`` is instant.
 """
@@ -197,12 +197,17 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("router", help="route over labkit serve replicas", add_help=False)
     r.add_argument("rest", nargs=argparse.REMAINDER)
     r.set_defaults(func=lambda a: _delegate("labkit.router.proxy", a.rest))
+
+    cl = sub.add_parser("cluster", help="N replicas + a router: labkit cluster up N",
+                        add_help=False)
+    cl.add_argument("rest", nargs=argparse.REMAINDER)
+    cl.set_defaults(func=lambda a: _delegate("labkit.router.cluster", a.rest))
     return p
 
 
 _PASSTHROUGH = {"train": "labkit.train.cli", "drill": "labkit.exercises.drills",
                 "serve": "labkit.serve.launcher", "router": "labkit.router.proxy",
-                "distill": "labkit.compress.cli"}
+                "distill": "labkit.compress.cli", "cluster": "labkit.router.cluster"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -133,6 +133,18 @@ class HealthTracker:
         b = self.add(name)
         b.record_success() if ok else b.record_failure()
 
+    def probe(self, name: str, ok: bool) -> None:
+        """An active ``/health`` probe outcome. A probe counts as a request: while a breaker is
+        open and cooling down its result is ignored; once the cool-down is over the probe *is*
+        the half-open trial, so a replica that came back closes its breaker without a client
+        request having to risk it, and a dead one is re-opened without a client seeing it."""
+        if self.add(name).allow():
+            self.record(name, ok)
+
+    def reset(self, name: str) -> None:
+        """A fresh, closed breaker (an operator put the replica back after a restart)."""
+        self.breakers[name] = CircuitBreaker(clock=self.clock, **self.breaker_kw)
+
     def states(self) -> dict[str, str]:
         return {n: b.state.value for n, b in self.breakers.items()}
 

@@ -1,20 +1,31 @@
 """The router's HTTP front: an OpenAI-compatible reverse proxy over several replicas.
 
-Each request: pick a replica with the policy (``labkit.router.policies``) among those whose
-circuit breaker lets traffic through (``labkit.router.health``), forward the body unchanged, and
-pass the answer back. For ``stream=true`` the replica's Server-Sent Events are relayed chunk by
-chunk as they arrive (``aiter_raw``: no re-parsing, no buffering), so the client's TTFT is the
-replica's plus one hop. When the client goes away, the relay is cancelled and the upstream
-response closed, so the replica sees its own client disconnect and aborts the request (freeing
-its KV blocks) instead of generating for nobody.
+Each request: pick a replica with the policy (``labkit.router.policies``) among those in
+rotation (not draining) whose circuit breaker lets traffic through (``labkit.router.health``),
+forward the body, and pass the answer back. For ``stream=true`` the replica's Server-Sent Events
+are relayed event by event as they arrive (no buffering beyond one event), so the client's TTFT
+is the replica's plus one hop. When the client goes away, the relay is cancelled and the
+upstream response closed, so the replica sees its own client disconnect and aborts the request
+(freeing its KV blocks) instead of generating for nobody.
 
 Failures before the first byte (connection refused, timeout, 5xx) are retried on another replica
 after an exponential backoff with full jitter, and counted against the replica's breaker. After
-the first byte the client has seen output: resuming mid-stream (failover by re-prefilling prompt
-+ tokens sent so far) is not done here yet.
+the first byte, a stream whose replica dies (connection cut, or the body ends without
+``[DONE]``) is **resumed on another replica** by re-prefilling the prompt + the tokens already
+sent (``labkit.router.failover``: what is supported, and why greedy streams come out
+byte-identical). Non-streamed requests are relayed as one body; one whose replica dies after the
+headers fails (its client sees a cut connection).
 
-The router counts what it sees per replica (requests, failures, in flight) and serves them at
-``/metrics`` in Prometheus text.
+Health: the breakers are fed by what real requests see (passive) and, with
+``probe_interval_s``, by ``GET /health`` probes of every replica (active), so a dead or draining
+replica leaves rotation before a client has to find out, and a recovered one comes back.
+
+Operations (loopback, no auth: the router is meant to listen on 127.0.0.1):
+``GET /admin/replicas`` (state per replica), ``POST /admin/replicas/{name}/drain`` (out of
+rotation; streams in flight finish) and ``/undrain`` (back, breaker reset), ``POST
+/admin/policy`` (``{"policy": "round-robin"}``), ``GET /admin/failovers`` (one record per
+resumed stream: when, from, to, tokens already sent, the gap). ``/metrics`` serves per-replica
+counters in Prometheus text.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import asyncio
 import contextlib
 import json
 import random
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +44,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from labkit.router.failover import SSEBuffer, StreamResume, not_resumable
 from labkit.router.health import Backoff, HealthTracker
 from labkit.router.policies import NoReplicaError, RouteKey, get_policy
 
@@ -46,6 +59,7 @@ class Upstream:
     name: str
     url: str
     outstanding: int = 0
+    draining: bool = False
 
 
 def route_key(body: dict[str, Any]) -> RouteKey:
@@ -64,15 +78,21 @@ def route_key(body: dict[str, Any]) -> RouteKey:
 
 class _Metrics:
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter("labkit_router_requests", "requests forwarded", ["replica"],
-                                registry=self.registry)
-        self.failures = Counter("labkit_router_failures", "failed before the first byte",
-                                ["replica"], registry=self.registry)
-        self.outstanding = Gauge("labkit_router_outstanding", "requests in flight",
-                                 ["replica"], registry=self.registry)
+        self.registry = r = CollectorRegistry()
+        lab = ["replica"]
+        self.requests = Counter("labkit_router_requests", "requests forwarded", lab, registry=r)
+        self.failures = Counter("labkit_router_failures", "failed before the first byte", lab,
+                                registry=r)
+        self.failovers = Counter("labkit_router_failovers", "streams resumed elsewhere after "
+                                 "this replica failed mid-stream", lab, registry=r)
+        self.probe_failures = Counter("labkit_router_probe_failures", "failed /health probes",
+                                      lab, registry=r)
+        self.outstanding = Gauge("labkit_router_outstanding", "requests in flight", lab,
+                                 registry=r)
         self.open = Gauge("labkit_router_breaker_open", "1 while the replica's breaker is not "
-                          "closed", ["replica"], registry=self.registry)
+                          "closed", lab, registry=r)
+        self.draining = Gauge("labkit_router_draining", "1 while the replica is out of "
+                              "rotation for a drain", lab, registry=r)
 
 
 def _error(status: int, message: str, code: str) -> JSONResponse:
@@ -82,43 +102,70 @@ def _error(status: int, message: str, code: str) -> JSONResponse:
 
 def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
                health: HealthTracker | None = None, backoff: Backoff | None = None,
-               timeout_s: float = 600.0) -> FastAPI:
-    """A FastAPI app routing over ``urls`` (``http://127.0.0.1:8001`` ...)."""
+               timeout_s: float = 600.0, probe_interval_s: float | None = None,
+               max_failovers: int = 2) -> FastAPI:
+    """A FastAPI app routing over ``urls`` (``http://127.0.0.1:8001`` ...); ``replica-i`` is
+    the i-th URL. ``probe_interval_s``: active ``/health`` probes every so many seconds (None:
+    passive only). ``max_failovers``: how many times one stream may be resumed."""
     if not urls:
         raise ValueError("give at least one replica URL")
+    if probe_interval_s is not None and probe_interval_s <= 0:
+        raise ValueError(f"probe_interval_s must be > 0 (or None), got {probe_interval_s}")
     ups = [Upstream(f"replica-{i}", u.rstrip("/")) for i, u in enumerate(urls)]
+    by_name = {u.name: u for u in ups}
     pol = get_policy(policy) if isinstance(policy, str) else policy
     health = health or HealthTracker([u.name for u in ups])
     backoff = backoff or Backoff(rng=random.Random(0))
     metrics = _Metrics()
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
+    failovers: list[dict[str, Any]] = []
+    model_len: list[int] = []  # the replicas' max_model_len, fetched once when first needed
+
+    async def probe_loop() -> None:
+        while True:
+            for u in ups:
+                try:
+                    ok = (await client.get(u.url + "/health",
+                                           timeout=min(1.0, probe_interval_s))).status_code == 200
+                except httpx.TransportError:
+                    ok = False
+                if not ok:
+                    metrics.probe_failures.labels(u.name).inc()
+                health.probe(u.name, ok)
+                metrics.open.labels(u.name).set(health.breakers[u.name].state != "closed")
+            await asyncio.sleep(probe_interval_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        prober = asyncio.create_task(probe_loop()) if probe_interval_s else None
         yield
+        if prober is not None:
+            prober.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await prober
         await client.aclose()
 
     app = FastAPI(title="labkit router", lifespan=lifespan)
     app.state.upstreams, app.state.health, app.state.policy = ups, health, pol
+    app.state.failovers = failovers
 
-    async def forward(request: Request, path: str) -> Response:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            return _error(400, "request body is not valid JSON", "invalid_json")
-        if not isinstance(body, dict):
-            return _error(400, "request body must be a JSON object", "invalid_json")
-        key = route_key(body)
-        headers = {k: v for k, v in request.headers.items()
-                   if k.lower() in ("authorization", "content-type", "x-request-id")}
-        tried: set[str] = set()
+    def in_rotation() -> list[Upstream]:
+        return [u for u in health.available(ups) if not u.draining]
+
+    def _done(up: Upstream) -> None:
+        up.outstanding -= 1
+        metrics.outstanding.labels(up.name).dec()
+
+    async def connect(path: str, raw: bytes, key: RouteKey, headers: dict[str, str],
+                      tried: set[str]) -> tuple[httpx.Response, Upstream] | JSONResponse:
+        """Send to a replica chosen by the policy, retrying elsewhere with backoff until one
+        answers with headers (status < 500); the answer is the open response, or an error."""
         delays = backoff.delays()
         while True:
-            avail = [u for u in health.available(ups) if u.name not in tried] or \
-                [u for u in health.available(ups)]
+            rot = in_rotation()
             try:
-                up = pol.choose(key, avail)
+                up = app.state.policy.choose(key, [u for u in rot if u.name not in tried]
+                                             or rot)
             except NoReplicaError as exc:
                 return _error(503, str(exc), "no_replica")
             if not health.breakers[up.name].allow():
@@ -135,9 +182,7 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
                     raise httpx.RemoteProtocolError(f"{up.name} answered {resp.status_code}")
             except RETRYABLE as exc:
                 _done(up)
-                health.record(up.name, False)
-                metrics.failures.labels(up.name).inc()
-                metrics.open.labels(up.name).set(health.breakers[up.name].state != "closed")
+                _failed(up)
                 tried.add(up.name)
                 wait = next(delays, None)
                 if wait is None:
@@ -145,26 +190,104 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
                                   f"{up.name}: {exc}", "upstream_failed")
                 await asyncio.sleep(wait)
                 continue
+            except BaseException:  # cancelled (client gone): release the slot
+                _done(up)
+                raise
             health.record(up.name, True)
             metrics.open.labels(up.name).set(0)
-            return _relay(resp, up)
+            return resp, up
 
-    def _done(up: Upstream) -> None:
-        up.outstanding -= 1
-        metrics.outstanding.labels(up.name).dec()
+    def _failed(up: Upstream) -> None:
+        health.record(up.name, False)
+        metrics.failures.labels(up.name).inc()
+        metrics.open.labels(up.name).set(health.breakers[up.name].state != "closed")
 
-    def _relay(resp: httpx.Response, up: Upstream) -> Response:
-        async def chunks() -> AsyncIterator[bytes]:
+    async def forward(request: Request, path: str) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return _error(400, "request body is not valid JSON", "invalid_json")
+        if not isinstance(body, dict):
+            return _error(400, "request body must be a JSON object", "invalid_json")
+        key = route_key(body)
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() in ("authorization", "content-type", "x-request-id")}
+        chat = path.endswith("/chat/completions")
+        state = None if not_resumable(body, chat) else StreamResume(body, chat)
+        got = await connect(path, raw if state is None else state.upstream_body(), key,
+                            headers, set())
+        if isinstance(got, Response):
+            return got
+        resp, up = got
+        media = resp.headers.get("content-type", "application/json")
+        if state is None or resp.status_code != 200 or not media.startswith("text/event-stream"):
+            return StreamingResponse(_relay(resp, up), status_code=resp.status_code,
+                                     media_type=media, headers={"x-labkit-replica": up.name})
+        return StreamingResponse(_resumable(state, resp, up, key, headers), media_type=media,
+                                 headers={"x-labkit-replica": up.name,
+                                          "Cache-Control": "no-cache"})
+
+    async def _relay(resp: httpx.Response, up: Upstream) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+        finally:  # normal end, or the client left (cancelled): close the upstream too
+            await resp.aclose()
+            _done(up)
+
+    async def _resumable(state: StreamResume, resp: httpx.Response, up: Upstream,
+                         key: RouteKey, headers: dict[str, str]) -> AsyncIterator[bytes]:
+        """Relay events; when the replica dies mid-stream, continue on another one."""
+        for attempt in range(max_failovers + 1):
+            err = None
+            buf = SSEBuffer()
             try:
                 async for chunk in resp.aiter_raw():
-                    yield chunk
-            finally:  # normal end, or the client left (cancelled): close the upstream too
+                    for ev in buf.feed(chunk):
+                        out = state.on_event(ev)
+                        if out:
+                            yield out
+                if not state.done:
+                    err = "the stream ended without [DONE]"
+            except httpx.TransportError as exc:
+                err = f"{type(exc).__name__}: {exc}"
+            finally:
                 await resp.aclose()
                 _done(up)
+            if err is None:
+                return
+            _failed(up)
+            metrics.failovers.labels(up.name).inc()
+            mml = await max_model_len() if state.needs_max_model_len() else None
+            tail = state.tail_if_finished(mml)
+            if tail is not None:
+                yield tail
+                return
+            if attempt == max_failovers:
+                break
+            t0, dead, sent = time.monotonic(), up.name, len(state.sent_ids)
+            got = await connect("/v1/completions" if state.prompt_ids is not None else
+                                ("/v1/chat/completions" if state.chat else "/v1/completions"),
+                                state.resume_body(mml), key, headers, {dead})
+            if isinstance(got, Response):
+                yield state.error_tail(f"{dead} failed mid-stream ({err}) and no replica could "
+                                       f"continue it: {json.loads(got.body)['error']['message']}")
+                return
+            resp, up = got
+            failovers.append({"time": time.time(), "from": dead, "to": up.name,
+                              "tokens_sent": sent, "error": err,
+                              "reconnect_s": time.monotonic() - t0})
+        yield state.error_tail(f"the stream failed on {max_failovers + 1} replicas; giving up")
 
-        media = resp.headers.get("content-type", "application/json")
-        return StreamingResponse(chunks(), status_code=resp.status_code, media_type=media,
-                                 headers={"x-labkit-replica": up.name})
+    async def max_model_len() -> int | None:
+        for u in [*in_rotation(), *ups]:
+            if model_len:
+                break
+            with contextlib.suppress(httpx.HTTPError, KeyError, ValueError, IndexError):
+                r = await client.get(u.url + "/v1/models", timeout=2.0)
+                model_len.append(int(r.json()["data"][0]["max_model_len"]))
+        return model_len[0] if model_len else None
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -176,14 +299,63 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
 
     @app.get("/health")
     async def healthz() -> Response:
-        ok = health.available(ups)
+        ok = in_rotation()
         return JSONResponse({"replicas": health.states()}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def prom() -> Response:
         return Response(generate_latest(metrics.registry), media_type="text/plain")
 
+    _admin_routes(app, by_name, health, metrics)
     return app
+
+
+def _admin_routes(app: FastAPI, by_name: dict[str, Upstream], health: HealthTracker,
+                  metrics: _Metrics) -> None:
+    def replica(name: str) -> Upstream | JSONResponse:
+        if name not in by_name:
+            return _error(404, f"no replica named {name!r}; valid: {', '.join(by_name)}",
+                          "unknown_replica")
+        return by_name[name]
+
+    @app.get("/admin/replicas")
+    async def replicas() -> list[dict[str, Any]]:
+        return [{"name": u.name, "url": u.url, "outstanding": u.outstanding,
+                 "draining": u.draining, "breaker": health.add(u.name).state.value}
+                for u in by_name.values()]
+
+    @app.post("/admin/replicas/{name}/drain")
+    async def drain(name: str) -> Response:
+        u = replica(name)
+        if isinstance(u, Response):
+            return u
+        u.draining = True
+        metrics.draining.labels(name).set(1)
+        return JSONResponse({"name": name, "draining": True, "outstanding": u.outstanding})
+
+    @app.post("/admin/replicas/{name}/undrain")
+    async def undrain(name: str) -> Response:
+        u = replica(name)
+        if isinstance(u, Response):
+            return u
+        u.draining = False
+        health.reset(name)  # the operator says it is back: start with a closed breaker
+        metrics.draining.labels(name).set(0)
+        metrics.open.labels(name).set(0)
+        return JSONResponse({"name": name, "draining": False})
+
+    @app.post("/admin/policy")
+    async def set_policy(request: Request) -> Response:
+        try:
+            name = (await request.json())["policy"]
+            app.state.policy = get_policy(name)
+        except (ValueError, KeyError, TypeError) as exc:
+            return _error(400, f"send {{\"policy\": NAME}}: {exc}", "invalid_policy")
+        return JSONResponse({"policy": app.state.policy.name})
+
+    @app.get("/admin/failovers")
+    async def failover_log() -> list[dict[str, Any]]:
+        return app.state.failovers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,7 +372,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default="prefix-affinity", choices=list(POLICIES))
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--probe-interval", type=float, default=1.0, metavar="S",
+                   help="active /health probe period in seconds (0: passive checks only)")
+    p.add_argument("--max-failovers", type=int, default=2, metavar="N",
+                   help="how many times one stream may be resumed on another replica")
+    p.add_argument("--failure-threshold", type=int, default=3,
+                   help="consecutive failures that open a replica's breaker")
+    p.add_argument("--recovery", type=float, default=5.0, metavar="S",
+                   help="how long an open breaker waits before a trial request")
     args = p.parse_args(argv)
-    uvicorn.run(create_app(args.replica, args.policy), host=args.host, port=args.port,
-                log_level="warning")
+    if args.probe_interval < 0 or args.max_failovers < 0:
+        p.error("--probe-interval and --max-failovers must be >= 0")
+    try:
+        health = HealthTracker(failure_threshold=args.failure_threshold,
+                               recovery_s=args.recovery)
+        app = create_app(args.replica, args.policy, health=health,
+                         probe_interval_s=args.probe_interval or None,
+                         max_failovers=args.max_failovers)
+    except ValueError as e:
+        p.error(str(e))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

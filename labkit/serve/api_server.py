@@ -150,6 +150,7 @@ async def _admit(state: ServerState, request: Request, kind: str) -> serving.Cal
                                     vocab_size=state.vocab_size, max_n=cfg.max_n)
     parsed.extra["return_token_ids"] = protocol._bool(d, "return_token_ids")
     ids = _tokenize(state, parsed)
+    parsed.extra["prompt_token_ids"] = ids  # echoed with return_token_ids (router failover)
     if cfg.max_waiting is not None and state.num_waiting() + len(ids) > cfg.max_waiting:
         _reject(state, "queue_full")
         raise APIError(429, f"the queue is full ({cfg.max_waiting} waiting); retry later",

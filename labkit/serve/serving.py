@@ -160,10 +160,19 @@ async def stream_events(call: Call, itl: Callable[[float], None] | None = None
     failure or timeout becomes one error event (the server goes on serving the others)."""
     p, kind = call.parsed, call.parsed.kind
     ids = p.extra.get("return_token_ids", False)
+    unsent = set(range(len(call.streams) * call.n)) if ids else set()  # prompt ids still owed
+
+    def with_prompt_ids(ch: dict[str, Any], c: int) -> dict[str, Any]:
+        if c in unsent:  # vLLM's convention: the prompt's ids ride on a choice's first chunk
+            unsent.discard(c)
+            ch["choices"][0]["prompt_token_ids"] = p.extra["prompt_token_ids"][c // call.n]
+        return ch
+
     if kind == "chat":
         for c in range(len(call.streams) * call.n):
-            yield protocol.sse(protocol.chunk(kind, call.id, p.model, call.created, c, None,
-                                              None, role=True, with_usage=p.include_usage))
+            yield protocol.sse(with_prompt_ids(protocol.chunk(
+                kind, call.id, p.model, call.created, c, None, None, role=True,
+                with_usage=p.include_usage), c))
     try:
         async for i, item in merged(call):
             for c, text, toks, reason in account(call, i, item, itl):
@@ -173,7 +182,7 @@ async def stream_events(call: Call, itl: Callable[[float], None] | None = None
                                     with_usage=p.include_usage)
                 if ids:
                     ch["choices"][0]["token_ids"] = toks
-                yield protocol.sse(ch)
+                yield protocol.sse(with_prompt_ids(ch, c))
         call.outcome = "finished"
     except (Timeout, Exception) as e:  # noqa: BLE001 - reported to the client as an event
         err = error_for(e)
@@ -206,6 +215,7 @@ async def collect(call: Call, itl: Callable[[float], None] | None = None) -> dic
     if call.parsed.extra.get("return_token_ids"):
         for c, ch in enumerate(body["choices"]):
             ch["token_ids"] = call.token_ids.get(c, [])
+            ch["prompt_token_ids"] = call.parsed.extra["prompt_token_ids"][c // call.n]
     return body
 
 

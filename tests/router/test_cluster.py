@@ -1,0 +1,203 @@
+"""The router over REAL ``labkit serve`` replicas (child processes on 127.0.0.1, one cluster of 2
+for the module, every process stopped at the end): prefix-affinity against round-robin on the
+replicas' own prefix-cache counters, a rolling update with drain under traffic, and a replica
+killed mid-stream whose streams continue elsewhere and equal the reference generation."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from labkit.model.generate import generate
+from labkit.model.loader import load_pretrained
+from labkit.router.cluster import Cluster
+from labkit.serve.chat import chatml
+
+pytestmark = pytest.mark.slow
+SYSTEM = ("You are the build assistant of team {t}. Answer in Python, keep functions short, "
+          "name things plainly, add a docstring that says why, and never print secrets. ")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(2, policy="round-robin", probe_interval=0.25,
+                replica_args=("--num-blocks", "256", "--max-num-seqs", "16"))
+    with c:
+        yield c
+    assert not any(r.alive() for r in c.replicas) and not c.router.alive()
+
+
+@pytest.fixture(scope="module")
+def ref():
+    model, tok = load_pretrained("labkit-tiny", dtype=torch.float32)
+
+    def run(prompt_ids: list[int], n: int) -> tuple[list[int], str]:
+        ids = generate(model, prompt_ids, n, ignore_eos=True)
+        return ids, tok.decode(ids)
+
+    return run, tok
+
+
+def stream(url: str, path: str, body: dict, events: list | None = None) -> dict:
+    """One SSE request; returns the text, token ids, finish reasons, usage and the replica."""
+    out = {"text": "", "ids": [], "reasons": [], "usage": None, "errors": [], "done": False}
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        out["replica"] = r.headers.get("x-labkit-replica")
+        for line in r.iter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: "), line
+            if line == "data: [DONE]":
+                out["done"] = True
+                break
+            d = json.loads(line[6:])
+            if "error" in d:
+                out["errors"].append(d["error"])
+                continue
+            if d.get("usage"):
+                out["usage"] = d["usage"]
+            for ch in d["choices"]:
+                out["text"] += ch.get("text", (ch.get("delta") or {}).get("content") or "")
+                out["ids"] += ch.get("token_ids", [])
+                out["reasons"].append(ch["finish_reason"])
+            if events is not None:
+                events.append(time.monotonic())
+    return out
+
+
+def hit_tokens(c: Cluster) -> tuple[float, float]:
+    ms = [c.replica_metrics(i) for i in range(len(c.replicas))]
+    return (sum(m["labkit:prefix_cache_hits_total"] for m in ms),
+            sum(m["labkit:prefix_cache_queries_total"] for m in ms))
+
+
+def test_prefix_affinity_meets_the_cache_that_round_robin_misses(cluster):
+    """5 system prompts x 3 requests each, sent one at a time, round-robin over 2 replicas:
+    prompt i's requests are number i, 5+i, 10+i, so round-robin sends them to replicas A, B, A
+    (one hit in three), affinity to one replica (two hits in three): 2x the hit tokens."""
+    rates, where = {}, {}
+    for policy, team in (("round-robin", "rr"), ("prefix-affinity", "pa")):
+        cluster.set_policy(policy)
+        h0, q0 = hit_tokens(cluster)
+        where[policy] = {}
+        for k in range(15):
+            i = k % 5
+            body = {"prompt": SYSTEM.format(t=f"{team}{i}") + f"Task {k}: def f{k}(x):",
+                    "max_tokens": 2, "temperature": 0}
+            r = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            where[policy].setdefault(i, []).append(r.headers["x-labkit-replica"])
+        h1, q1 = hit_tokens(cluster)
+        rates[policy] = (h1 - h0) / (q1 - q0)
+    assert all(len(set(v)) == 1 for v in where["prefix-affinity"].values())
+    assert all(v[0] == v[2] != v[1] for v in where["round-robin"].values())
+    assert rates["prefix-affinity"] >= 1.8 * rates["round-robin"] > 0, rates
+    cluster.set_policy("round-robin")
+
+
+def test_rolling_update_drains_without_losing_a_stream(cluster, ref):
+    run, tok = ref
+    prompt = "def read_config(path):"
+    want_ids, want = run(tok.encode(prompt), 150)
+    body = {"prompt": prompt, "max_tokens": 150, "temperature": 0, "ignore_eos": True}
+    events: list[float] = []
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(
+        stream(cluster.url, "/v1/completions", body, events)))
+    t.start()
+    while not events and t.is_alive():
+        time.sleep(0.01)
+    target = next(i for i, s in enumerate(cluster.replica_states()) if s["outstanding"])
+    update: list = []
+    u = threading.Thread(target=lambda: update.extend(cluster.rolling_update([target])))
+    u.start()
+    while not cluster.replica_states()[target]["draining"]:
+        time.sleep(0.01)
+    during = []
+    deadline = time.monotonic() + 120
+    while u.is_alive() and time.monotonic() < deadline:  # traffic while it drains and restarts
+        r = httpx.post(cluster.url + "/v1/completions", json={"prompt": "x = ", "max_tokens": 2},
+                       timeout=60)
+        during.append((r.status_code, r.headers.get("x-labkit-replica")))
+        time.sleep(0.2)
+    u.join(1)
+    t.join(60)
+    assert not u.is_alive() and update[0]["new_pid"] != update[0]["old_pid"]
+    assert result["done"] and not result["errors"] and result["text"] == want
+    assert result["replica"] == cluster.names[target]  # it finished where it started
+    assert during and all(code == 200 for code, _ in during)
+    assert cluster.names[target] not in {rep for _, rep in during}  # out of rotation
+    states = cluster.replica_states()
+    assert not states[target]["draining"] and states[target]["breaker"] == "closed"
+    back = {httpx.post(cluster.url + "/v1/completions", json={"prompt": "y = ", "max_tokens": 1},
+                       timeout=60).headers["x-labkit-replica"] for _ in range(4)}
+    assert cluster.names[target] in back  # back in rotation
+
+
+def test_replica_killed_mid_stream_every_stream_continues_identically(cluster, ref):
+    """6 concurrent greedy streams (text and token-id prompts, chat, ids and usage asked or not)
+    over 2 replicas; one replica is SIGKILLed once every stream has output: every stream ends
+    with [DONE] and exactly the reference text, the cut ones resumed on the survivor."""
+    run, tok = ref
+    n_new = 60
+    msgs = [{"role": "system", "content": "You write Python."},
+            {"role": "user", "content": "def merge(a, b):"}]
+    cases = [
+        ("/v1/completions", {"prompt": "import os\n\ndef walk(root):"}, tok.encode(
+            "import os\n\ndef walk(root):")),
+        ("/v1/completions", {"prompt": tok.encode("class Stack:"), "return_token_ids": True,
+                             "stream_options": {"include_usage": True}}, tok.encode("class Stack:")),
+        ("/v1/chat/completions", {"messages": msgs}, tok.encode(chatml(msgs))),
+        ("/v1/chat/completions", {"messages": msgs[1:], "stream_options": {
+            "include_usage": True}}, tok.encode(chatml(msgs[1:]))),
+        ("/v1/completions", {"prompt": "def parse(line):"}, tok.encode("def parse(line):")),
+        ("/v1/completions", {"prompt": "for i in range(10):"}, tok.encode("for i in range(10):")),
+    ]
+    wants = [run(p, n_new) for _, _, p in cases]
+    events: list[list[float]] = [[] for _ in cases]
+    results: list[dict] = [{} for _ in cases]
+
+    def go(k: int) -> None:
+        path, body, _ = cases[k]
+        results[k].update(stream(cluster.url, path, {**body, "max_tokens": n_new,
+                                                     "temperature": 0, "ignore_eos": True},
+                                 events[k]))
+
+    threads = [threading.Thread(target=go, args=(k,)) for k in range(len(cases))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while any(len(e) < 3 for e in events) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    victim = max(range(2), key=lambda i: cluster.replica_states()[i]["outstanding"])
+    held = cluster.replica_states()[victim]["outstanding"]
+    cluster.kill(victim)
+    for t in threads:
+        t.join(120)
+    assert held >= 1
+    for (path, body, prompt), (want_ids, want), res in zip(cases, wants, results):
+        assert res["done"] and not res["errors"], res
+        assert res["text"] == want, (path, body)
+        assert res["reasons"][-1] == "length"
+        if body.get("return_token_ids"):
+            assert res["ids"] == want_ids
+        if body.get("stream_options"):
+            assert res["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": n_new,
+                                    "total_tokens": len(prompt) + n_new}
+    moved = [f for f in cluster.failovers() if f["from"] == cluster.names[victim]]
+    assert len(moved) >= 1 and all(f["to"] != f["from"] and f["tokens_sent"] > 0 for f in moved)
+    # the dead replica leaves rotation through the probes (breaker open), and new requests work
+    deadline = time.monotonic() + 10
+    while cluster.replica_states()[victim]["breaker"] == "closed" and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cluster.replica_states()[victim]["breaker"] != "closed"
+    r = httpx.post(cluster.url + "/v1/completions", json={"prompt": "z", "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 200 and r.headers["x-labkit-replica"] != cluster.names[victim]
