@@ -148,14 +148,15 @@ def test_replica_killed_mid_stream_every_stream_continues_identically(cluster, r
     n_new = 60
     msgs = [{"role": "system", "content": "You write Python."},
             {"role": "user", "content": "def merge(a, b):"}]
+    usage = {"include_usage": True}
     cases = [
         ("/v1/completions", {"prompt": "import os\n\ndef walk(root):"}, tok.encode(
             "import os\n\ndef walk(root):")),
         ("/v1/completions", {"prompt": tok.encode("class Stack:"), "return_token_ids": True,
-                             "stream_options": {"include_usage": True}}, tok.encode("class Stack:")),
+                             "stream_options": usage}, tok.encode("class Stack:")),
         ("/v1/chat/completions", {"messages": msgs}, tok.encode(chatml(msgs))),
-        ("/v1/chat/completions", {"messages": msgs[1:], "stream_options": {
-            "include_usage": True}}, tok.encode(chatml(msgs[1:]))),
+        ("/v1/chat/completions", {"messages": msgs[1:], "stream_options": usage},
+         tok.encode(chatml(msgs[1:]))),
         ("/v1/completions", {"prompt": "def parse(line):"}, tok.encode("def parse(line):")),
         ("/v1/completions", {"prompt": "for i in range(10):"}, tok.encode("for i in range(10):")),
     ]

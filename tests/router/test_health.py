@@ -88,6 +88,26 @@ def test_tracker_takes_failing_replicas_out_of_rotation_and_back():
     assert [r.name for r in t.available(rs)] == ["a", "b", "c"]
 
 
+def test_probes_are_trials_while_open_and_reset_closes():
+    clock = FakeClock()
+    t = HealthTracker(["a"], clock=clock, failure_threshold=2, recovery_s=1.0)
+    t.probe("a", False)
+    t.probe("a", False)
+    assert t.states()["a"] == "open"
+    t.probe("a", True)  # still cooling down: a probe's success is not a trial yet
+    assert t.states()["a"] == "open"
+    clock.t += 1.0
+    t.probe("a", False)  # the trial failed: open for another recovery period
+    assert t.states()["a"] == "open" and t.breakers["a"].opened_at == clock.t
+    clock.t += 1.0
+    t.probe("a", True)  # the replica came back: the probe's trial closes the breaker
+    assert t.states()["a"] == "closed"
+    t.probe("a", False)
+    t.probe("a", False)
+    t.reset("a")
+    assert t.states()["a"] == "closed" and t.breakers["a"].failures == 0
+
+
 def test_full_jitter_bounds_seeding_and_distribution():
     b = Backoff(base_s=0.1, cap_s=1.0, max_retries=6, rng=random.Random(7))
     assert [b.ceiling(i) for i in range(6)] == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]

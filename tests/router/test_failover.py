@@ -1,0 +1,95 @@
+"""StreamResume on hand-written SSE events: what the client is sent, and the continuation
+request the router builds when the replica dies (the real-process test is test_cluster.py)."""
+
+import json
+
+from labkit.router.failover import DONE, SSEBuffer, StreamResume, not_resumable
+from labkit.serve import protocol
+
+
+def ev(payload) -> bytes:
+    return protocol.sse(payload)[:-2]  # SSEBuffer hands events without the blank line
+
+
+def cmpl(text, ids, reason=None, prompt_ids=None, rid="cmpl-1", usage=False):
+    ch = protocol.chunk("completion", rid, "m", 7, 0, text, reason, with_usage=usage)
+    ch["choices"][0]["token_ids"] = ids
+    if prompt_ids is not None:
+        ch["choices"][0]["prompt_token_ids"] = prompt_ids
+    return ch
+
+
+def test_sse_buffer_joins_events_split_across_reads():
+    b = SSEBuffer()
+    assert b.feed(b"data: {\"a\"") == []
+    assert b.feed(b": 1}\n\ndata: [DO") == [b'data: {"a": 1}']
+    assert b.feed(b"NE]\n\n") == [b"data: [DONE]"]
+
+
+def test_which_requests_can_be_resumed():
+    assert not_resumable({"stream": True, "prompt": "x"}, False) is None
+    assert not_resumable({"stream": True, "messages": []}, True) is None
+    assert "stream" in not_resumable({"prompt": "x"}, False)
+    assert "n > 1" in not_resumable({"stream": True, "prompt": "x", "n": 2}, False)
+    assert "stop" in not_resumable({"stream": True, "prompt": "x", "stop": ["\n"]}, False)
+    assert "several" in not_resumable({"stream": True, "prompt": ["a", "b"]}, False)
+
+
+def test_ids_the_router_added_are_stripped_and_id_only_chunks_dropped():
+    s = StreamResume({"prompt": "x", "stream": True, "max_tokens": 5}, chat=False)
+    assert json.loads(s.upstream_body())["return_token_ids"] is True
+    out = s.on_event(ev(cmpl("ab", [1, 2], prompt_ids=[9, 9, 9])))
+    # exactly what the replica sends without return_token_ids
+    assert out == protocol.sse(protocol.chunk("completion", "cmpl-1", "m", 7, 0, "ab", None))
+    assert s.on_event(ev(cmpl("", [3]))) is None  # held-back text: nothing visible yet
+    assert s.prompt_ids == [9, 9, 9] and s.sent_ids == [1, 2, 3]
+
+
+def test_resume_is_a_completion_over_prompt_and_sent_tokens_in_the_clients_identity():
+    s = StreamResume({"prompt": "x", "stream": True, "max_tokens": 5, "temperature": 0,
+                      "stream_options": {"include_usage": True}}, chat=False)
+    s.on_event(ev(cmpl("ab", [1, 2], prompt_ids=[9, 9], usage=True)))
+    body = json.loads(s.resume_body())
+    assert body["prompt"] == [9, 9, 1, 2] and body["max_tokens"] == 3
+    assert body["temperature"] == 0 and body["return_token_ids"] and body["stream"]
+    # the continuation's chunks come back under the original id, with the usage fixed
+    out = s.on_event(ev(cmpl("cd", [3, 4, 5], "length", rid="cmpl-OTHER", usage=True)))
+    want = protocol.chunk("completion", "cmpl-1", "m", 7, 0, "cd", "length", with_usage=True)
+    assert out == protocol.sse(want)
+    use = s.on_event(ev(protocol.usage_chunk("completion", "cmpl-OTHER", "m", 8,
+                                             protocol.usage(4, 3))))
+    assert json.loads(use[6:])["usage"] == protocol.usage(2, 5)
+    assert json.loads(use[6:])["id"] == "cmpl-1"
+    assert s.on_event(b"data: [DONE]") == DONE and s.done
+
+
+def test_chat_continues_as_chat_chunks_and_max_tokens_defaults_to_the_context():
+    s = StreamResume({"messages": [{"role": "user", "content": "hi"}], "stream": True},
+                     chat=True)
+    role = protocol.chunk("chat", "chat-1", "m", 7, 0, None, None, role=True)
+    role["choices"][0]["prompt_token_ids"] = [5, 6, 7]
+    assert s.on_event(ev(role)) == protocol.sse(
+        protocol.chunk("chat", "chat-1", "m", 7, 0, None, None, role=True))
+    c = protocol.chunk("chat", "chat-1", "m", 7, 0, "x", None)
+    c["choices"][0]["token_ids"] = [11]
+    s.on_event(ev(c))
+    assert s.needs_max_model_len()
+    body = json.loads(s.resume_body(max_model_len=20))
+    assert body["prompt"] == [5, 6, 7, 11] and body["max_tokens"] == 20 - 3 - 1
+    assert "messages" not in body
+    out = s.on_event(ev(cmpl("y", [12], "stop", rid="cmpl-9")))
+    assert out == protocol.sse(protocol.chunk("chat", "chat-1", "m", 7, 0, "y", "stop"))
+
+
+def test_a_replica_dying_after_the_last_token_is_finished_by_the_router():
+    s = StreamResume({"prompt": "x", "stream": True, "max_tokens": 2,
+                      "stream_options": {"include_usage": True}}, chat=False)
+    s.on_event(ev(cmpl("ab", [1, 2], "length", prompt_ids=[9], usage=True)))
+    tail = s.tail_if_finished()
+    assert tail.endswith(DONE)
+    assert json.loads(tail.split(b"\n\n")[0][6:])["usage"] == protocol.usage(1, 2)
+    s2 = StreamResume({"prompt": "x", "stream": True, "max_tokens": 4}, chat=False)
+    s2.on_event(ev(cmpl("ab", [1, 2], prompt_ids=[9])))
+    assert s2.tail_if_finished() is None  # 2 tokens still owed: resume instead
+    err = json.loads(s2.error_tail("gone").split(b"\n\n")[0][6:])
+    assert err["error"]["code"] == "upstream_failed"
