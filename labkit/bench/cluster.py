@@ -16,8 +16,10 @@ router's own policy classes (``labkit.router.policies``):
    trace (searched down from the autoscaler's peak). Reported: SLO attainment and replica-hours
    of each, and the saving.
 
-The real-replica half of the issue (hit rate and TTFT through ``labkit router`` on loopback,
-failover, canary) needs ``labkit serve`` and is not measured here.
+3. **Real replicas** (``labkit.bench.cluster_live``, skipped with ``--sim-only``): 3
+   ``labkit serve`` processes of labkit-tiny behind ``labkit router`` on loopback: prefix hit
+   rate and TTFT p50 of prefix-affinity vs round-robin on a shared-system-prompt workload, and
+   a replica SIGKILLed under streaming load (streams resumed, lost, byte-identical).
 """
 
 from __future__ import annotations
@@ -124,8 +126,14 @@ def run_day(day_s: float, peak_rate: float, token_scale: int, seed: int = 0,
             "rate_curve": [(t, tr.rate(t)) for t in [i * day_s / 480 for i in range(481)]]}
 
 
-def run(quick: bool = True, seed: int = 0, sizes: dict[str, Any] | None = None) -> dict[str, Any]:
+def run(quick: bool = True, seed: int = 0, sizes: dict[str, Any] | None = None,
+        real: bool = True) -> dict[str, Any]:
     cfg = {**(QUICK if quick else FULL), **(sizes or {})}
+    live = {}
+    if real:
+        from labkit.bench.cluster_live import run_real
+
+        live = run_real(quick, seed)
     t0 = time.perf_counter()
     sweep = run_sweep(tuple(cfg["sizes"]), cfg["sweep_rate"], cfg["sweep_s"], cfg["sweep_scale"],
                       seed)
@@ -153,6 +161,7 @@ def run(quick: bool = True, seed: int = 0, sizes: dict[str, Any] | None = None) 
         "ttft_slo_s": day["ttft_slo_s"], "cold_start_s": day["cold_start_s"],
         "sweep": sweep, "day": day,
         "wall_s": {"sweep": sweep_wall, "day": day["wall_s"]}, "environment": environment(),
+        **live,
     }
 
 
@@ -193,8 +202,16 @@ def write_chart(payload: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = bench_parser("cluster", __doc__.splitlines()[0])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sim-only", action="store_true", help="skip the real replicas")
     args = p.parse_args(argv)
-    payload = run(args.quick, args.seed)
+    payload = run(args.quick, args.seed, real=not args.sim_only)
+    if "affinity_hit_rate" in payload:
+        print(f"\nreal replicas ({payload['real_replicas']} x labkit-tiny, loopback):")
+        print_table(payload["real_policies"], ["policy", "requests", "ok", "hit_rate",
+                                               "ttft_p50", "ttft_p90", "replicas_per_prompt"])
+        print(f"failover: {payload['failover_requests']} of {payload['failover_streams']} "
+              f"streams resumed after a SIGKILL, {payload['failover_lost']} lost, identical to "
+              f"the uninterrupted run: {payload['failover_identical']}")
     print(f"\nsimulated {MODEL} on {GPU}: one multi-tenant Poisson trace over N replicas")
     print_table(payload["sweep"])
     day = payload["day"]

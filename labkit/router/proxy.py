@@ -275,7 +275,8 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
                                        f"continue it: {json.loads(got.body)['error']['message']}")
                 return
             resp, up = got
-            failovers.append({"time": time.time(), "from": dead, "to": up.name,
+            failovers.append({"time": time.time(), "id": (state.head or {}).get("id"),
+                              "from": dead, "to": up.name,
                               "tokens_sent": sent, "error": err,
                               "reconnect_s": time.monotonic() - t0})
         yield state.error_tail(f"the stream failed on {max_failovers + 1} replicas; giving up")

@@ -15,13 +15,13 @@ def test_cluster_bench_fields(tmp_path, monkeypatch):
     monkeypatch.setattr(cluster, "QUICK", TINY)
     out = tmp_path / "cluster.json"
     assert BENCHMARKS["cluster"] == "labkit.bench.cluster"
-    assert cluster.main(["--quick", "--json", str(out)]) == 0
+    assert cluster.main(["--quick", "--sim-only", "--json", str(out)]) == 0
     p = json.loads(out.read_text())
     for key in ("autoscaler_slo_attainment", "autoscaler_replica_hours", "static_replica_hours",
                 "sim_affinity_hit_rate", "sim_round_robin_hit_rate", "sim_affinity_ttft_p50",
                 "sim_round_robin_ttft_p50"):
         assert isinstance(p[key], float), key
-    # the real-replica fields come with the real router: not faked here
+    # --sim-only: the real-replica fields (tests/router/test_cluster.py) are absent, not faked
     assert "affinity_hit_rate" not in p and "failover_lost" not in p
     day = p["day"]
     n = p["static_replicas"]

@@ -5,7 +5,6 @@ killed mid-stream whose streams continue elsewhere and equal the reference gener
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
@@ -13,6 +12,7 @@ import httpx
 import pytest
 import torch
 
+from labkit.bench.cluster_live import failover_run, policy_run, shared_prompt_workload, stream_one
 from labkit.model.generate import generate
 from labkit.model.loader import load_pretrained
 from labkit.router.cluster import Cluster
@@ -43,34 +43,6 @@ def ref():
     return run, tok
 
 
-def stream(url: str, path: str, body: dict, events: list | None = None) -> dict:
-    """One SSE request; returns the text, token ids, finish reasons, usage and the replica."""
-    out = {"text": "", "ids": [], "reasons": [], "usage": None, "errors": [], "done": False}
-    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        out["replica"] = r.headers.get("x-labkit-replica")
-        for line in r.iter_lines():
-            if not line:
-                continue
-            assert line.startswith("data: "), line
-            if line == "data: [DONE]":
-                out["done"] = True
-                break
-            d = json.loads(line[6:])
-            if "error" in d:
-                out["errors"].append(d["error"])
-                continue
-            if d.get("usage"):
-                out["usage"] = d["usage"]
-            for ch in d["choices"]:
-                out["text"] += ch.get("text", (ch.get("delta") or {}).get("content") or "")
-                out["ids"] += ch.get("token_ids", [])
-                out["reasons"].append(ch["finish_reason"])
-            if events is not None:
-                events.append(time.monotonic())
-    return out
-
-
 def hit_tokens(c: Cluster) -> tuple[float, float]:
     ms = [c.replica_metrics(i) for i in range(len(c.replicas))]
     return (sum(m["labkit:prefix_cache_hits_total"] for m in ms),
@@ -98,18 +70,23 @@ def test_prefix_affinity_meets_the_cache_that_round_robin_misses(cluster):
     assert all(len(set(v)) == 1 for v in where["prefix-affinity"].values())
     assert all(v[0] == v[2] != v[1] for v in where["round-robin"].values())
     assert rates["prefix-affinity"] >= 1.8 * rates["round-robin"] > 0, rates
+    # the benchmark's concurrent version of the same measurement, on the same counters
+    row = policy_run(cluster, "prefix-affinity", shared_prompt_workload(3, 3, salt="t"), 2)
+    assert row["requests"] == row["ok"] == 9 and row["replicas_per_prompt"] == 1.0
+    assert 0 < row["hit_rate"] < 1 and row["hit_tokens"] <= row["prompt_tokens"]
+    assert 0 < row["ttft_p50"] <= row["ttft_p90"]
     cluster.set_policy("round-robin")
 
 
 def test_rolling_update_drains_without_losing_a_stream(cluster, ref):
     run, tok = ref
     prompt = "def read_config(path):"
-    want_ids, want = run(tok.encode(prompt), 150)
-    body = {"prompt": prompt, "max_tokens": 150, "temperature": 0, "ignore_eos": True}
+    want_ids, want = run(tok.encode(prompt), 100)
+    body = {"prompt": prompt, "max_tokens": 100, "temperature": 0, "ignore_eos": True}
     events: list[float] = []
     result: dict = {}
     t = threading.Thread(target=lambda: result.update(
-        stream(cluster.url, "/v1/completions", body, events)))
+        stream_one(cluster.url, "/v1/completions", body, events.append)))
     t.start()
     while not events and t.is_alive():
         time.sleep(0.01)
@@ -125,7 +102,7 @@ def test_rolling_update_drains_without_losing_a_stream(cluster, ref):
         r = httpx.post(cluster.url + "/v1/completions", json={"prompt": "x = ", "max_tokens": 2},
                        timeout=60)
         during.append((r.status_code, r.headers.get("x-labkit-replica")))
-        time.sleep(0.2)
+        time.sleep(0.3)
     u.join(1)
     t.join(60)
     assert not u.is_alive() and update[0]["new_pid"] != update[0]["old_pid"]
@@ -161,38 +138,26 @@ def test_replica_killed_mid_stream_every_stream_continues_identically(cluster, r
         ("/v1/completions", {"prompt": "for i in range(10):"}, tok.encode("for i in range(10):")),
     ]
     wants = [run(p, n_new) for _, _, p in cases]
-    events: list[list[float]] = [[] for _ in cases]
-    results: list[dict] = [{} for _ in cases]
-
-    def go(k: int) -> None:
-        path, body, _ = cases[k]
-        results[k].update(stream(cluster.url, path, {**body, "max_tokens": n_new,
-                                                     "temperature": 0, "ignore_eos": True},
-                                 events[k]))
-
-    threads = [threading.Thread(target=go, args=(k,)) for k in range(len(cases))]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 60
-    while any(len(e) < 3 for e in events) and time.monotonic() < deadline:
-        time.sleep(0.005)
-    victim = max(range(2), key=lambda i: cluster.replica_states()[i]["outstanding"])
-    held = cluster.replica_states()[victim]["outstanding"]
-    cluster.kill(victim)
-    for t in threads:
-        t.join(120)
-    assert held >= 1
-    for (path, body, prompt), (want_ids, want), res in zip(cases, wants, results):
-        assert res["done"] and not res["errors"], res
-        assert res["text"] == want, (path, body)
-        assert res["reasons"][-1] == "length"
-        if body.get("return_token_ids"):
-            assert res["ids"] == want_ids
-        if body.get("stream_options"):
-            assert res["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": n_new,
-                                    "total_tokens": len(prompt) + n_new}
-    moved = [f for f in cluster.failovers() if f["from"] == cluster.names[victim]]
-    assert len(moved) >= 1 and all(f["to"] != f["from"] and f["tokens_sent"] > 0 for f in moved)
+    common = {"max_tokens": n_new, "temperature": 0, "ignore_eos": True}
+    fo = failover_run(cluster, [(path, {**body, **common}) for path, body, _ in cases],
+                      restore=False)
+    assert fo["held_at_kill"] >= 1 and fo["failover_requests"] >= 1
+    assert fo["failover_lost"] == 0 and fo["failover_identical"] is True
+    for (path, body, prompt), (want_ids, want), res, first in zip(cases, wants, fo["records"],
+                                                                  fo["reference"]):
+        for r in (res, first):  # the killed run and the uninterrupted one
+            assert r["done"] and not r["errors"], r
+            assert r["text"] == want, (path, body)
+            assert r["reasons"][-1] == "length"
+            if body.get("return_token_ids"):
+                assert r["ids"] == want_ids
+            if body.get("stream_options"):
+                assert r["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": n_new,
+                                      "total_tokens": len(prompt) + n_new}
+    victim = cluster.names.index(fo["victim"])
+    moved = fo["failovers"]
+    assert all(f["to"] != f["from"] and f["tokens_sent"] > 0 for f in moved)
+    assert {f["id"] for f in moved} <= {r["id"] for r in fo["records"]}
     # the dead replica leaves rotation through the probes (breaker open), and new requests work
     deadline = time.monotonic() + 10
     while cluster.replica_states()[victim]["breaker"] == "closed" and \
