@@ -325,25 +325,22 @@ def _admin_routes(app: FastAPI, by_name: dict[str, Upstream], health: HealthTrac
                  "draining": u.draining, "breaker": health.add(u.name).state.value}
                 for u in by_name.values()]
 
-    @app.post("/admin/replicas/{name}/drain")
-    async def drain(name: str) -> Response:
+    @app.post("/admin/replicas/{name}/{action}")
+    async def drain(name: str, action: str) -> Response:
+        """``drain``: out of rotation (streams in flight finish); ``undrain``: back in, with a
+        fresh breaker (the operator says it is back)."""
         u = replica(name)
         if isinstance(u, Response):
             return u
-        u.draining = True
-        metrics.draining.labels(name).set(1)
-        return JSONResponse({"name": name, "draining": True, "outstanding": u.outstanding})
-
-    @app.post("/admin/replicas/{name}/undrain")
-    async def undrain(name: str) -> Response:
-        u = replica(name)
-        if isinstance(u, Response):
-            return u
-        u.draining = False
-        health.reset(name)  # the operator says it is back: start with a closed breaker
-        metrics.draining.labels(name).set(0)
-        metrics.open.labels(name).set(0)
-        return JSONResponse({"name": name, "draining": False})
+        if action not in ("drain", "undrain"):
+            return _error(404, f"unknown action {action!r}: drain or undrain", "not_found")
+        u.draining = action == "drain"
+        if not u.draining:
+            health.reset(name)
+            metrics.open.labels(name).set(0)
+        metrics.draining.labels(name).set(int(u.draining))
+        return JSONResponse({"name": name, "draining": u.draining,
+                             "outstanding": u.outstanding})
 
     @app.post("/admin/policy")
     async def set_policy(request: Request) -> Response:

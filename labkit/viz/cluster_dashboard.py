@@ -13,11 +13,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from labkit.viz.serve_dashboard import PollingDashboard
+
 PANELS = ("queue (running + waiting)", "KV usage (0-1)", "prefix hit rate since start")
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
 
 
-class ClusterDashboard:
+class ClusterDashboard(PollingDashboard):
     def __init__(self, cluster: Any, width: int = 900, height: int = 520) -> None:
         import ipywidgets as w
         import plotly.graph_objects as go
@@ -85,19 +87,6 @@ class ClusterDashboard:
             for r in snap["replicas"])
         self.table.value = f"<table><tr>{head}</tr>{rows}</table>"
         return snap
-
-    def watch(self, seconds: float, interval: float = 0.3, until: Any = None) -> None:
-        """Poll for ``seconds`` (or until ``until()`` is true)."""
-        end = time.monotonic() + seconds
-        while time.monotonic() < end and not (until is not None and until()):
-            self.update()
-            time.sleep(interval)
-        self.update()
-
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        display(self.widget)
 
 
 def failover_timeline(run: dict[str, Any], names: list[str]) -> Any:

@@ -18,7 +18,30 @@ SERIES = (("labkit:num_requests_running", "running"), ("labkit:num_requests_wait
           ("labkit:kv_cache_usage_perc", "KV usage (0-1)"))
 
 
-class ServeDashboard:
+class PollingDashboard:
+    """What every polling dashboard shares: ``watch`` calls ``update`` in a loop, and the
+    notebook displays ``widget``."""
+
+    widget: Any
+
+    def update(self) -> Any:
+        raise NotImplementedError
+
+    def watch(self, seconds: float, interval: float = 0.25, until: Any = None) -> None:
+        """Poll for ``seconds`` (or until ``until()`` is true)."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and not (until is not None and until()):
+            self.update()
+            time.sleep(interval)
+        self.update()
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.widget)
+
+
+class ServeDashboard(PollingDashboard):
     def __init__(self, base_url: str, width: int = 820, height: int = 320) -> None:
         import ipywidgets as w
         import plotly.graph_objects as go
@@ -59,16 +82,3 @@ class ServeDashboard:
             else f"<td style='padding:0 10px;text-align:center'>{v}</td>"
             for v in cells.values()) + "</tr></table>"
         return m
-
-    def watch(self, seconds: float, interval: float = 0.25, until: Any = None) -> None:
-        """Poll for ``seconds`` (or until ``until()`` is true)."""
-        end = time.monotonic() + seconds
-        while time.monotonic() < end and not (until is not None and until()):
-            self.update()
-            time.sleep(interval)
-        self.update()
-
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        display(self.widget)

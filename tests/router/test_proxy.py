@@ -1,6 +1,6 @@
 """The router's reverse proxy against FAKE replicas: a tiny in-test FastAPI app that answers
-OpenAI-shaped JSON and streams SSE under the test's control. Real ``labkit serve`` replicas are
-not used here (that test comes when the serve branch is merged)."""
+OpenAI-shaped JSON and streams SSE under the test's control. Real ``labkit serve`` replicas:
+tests/router/test_cluster.py."""
 
 import asyncio
 import contextlib
@@ -42,6 +42,10 @@ class FakeReplica:
                         "choices": [{"index": 0, "text": f"hi from {self.name}"}]}
             return StreamingResponse(self._events(body.get("n_chunks", 5)),
                                      media_type="text/event-stream")
+
+        @app.get("/health")
+        async def health():
+            return JSONResponse({}, status_code=self.status)
 
         self.app = app
 
@@ -165,3 +169,40 @@ def test_all_replicas_down_is_a_named_error():
         r = c.post(router + "/v1/completions", json={"prompt": "x"})
         assert r.status_code == 502 and "before the first byte" in r.json()["error"]["message"]
         assert c.post(router + "/v1/completions", content=b"{").status_code == 400
+
+
+def _wait(pred, timeout=10.0):
+    deadline = time.time() + timeout
+    while not pred():
+        assert time.time() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def test_drain_probes_and_policy_switch(fakes):
+    (a, ua), (b, ub) = fakes
+    health = HealthTracker(failure_threshold=2, recovery_s=0.2)
+    app = create_app([ua, ub], "round-robin", health=health, probe_interval_s=0.05)
+    with serve(app) as router, httpx.Client(timeout=10) as c:
+        def models(n):
+            return [c.post(router + "/v1/completions", json={"prompt": f"p{i}"}).json()["model"]
+                    for i in range(n)]
+
+        assert c.post(router + "/admin/replicas/replica-0/drain").json()["draining"]
+        assert models(4) == ["b"] * 4  # out of rotation
+        c.post(router + "/admin/replicas/replica-0/undrain")
+        assert sorted(models(4)) == ["a", "a", "b", "b"]
+        a.status = 503  # its /health fails: the probes open its breaker, no client involved
+        sent = len(a.prompts)
+
+        def breaker():
+            return c.get(router + "/admin/replicas").json()[0]["breaker"]
+
+        _wait(lambda: breaker() == "open")
+        assert len(a.prompts) == sent and models(3) == ["b"] * 3
+        a.status = 200  # back: after recovery_s a probe is the half-open trial and closes it
+        _wait(lambda: breaker() == "closed")
+        assert c.post(router + "/admin/replicas/nope/drain").status_code == 404
+        assert c.post(router + "/admin/policy", json={"policy": "nope"}).status_code == 400
+        assert c.post(router + "/admin/policy",
+                      json={"policy": "prefix-affinity"}).json()["policy"] == "prefix-affinity"
+        assert app.state.policy.name == "prefix-affinity"
