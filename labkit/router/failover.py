@@ -83,6 +83,7 @@ class StreamResume:
         self.errored = False  # the replica reported an error event (relayed, not resumed)
         self.head: dict[str, Any] | None = None  # id, created, model of the client's stream
         self.resumed = False  # the current upstream is a continuation
+        self.forwarded = False  # the client has been sent something
 
     @property
     def kind(self) -> str:
@@ -115,6 +116,13 @@ class StreamResume:
         self.resumed = True
         return json.dumps(b).encode()
 
+    def cannot_resume(self) -> str | None:
+        """Why the stream cannot continue elsewhere now (None: it can). Output was sent but the
+        replica never said the prompt's ids (not a labkit server?): a retry would repeat it."""
+        if self.prompt_ids is None and self.forwarded:
+            return "the replica sent output but no prompt_token_ids"
+        return None
+
     def needs_max_model_len(self) -> bool:
         return self.chat and self.max_tokens(None) is None
 
@@ -125,6 +133,11 @@ class StreamResume:
     # ---- events ----------------------------------------------------------------------------
     def on_event(self, raw: bytes) -> bytes | None:
         """Account one upstream SSE event; returns the bytes to send the client (or None)."""
+        out = self._on_event(raw)
+        self.forwarded = self.forwarded or out is not None
+        return out
+
+    def _on_event(self, raw: bytes) -> bytes | None:
         if not raw.startswith(b"data: "):
             return raw + b"\n\n"
         data = raw[len(b"data: "):]

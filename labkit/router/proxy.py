@@ -83,8 +83,9 @@ class _Metrics:
         self.requests = Counter("labkit_router_requests", "requests forwarded", lab, registry=r)
         self.failures = Counter("labkit_router_failures", "failed before the first byte", lab,
                                 registry=r)
-        self.failovers = Counter("labkit_router_failovers", "streams resumed elsewhere after "
-                                 "this replica failed mid-stream", lab, registry=r)
+        self.failovers = Counter("labkit_router_failovers", "streams this replica broke "
+                                 "mid-stream (then resumed, finished or failed)", lab,
+                                 registry=r)
         self.probe_failures = Counter("labkit_router_probe_failures", "failed /health probes",
                                       lab, registry=r)
         self.outstanding = Gauge("labkit_router_outstanding", "requests in flight", lab,
@@ -264,8 +265,12 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
             if tail is not None:
                 yield tail
                 return
-            if attempt == max_failovers:
-                break
+            why = state.cannot_resume()
+            if why or attempt == max_failovers:
+                yield state.error_tail(f"{up.name} failed mid-stream ({err}); " + (
+                    f"not resumed: {why}" if why else
+                    f"the stream failed on {max_failovers + 1} replicas; giving up"))
+                return
             t0, dead, sent = time.monotonic(), up.name, len(state.sent_ids)
             got = await connect("/v1/completions" if state.prompt_ids is not None else
                                 ("/v1/chat/completions" if state.chat else "/v1/completions"),
@@ -279,7 +284,6 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
                               "from": dead, "to": up.name,
                               "tokens_sent": sent, "error": err,
                               "reconnect_s": time.monotonic() - t0})
-        yield state.error_tail(f"the stream failed on {max_failovers + 1} replicas; giving up")
 
     async def max_model_len() -> int | None:
         for u in [*in_rotation(), *ups]:

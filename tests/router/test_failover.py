@@ -93,3 +93,10 @@ def test_a_replica_dying_after_the_last_token_is_finished_by_the_router():
     assert s2.tail_if_finished() is None  # 2 tokens still owed: resume instead
     err = json.loads(s2.error_tail("gone").split(b"\n\n")[0][6:])
     assert err["error"]["code"] == "upstream_failed"
+
+
+def test_output_without_prompt_ids_is_not_retried_blindly():
+    s = StreamResume({"prompt": "x", "stream": True}, chat=False)
+    assert s.cannot_resume() is None  # nothing sent yet: a plain retry is safe
+    s.on_event(b'data: {"choices": [{"index": 0, "text": "hi", "finish_reason": null}]}')
+    assert "prompt_token_ids" in s.cannot_resume()

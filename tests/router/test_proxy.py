@@ -40,7 +40,8 @@ class FakeReplica:
             if not body.get("stream"):
                 return {"object": "text_completion", "model": self.name,
                         "choices": [{"index": 0, "text": f"hi from {self.name}"}]}
-            return StreamingResponse(self._events(body.get("n_chunks", 5)),
+            return StreamingResponse(self._events(body.get("n_chunks", 5),
+                                                  body.get("die_after")),
                                      media_type="text/event-stream")
 
         @app.get("/health")
@@ -49,9 +50,11 @@ class FakeReplica:
 
         self.app = app
 
-    async def _events(self, n):
+    async def _events(self, n, die_after=None):
         try:
             for i in range(n):
+                if i == die_after:
+                    raise RuntimeError("replica crashed mid-stream")
                 if i == 1:
                     while not self.release.is_set():
                         await asyncio.sleep(0.01)
@@ -206,3 +209,17 @@ def test_drain_probes_and_policy_switch(fakes):
         assert c.post(router + "/admin/policy",
                       json={"policy": "prefix-affinity"}).json()["policy"] == "prefix-affinity"
         assert app.state.policy.name == "prefix-affinity"
+
+
+def test_a_stream_cut_without_prompt_ids_ends_with_an_error_event_not_a_replay(fakes):
+    (a, ua), (b, ub) = fakes
+    a.release.set()
+    with serve(create_app([ua, ub], "round-robin")) as router, httpx.Client(timeout=10) as c:
+        r = c.post(router + "/v1/completions",
+                   json={"prompt": "x", "stream": True, "n_chunks": 5, "die_after": 2})
+        events = [e for e in r.text.split("\n\n") if e]
+    assert [json.loads(e[6:]).get("i") for e in events[:2]] == [0, 1]  # what a sent, once
+    err = json.loads(events[2][6:])["error"]
+    assert err["code"] == "upstream_failed" and "prompt_token_ids" in err["message"]
+    assert events[3] == "data: [DONE]" and len(events) == 4
+    assert b.prompts == []  # not replayed on b
