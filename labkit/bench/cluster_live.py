@@ -2,13 +2,15 @@
 ``labkit router`` on loopback (``labkit.router.cluster.Cluster``).
 
 1. **Prefix-affinity vs round-robin**: a shared-system-prompt workload (``prompts`` system
-   prompts of ~200 tokens, ``per_prompt`` short questions under each, shuffled with a seed, sent
+   prompts of ~110 tokens, ``per_prompt`` short questions under each, shuffled with a seed, sent
    by ``concurrency`` clients) under each policy, on fresh system prompts per policy so one run
-   cannot warm the other's cache. Hit rate = the replicas' own prefix-cache counters
-   (``labkit:prefix_cache_hits`` / ``queries``, prompt tokens) over the run; TTFT = the
-   client's time to the first streamed chunk through the router. Round-robin sends a prompt's
-   requests to every replica in turn, so each replica prefills it once; affinity sends them to
-   one.
+   cannot warm the other's cache. Prefix-affinity runs twice: with ``min_load`` (the headline:
+   the bound applies once a replica holds that many) and with the strict bound alone. Hit rate
+   = the replicas' own prefix-cache counters (``labkit:prefix_cache_hits`` / ``queries``,
+   prompt tokens) over the run; TTFT = the client's time to the first streamed chunk through
+   the router. Round-robin sends a prompt's requests to every replica in turn, so each replica
+   prefills it once (and, with more prompts than one replica's cache holds, again after LRU
+   evicted it); affinity sends them to one.
 2. **Failover**: ``streams`` greedy streams at once, first uninterrupted (the reference), then
    again with the replica holding the most of them SIGKILLed once every stream has output.
    Counted: streams resumed elsewhere, streams lost (no ``[DONE]`` or an error event), and
@@ -28,6 +30,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from tqdm.auto import tqdm
 
 from labkit.router.cluster import Cluster
 
@@ -118,9 +121,9 @@ def _hits(c: Cluster) -> tuple[float, float]:
 
 
 def policy_run(c: Cluster, policy: str, bodies: Sequence[dict[str, Any]],
-               concurrency: int = 4) -> dict[str, Any]:
+               concurrency: int = 4, **policy_kw: Any) -> dict[str, Any]:
     """One policy over the workload: hit rate from the replicas' counters, client TTFT."""
-    c.set_policy(policy)
+    c.set_policy(policy, **policy_kw)
     h0, q0 = _hits(c)
     t0 = time.perf_counter()
     recs = run_load(c.url, bodies, concurrency)
@@ -130,8 +133,8 @@ def policy_run(c: Cluster, policy: str, bodies: Sequence[dict[str, Any]],
     spread = {}
     for r in recs:
         spread.setdefault(r["group"], set()).add(r["replica"])
-    return {"policy": policy, "requests": len(recs), "ok": sum(r["done"] and not r["errors"]
-                                                               for r in recs),
+    ok = sum(r["done"] and not r["errors"] for r in recs)
+    return {"policy": policy, "policy_kw": policy_kw, "requests": len(recs), "ok": ok,
             "hit_rate": (h1 - h0) / max(q1 - q0, 1.0), "hit_tokens": h1 - h0,
             "prompt_tokens": q1 - q0, "ttft_p50": float(np.percentile(ttft, 50)),
             "ttft_p90": float(np.percentile(ttft, 90)), "wall_s": wall,
@@ -197,10 +200,16 @@ def failover_cases(streams: int, max_tokens: int = 64) -> list[tuple[str, dict[s
     return cases
 
 
-QUICK = {"replicas": 3, "prompts": 6, "per_prompt": 4, "concurrency": 4, "streams": 6,
-         "max_tokens": 64}
-FULL = {"replicas": 3, "prompts": 12, "per_prompt": 8, "concurrency": 6, "streams": 12,
-        "max_tokens": 128}
+# Each replica's KV pool (64 blocks of 16 tokens) holds ~8 of the 12 system prompts (7 blocks
+# each): round-robin makes every replica cache all 12 (LRU thrash), affinity gives each ~4.
+# That is the fleet-level point of affinity: the caches add up instead of holding copies.
+REPLICA_ARGS = ("--num-blocks", "64", "--max-num-seqs", "16")
+QUICK = {"replicas": 3, "prompts": 12, "per_prompt": 4, "concurrency": 4, "streams": 6,
+         "max_tokens": 64, "min_load": 4}
+FULL = {"replicas": 3, "prompts": 24, "per_prompt": 8, "concurrency": 6, "streams": 12,
+        "max_tokens": 128, "min_load": 4}
+POLICY_RUNS = (("round-robin", {}), ("prefix-affinity", {"min_load": "min_load"}),
+               ("prefix-affinity", {}))
 
 
 def run_real(quick: bool = True, seed: int = 0, sizes: dict[str, Any] | None = None,
@@ -208,24 +217,28 @@ def run_real(quick: bool = True, seed: int = 0, sizes: dict[str, Any] | None = N
     """Both experiments on a fresh cluster (or the one given); the bench's real fields."""
     cfg = {**(QUICK if quick else FULL), **(sizes or {})}
     own = cluster is None
-    c = cluster or Cluster(cfg["replicas"], policy="round-robin")
+    c = cluster or Cluster(cfg["replicas"], policy="round-robin", replica_args=REPLICA_ARGS)
     t0 = time.perf_counter()
     if own:
         c.start()
     try:
         startup = time.perf_counter() - t0
-        rows = [policy_run(c, pol, shared_prompt_workload(cfg["prompts"], cfg["per_prompt"],
-                                                          salt=f"{pol}-{seed}", seed=seed),
-                           cfg["concurrency"])
-                for pol in ("round-robin", "prefix-affinity")]
+        rows = []
+        for k, (pol, kw) in enumerate(tqdm(POLICY_RUNS, desc="real replicas", leave=False)):
+            bodies = shared_prompt_workload(cfg["prompts"], cfg["per_prompt"],
+                                            salt=f"{k}-{seed}", seed=seed)
+            rows.append(policy_run(c, pol, bodies, cfg["concurrency"],
+                                   **{a: cfg[b] for a, b in kw.items()}))
         fo = failover_run(c, failover_cases(cfg["streams"], cfg["max_tokens"]), restore=not own)
     finally:
         if own:
             c.stop()
-    rr, pa = rows
+    rr, pa, strict = rows
     return {"real_config": cfg, "real_replicas": len(c.replicas), "real_startup_s": startup,
             "affinity_hit_rate": pa["hit_rate"], "round_robin_hit_rate": rr["hit_rate"],
             "affinity_ttft_p50": pa["ttft_p50"], "round_robin_ttft_p50": rr["ttft_p50"],
+            "affinity_strict_hit_rate": strict["hit_rate"],
+            "affinity_strict_ttft_p50": strict["ttft_p50"],
             "failover_requests": fo["failover_requests"], "failover_lost": fo["failover_lost"],
             "failover_identical": fo["failover_identical"], "failover_streams": fo["streams"],
             "real_policies": rows,

@@ -150,8 +150,9 @@ class Cluster:
                         "old_pid": old, "new_pid": self.replicas[i].pid})
         return out
 
-    def set_policy(self, name: str) -> None:
-        self._post("/admin/policy", {"policy": name})
+    def set_policy(self, name: str, **kw: Any) -> None:
+        """Switch the router's policy (``kw``: its keyword arguments, e.g. ``min_load=4``)."""
+        self._post("/admin/policy", {"policy": name, **kw})
 
     # ---- observation -----------------------------------------------------------------------
     def replica_states(self) -> list[dict[str, Any]]:

@@ -18,6 +18,14 @@ sent and not yet finished, which the router counts itself); a request is a :clas
   replicas of its ring walk instead of melting one replica, and the cap always leaves a replica
   free because ``n * cap > m - 1``.
 
+Why ``min_load`` (default 0: off): with few requests in flight the bound is tighter than it
+needs to be. At ``m = 2`` over ``n = 3`` replicas the cap is ``ceil(1.25 * 2 / 3) = 1``, so a
+second request for a hot prefix must leave its replica although that replica batches 16
+sequences and is nowhere near melting. ``min_load = k`` lets any replica holding fewer than
+``k`` requests take one (cap = ``max(k, ceil(...))``), which is how production routers phrase it
+(balance only past an absolute threshold, e.g. SGLang's cache-aware router); the bound still
+rules once replicas are busy.
+
 Why hash the first K *full* blocks and not the whole prompt: the engine's prefix cache shares KV
 only in whole blocks (``labkit.kv.prefix``), and the part worth sharing is the leading one (the
 system prompt); hashing past it would give every request its own key. The key here is the
@@ -112,18 +120,21 @@ class PrefixAffinity:
     """Consistent hashing with bounded loads over the prompt's leading blocks (module doc).
 
     ``eps`` = how far above the average a replica may go (0.25: 25%); ``eps=None`` turns the
-    bound off (pure consistent hashing). Prompts with no full block go to the least loaded."""
+    bound off (pure consistent hashing); ``min_load``: a replica holding fewer requests is never
+    over the bound. Prompts with no full block go to the least loaded."""
 
     name = "prefix-affinity"
 
     def __init__(self, block_size: int = 16, num_blocks: int = 8, eps: float | None = 0.25,
-                 vnodes: int = 160) -> None:
+                 vnodes: int = 160, min_load: int = 0) -> None:
         if eps is not None and eps <= 0:
             raise ValueError(f"eps must be > 0 (or None for no bound), got {eps}")
+        if min_load < 0:
+            raise ValueError(f"min_load must be >= 0, got {min_load}")
         if vnodes < 1:
             raise ValueError(f"vnodes must be >= 1, got {vnodes}")
         self.block_size, self.num_blocks = block_size, num_blocks
-        self.eps, self.vnodes = eps, vnodes
+        self.eps, self.vnodes, self.min_load = eps, vnodes, min_load
         self._ring_for: tuple[str, ...] | None = None
         self._points: list[int] = []
         self._owners: list[str] = []
@@ -140,11 +151,12 @@ class PrefixAffinity:
         self._ring_for = names
 
     def capacity(self, replicas: Sequence[Replica]) -> int:
-        """Most requests a replica may hold after taking one more: ceil((1+eps) * m / n)."""
+        """Most requests a replica may hold after taking one more: ceil((1+eps) * m / n), and
+        at least ``min_load``."""
         m = sum(r.outstanding for r in replicas) + 1
         if self.eps is None:
             return m
-        return math.ceil((1 + self.eps) * m / len(replicas))
+        return max(self.min_load, math.ceil((1 + self.eps) * m / len(replicas)))
 
     def walk(self, h: int, replicas: Sequence[Replica]) -> Iterator[Replica]:
         """Replicas in ring order starting at ``h``'s successor, each once."""

@@ -349,10 +349,11 @@ def _admin_routes(app: FastAPI, by_name: dict[str, Upstream], health: HealthTrac
     @app.post("/admin/policy")
     async def set_policy(request: Request) -> Response:
         try:
-            name = (await request.json())["policy"]
-            app.state.policy = get_policy(name)
+            body = dict(await request.json())
+            app.state.policy = get_policy(body.pop("policy"), **body)
         except (ValueError, KeyError, TypeError) as exc:
-            return _error(400, f"send {{\"policy\": NAME}}: {exc}", "invalid_policy")
+            return _error(400, f"send {{\"policy\": NAME, its keyword arguments...}}: {exc}",
+                          "invalid_policy")
         return JSONResponse({"policy": app.state.policy.name})
 
     @app.get("/admin/failovers")
@@ -372,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replica", action="append", required=True, metavar="URL",
                    help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeat)")
     p.add_argument("--policy", default="prefix-affinity", choices=list(POLICIES))
+    p.add_argument("--policy-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="a keyword argument of the policy, e.g. min_load=4 or eps=0.5 (repeat)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--probe-interval", type=float, default=1.0, metavar="S",
@@ -388,10 +391,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         health = HealthTracker(failure_threshold=args.failure_threshold,
                                recovery_s=args.recovery)
-        app = create_app(args.replica, args.policy, health=health,
+        kw = {}
+        for a in args.policy_arg:
+            k, sep, v = a.partition("=")
+            if not sep:
+                raise ValueError(f"--policy-arg takes KEY=VALUE, got {a!r}")
+            kw[k.replace("-", "_")] = json.loads(v)
+        app = create_app(args.replica, get_policy(args.policy, **kw), health=health,
                          probe_interval_s=args.probe_interval or None,
                          max_failovers=args.max_failovers)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         p.error(str(e))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -85,6 +85,22 @@ def test_ring_walk_matches_a_hand_built_ring():
         assert p.choose(key(k), rs).name == succ
 
 
+def test_min_load_keeps_affinity_at_low_load():
+    rs = [R("a", 1), R("b", 0), R("c", 0)]
+    strict, floor = PrefixAffinity(), PrefixAffinity(min_load=4)
+    assert strict.capacity(rs) == math.ceil(1.25 * 2 / 3) == 1  # a holds 1: "full"
+    assert floor.capacity(rs) == 4
+    busy = [R("a", 9), R("b", 9), R("c", 9)]
+    assert floor.capacity(busy) == strict.capacity(busy) == math.ceil(1.25 * 28 / 3)
+    key = RouteKey(token_ids=list(range(64)))
+    home = next(strict.walk(prefix_key(key), rs))
+    for r in rs:
+        r.outstanding = int(r is home)
+    assert floor.choose(key, rs) is home and strict.choose(key, rs) is not home
+    with pytest.raises(ValueError, match="min_load"):
+        PrefixAffinity(min_load=-1)
+
+
 def test_bounded_load_capacity_by_hand():
     p = PrefixAffinity(eps=0.25)
     rs = [R("a", 3), R("b", 1), R("c", 0), R("d", 0)]

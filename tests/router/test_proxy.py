@@ -209,6 +209,10 @@ def test_drain_probes_and_policy_switch(fakes):
         assert c.post(router + "/admin/policy",
                       json={"policy": "prefix-affinity"}).json()["policy"] == "prefix-affinity"
         assert app.state.policy.name == "prefix-affinity"
+        r = c.post(router + "/admin/policy", json={"policy": "prefix-affinity", "min_load": 3})
+        assert r.status_code == 200 and app.state.policy.min_load == 3
+        r = c.post(router + "/admin/policy", json={"policy": "round-robin", "min_load": 3})
+        assert r.status_code == 400  # round-robin takes no min_load: named, not ignored
 
 
 def test_a_stream_cut_without_prompt_ids_ends_with_an_error_event_not_a_replay(fakes):
