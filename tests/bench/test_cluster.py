@@ -68,3 +68,26 @@ def test_readme_quotes_the_committed_result():
          p["static_replicas"], round(abs(100 * p["replica_hours_saving"]), 1)])
     assert ("more" in _readme_row("replica-hours: autoscaled vs static")) == \
         (p["replica_hours_saving"] < 0)
+
+
+def test_readme_quotes_the_committed_real_replica_result():
+    import re
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "datasets" / "results" / "cluster.json"
+    p = json.loads(path.read_text())
+
+    def nums(label):
+        return [float(x) for x in re.findall(r"\d+\.\d+|\d+", _readme_row(label).split("|")[2])]
+
+    assert nums("real: hit rate, prefix-affinity vs round-robin") == pytest.approx(
+        [round(p["affinity_hit_rate"], 3), round(p["round_robin_hit_rate"], 3),
+         round(p["affinity_hit_rate"] / p["round_robin_hit_rate"], 2)])
+    assert nums("real: TTFT p50 (ms), prefix-affinity vs round-robin") == pytest.approx(
+        [round(1e3 * p["affinity_ttft_p50"]), round(1e3 * p["round_robin_ttft_p50"]),
+         round(p["affinity_ttft_p50"] / p["round_robin_ttft_p50"], 2)])
+    assert nums("real: a replica SIGKILLed under 6 greedy streams") == pytest.approx(
+        [p["failover_requests"], p["failover_lost"]])
+    assert ("byte-identical" in _readme_row("real: a replica SIGKILLed under 6 greedy streams")
+            ) == p["failover_identical"] is True
+    assert p["failover_streams"] == 6 and p["real_replicas"] == 3
