@@ -140,14 +140,17 @@ class Cluster:
     def rolling_update(self, indices: Iterable[int] | None = None,
                        timeout: float = 60.0) -> list[dict[str, Any]]:
         """Drain, restart and undrain each replica in turn (one at a time, so the others carry
-        the traffic). One record per replica: drain and restart seconds, old and new pid."""
+        the traffic). One record per replica: drain and restart seconds, old and new pid, and
+        when (``time.time()``) it was put back in rotation."""
         out = []
         for i in range(len(self.replicas)) if indices is None else indices:
             old = self.replicas[i].pid
             drained = self.drain(i, timeout)
-            restarted = self.restart(i)
+            restarted = self.restart(i, rejoin=False)
+            back = time.time()
+            self.undrain(i)
             out.append({"replica": self.names[i], "drain_s": drained, "restart_s": restarted,
-                        "old_pid": old, "new_pid": self.replicas[i].pid})
+                        "old_pid": old, "new_pid": self.replicas[i].pid, "undrained_at": back})
         return out
 
     def set_policy(self, name: str, **kw: Any) -> None:

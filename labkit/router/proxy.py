@@ -20,7 +20,7 @@ Health: the breakers are fed by what real requests see (passive) and, with
 ``probe_interval_s``, by ``GET /health`` probes of every replica (active), so a dead or draining
 replica leaves rotation before a client has to find out, and a recovered one comes back.
 
-Operations (loopback, no auth: the router is meant to listen on 127.0.0.1):
+Operations (``labkit.router.admin``; loopback, no auth):
 ``GET /admin/replicas`` (state per replica), ``POST /admin/replicas/{name}/drain`` (out of
 rotation; streams in flight finish) and ``/undrain`` (back, breaker reset), ``POST
 /admin/policy`` (``{"policy": "round-robin"}``), ``GET /admin/failovers`` (one record per
@@ -44,6 +44,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from labkit.router.admin import add_admin_routes
+from labkit.router.admin import router_error as _error
 from labkit.router.failover import SSEBuffer, StreamResume, not_resumable
 from labkit.router.health import Backoff, HealthTracker
 from labkit.router.policies import NoReplicaError, RouteKey, get_policy
@@ -94,11 +96,6 @@ class _Metrics:
                           "closed", lab, registry=r)
         self.draining = Gauge("labkit_router_draining", "1 while the replica is out of "
                               "rotation for a drain", lab, registry=r)
-
-
-def _error(status: int, message: str, code: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "router_error", "param": None,
-                                   "code": code}}, status_code=status)
 
 
 def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
@@ -311,54 +308,8 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
     async def prom() -> Response:
         return Response(generate_latest(metrics.registry), media_type="text/plain")
 
-    _admin_routes(app, by_name, health, metrics)
+    add_admin_routes(app, by_name, health, metrics)
     return app
-
-
-def _admin_routes(app: FastAPI, by_name: dict[str, Upstream], health: HealthTracker,
-                  metrics: _Metrics) -> None:
-    def replica(name: str) -> Upstream | JSONResponse:
-        if name not in by_name:
-            return _error(404, f"no replica named {name!r}; valid: {', '.join(by_name)}",
-                          "unknown_replica")
-        return by_name[name]
-
-    @app.get("/admin/replicas")
-    async def replicas() -> list[dict[str, Any]]:
-        return [{"name": u.name, "url": u.url, "outstanding": u.outstanding,
-                 "draining": u.draining, "breaker": health.add(u.name).state.value}
-                for u in by_name.values()]
-
-    @app.post("/admin/replicas/{name}/{action}")
-    async def drain(name: str, action: str) -> Response:
-        """``drain``: out of rotation (streams in flight finish); ``undrain``: back in, with a
-        fresh breaker (the operator says it is back)."""
-        u = replica(name)
-        if isinstance(u, Response):
-            return u
-        if action not in ("drain", "undrain"):
-            return _error(404, f"unknown action {action!r}: drain or undrain", "not_found")
-        u.draining = action == "drain"
-        if not u.draining:
-            health.reset(name)
-            metrics.open.labels(name).set(0)
-        metrics.draining.labels(name).set(int(u.draining))
-        return JSONResponse({"name": name, "draining": u.draining,
-                             "outstanding": u.outstanding})
-
-    @app.post("/admin/policy")
-    async def set_policy(request: Request) -> Response:
-        try:
-            body = dict(await request.json())
-            app.state.policy = get_policy(body.pop("policy"), **body)
-        except (ValueError, KeyError, TypeError) as exc:
-            return _error(400, f"send {{\"policy\": NAME, its keyword arguments...}}: {exc}",
-                          "invalid_policy")
-        return JSONResponse({"policy": app.state.policy.name})
-
-    @app.get("/admin/failovers")
-    async def failover_log() -> list[dict[str, Any]]:
-        return app.state.failovers
 
 
 def main(argv: list[str] | None = None) -> int:
