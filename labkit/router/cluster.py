@@ -213,9 +213,13 @@ def main(argv: list[str] | None = None) -> int:
     extra = DEFAULT_REPLICA_ARGS if args.replica_arg is None else tuple(args.replica_arg)
 
     def on_term(sig: int, frame: Any) -> None:
+        # once: a second signal must not interrupt the stopping of the children
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
     c = Cluster(args.n, args.model, args.policy, extra, router_port=args.port)
     print(f"starting {args.n} x {args.model} and a router ({args.policy}) ...", flush=True)
     try:
