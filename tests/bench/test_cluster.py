@@ -21,7 +21,7 @@ def test_cluster_bench_fields(tmp_path, monkeypatch):
                 "sim_affinity_hit_rate", "sim_round_robin_hit_rate", "sim_affinity_ttft_p50",
                 "sim_round_robin_ttft_p50"):
         assert isinstance(p[key], float), key
-    # --sim-only: the real-replica fields (tests/router/test_cluster.py) are absent, not faked
+    # --sim-only: the real-replica fields (tests/router/test_real_replicas.py) are absent, not faked
     assert "affinity_hit_rate" not in p and "failover_lost" not in p
     day = p["day"]
     n = p["static_replicas"]

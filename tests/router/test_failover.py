@@ -1,5 +1,5 @@
 """StreamResume on hand-written SSE events: what the client is sent, and the continuation
-request the router builds when the replica dies (the real-process test is test_cluster.py)."""
+request the router builds when the replica dies (real processes: test_real_replicas.py)."""
 
 import json
 

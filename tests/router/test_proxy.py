@@ -1,6 +1,6 @@
 """The router's reverse proxy against FAKE replicas: a tiny in-test FastAPI app that answers
 OpenAI-shaped JSON and streams SSE under the test's control. Real ``labkit serve`` replicas:
-tests/router/test_cluster.py."""
+tests/router/test_real_replicas.py."""
 
 import asyncio
 import contextlib
