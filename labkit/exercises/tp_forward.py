@@ -58,13 +58,26 @@ def run_rank(fn: Callable, x: torch.Tensor, shard: dict[str, torch.Tensor], atte
 class _Board:
     """Where thread-ranks meet: each drops its tensor, all wait, all read the sum."""
 
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, timeout_s: float = 10.0) -> None:
         self.slots: list[torch.Tensor | None] = [None] * world
-        self.barrier = threading.Barrier(world, timeout=10.0)
+        self.barrier = threading.Barrier(world, timeout=timeout_s)
+        self.timeout_s, self.aborted = timeout_s, False
+
+    def abort(self) -> None:
+        """A rank failed: the others stop waiting for it."""
+        self.aborted = True
+        self.barrier.abort()
 
     def all_reduce(self, rank: int, x: torch.Tensor) -> torch.Tensor:
         self.slots[rank] = x.detach().clone()
-        self.barrier.wait()
+        try:
+            self.barrier.wait()
+        except threading.BrokenBarrierError:
+            if self.aborted:
+                raise
+            raise TimeoutError(f"rank {rank} waited {self.timeout_s:.0f} s in all_reduce for the "
+                               "other ranks: every rank must make the same all_reduce calls, in "
+                               "the same order") from None
         try:
             total = torch.stack(self.slots).sum(0)  # type: ignore[arg-type]
         except RuntimeError as e:
@@ -100,7 +113,7 @@ def run_threads(fn: Callable, block: Block, shards: Shards) -> list[RankResult]:
                                         f"({block.case})")
         except BaseException as e:  # noqa: BLE001 - re-raised in the checker's thread
             errors.append(e)
-            board.barrier.abort()  # the other ranks stop waiting for this one
+            board.abort()
 
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
     for t in threads:

@@ -2,6 +2,7 @@
 on 2 gloo processes; plausible wrong splits and all-reduce placements are rejected with the
 message that names the mistake (negative controls)."""
 
+import itertools
 import textwrap
 
 import psutil
@@ -141,11 +142,10 @@ def test_forward_with_a_wrong_split_blames_the_split():
 
 
 def test_a_crash_on_one_rank_is_named_and_the_other_does_not_hang():
-    seen = []
+    counter = itertools.count()
 
     def second_rank_crashes(x, shard, attend, all_reduce):
-        seen.append(1)
-        if len(seen) == 2:  # whichever thread comes second; the first waits in all_reduce
+        if next(counter) == 1:  # whichever thread comes second; the first waits in all_reduce
             raise KeyError("boom")
         return S.attention_forward(x, shard, attend, all_reduce)
 
@@ -200,3 +200,18 @@ def test_gloo_run_itself_catches_a_missing_all_reduce_and_stops_its_workers():
     left = {p.pid for p in psutil.Process().children(recursive=True)} - before
     assert not [p for p in left if psutil.pid_exists(p) and
                 psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_unequal_all_reduce_counts_time_out_with_a_clear_message(monkeypatch):
+    counter = itertools.count()
+
+    def first_rank_reduces_twice(x, shard, attend, all_reduce):
+        first = next(counter) == 0  # atomic: exactly one thread rank gets 0
+        y = S.attention_forward(x, shard, attend, all_reduce)
+        return all_reduce(y) if first else y
+
+    real = Fw._Board.__init__
+    monkeypatch.setattr(Fw._Board, "__init__", lambda self, world: real(self, world, 0.5))
+    result = Fw.check_forward(first_rank_reduces_twice, processes=False)
+    assert not result.passed
+    assert "every rank must make the same all_reduce calls" in result.message
