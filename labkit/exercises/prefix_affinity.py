@@ -76,12 +76,18 @@ class _Probe:
                            f"eps={EPS})")
 
     def choose(self, policy: Any, ids: list[int], reps: list[Rep]) -> Rep:
+        before = [r.outstanding for r in reps]
         t0 = time.perf_counter()
         got = call(policy.choose, RouteKey(token_ids=ids), reps,
                    _label=f"choose(prompt of {len(ids)} tokens, {len(reps)} replicas with "
                           f"outstanding {[r.outstanding for r in reps]})")
         self.seconds += time.perf_counter() - t0
         self.calls += 1
+        if [r.outstanding for r in reps] != before:
+            raise CheckFailure("choose changed the replicas' outstanding counts",
+                               expected=before, actual=[r.outstanding for r in reps],
+                               hint="only read .outstanding: the router counts a request when "
+                                    "it sends it and again when it finishes")
         if not any(got is r for r in reps):
             raise CheckFailure("choose must return one of the replica objects it was given",
                                expected="one of " + ", ".join(r.name for r in reps[:4]) + ", …",

@@ -249,6 +249,10 @@ def compare_shards(block: Block, shards: list[dict[str, torch.Tensor]]) -> None:
                 raise CheckFailure(f"wrong shape of {name} on rank {rank}", inputs=where,
                                    expected=list(e.shape), actual=list(g.shape),
                                    hint=_shape_hint(name, c, tuple(g.shape)))
+            if g.dtype != e.dtype:
+                raise CheckFailure(f"{name} on rank {rank} changed dtype", inputs=where,
+                                   expected=e.dtype, actual=g.dtype,
+                                   hint="slice the tensors; do not convert them")
             if torch.equal(g, e):
                 continue
             dim = 1 if name == "o_proj.weight" else 0

@@ -60,6 +60,15 @@ class RingByPosition(S.PrefixAffinity):
             super().choose(key, replicas)
 
 
+class CountsItself(S.PrefixAffinity):
+    """Increments the chosen replica's count: the router already does, so it counts twice."""
+
+    def choose(self, key, replicas):
+        r = super().choose(key, replicas)
+        r.outstanding += 1
+        return r
+
+
 class NoEmptyCheck(S.PrefixAffinity):
     def choose(self, key, replicas):
         return super().choose(key, replicas) if replicas else None
@@ -74,6 +83,7 @@ WRONG = [
     (OnePointPerReplica, ["far from even", "vnodes points"]),
     (RingByPosition, ["another order", "by replica NAME"]),
     (NoEmptyCheck, ["raise NoReplicaError"]),
+    (CountsItself, ["changed the replicas' outstanding counts", "the router counts"]),
 ]
 
 

@@ -63,6 +63,10 @@ def _o_bias_split(out, w, hq, hkv, d, rank, world):
         out["o_proj.bias"] = w["o_proj.bias"][rank * h:(rank + 1) * h]
 
 
+def _to_double(out, w, hq, hkv, d, rank, world):
+    out["q_proj.weight"] = out["q_proj.weight"].double()
+
+
 WRONG_SPLITS = [
     ("o_proj split by columns", _o_by_columns, ["wrong shape of o_proj.weight", "ROW-parallel"]),
     ("kv heads not divided", _kv_whole, ["wrong shape of k_proj.weight",
@@ -73,6 +77,7 @@ WRONG_SPLITS = [
                                                      "query heads 2..3 read KV heads 0..0"]),
     ("kv heads not replicated", _kv_not_replicated, ["copy of the ONE KV head"]),
     ("o_proj bias split", _o_bias_split, ["o_proj's bias is not split"]),
+    ("converted dtype", _to_double, ["q_proj.weight on rank 0 changed dtype", "torch.float64"]),
 ]
 
 
