@@ -220,3 +220,27 @@ def test_unequal_all_reduce_counts_time_out_with_a_clear_message(monkeypatch):
     result = Fw.check_forward(first_rank_reduces_twice, processes=False)
     assert not result.passed
     assert "every rank must make the same all_reduce calls" in result.message
+
+
+def test_labkit_row_parallel_linear_passes_the_checker():
+    """Cross-check: a forward built on labkit.parallel.layers.RowParallelLinear (the engine's
+    o_proj on a rank) passes, so the checker and the engine agree on where the sum goes."""
+    from labkit.parallel.layers import RowParallelLinear
+
+    class Group:  # RowParallelLinear's view of a TPGroup, over the checker's all_reduce
+        def __init__(self, all_reduce):
+            self.all_reduce = lambda t, site="": all_reduce(t)
+
+    def forward(x, shard, attend, all_reduce):
+        q = F.linear(x, shard["q_proj.weight"], shard.get("q_proj.bias"))
+        k = F.linear(x, shard["k_proj.weight"], shard.get("k_proj.bias"))
+        v = F.linear(x, shard["v_proj.weight"], shard.get("v_proj.bias"))
+        w = shard["o_proj.weight"]
+        o = RowParallelLinear(w.shape[1], w.shape[0], "o_proj.bias" in shard, Group(all_reduce))
+        o.weight.copy_(w)
+        if o.bias is not None:
+            o.bias.copy_(shard["o_proj.bias"])
+        return o(attend(q, k, v))
+
+    result = Fw.check_forward(forward, processes=False)
+    assert result.passed, result.message
