@@ -9,6 +9,7 @@ solutions: the checkers take their references from labkit itself.
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any
 
@@ -18,9 +19,10 @@ def inject(name: str, learner_fn: Any, module: str = "solutions") -> Any:
     ``module``: the ``labkit.exercises`` module holding it (newer exercises keep their own)."""
     if os.environ.get("LABKIT_INJECT_SOLUTIONS") != "1":
         return learner_fn
-    import importlib  # lazy: spoilers stay unread unless injecting
-
-    solutions = importlib.import_module(f"labkit.exercises.{module}")
+    if module == "solutions":  # lazy: spoilers stay unread unless injecting
+        from labkit.exercises import solutions
+    else:  # e.g. "tp_attention_solutions": nothing else imports those either
+        solutions = importlib.import_module(f"labkit.exercises.{module}")
     if not hasattr(solutions, name):
         raise ValueError(f"no reference solution named {name!r} in labkit.exercises.{module}")
     return getattr(solutions, name)
