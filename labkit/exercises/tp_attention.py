@@ -255,6 +255,11 @@ def compare_shards(block: Block, shards: list[dict[str, torch.Tensor]]) -> None:
                                    hint="slice the tensors; do not convert them")
             if torch.equal(g, e):
                 continue
+            if name == "o_proj.bias":
+                raise CheckFailure(f"rank {rank}'s o_proj.bias is not the block's", inputs=where,
+                                   expected=e, actual=g, hint=_shape_hint(name, c, ()) + " (a "
+                                   "bias on rank 0 only, added before the all-reduce, also sums "
+                                   "right, but this contract keeps it whole on every rank)")
             dim = 1 if name == "o_proj.weight" else 0
             full = block.weights[name]
             if full.dim() == 1:  # biases: compare as one-element rows

@@ -63,6 +63,11 @@ def _o_bias_split(out, w, hq, hkv, d, rank, world):
         out["o_proj.bias"] = w["o_proj.bias"][rank * h:(rank + 1) * h]
 
 
+def _o_bias_rank0_only(out, w, hq, hkv, d, rank, world):
+    if "o_proj.bias" in w and rank:
+        out["o_proj.bias"] = torch.zeros_like(w["o_proj.bias"])
+
+
 def _to_double(out, w, hq, hkv, d, rank, world):
     out["q_proj.weight"] = out["q_proj.weight"].double()
 
@@ -77,6 +82,8 @@ WRONG_SPLITS = [
                                                      "query heads 2..3 read KV heads 0..0"]),
     ("kv heads not replicated", _kv_not_replicated, ["copy of the ONE KV head"]),
     ("o_proj bias split", _o_bias_split, ["o_proj's bias is not split"]),
+    ("o_proj bias on rank 0 only", _o_bias_rank0_only, ["rank 1's o_proj.bias is not the "
+                                                        "block's", "whole on every rank"]),
     ("converted dtype", _to_double, ["q_proj.weight on rank 0 changed dtype", "torch.float64"]),
 ]
 
