@@ -28,6 +28,7 @@ class PortableFunction:
     name: str
     code: bytes
     defaults: tuple | None = None
+    kwdefaults: dict[str, Any] | None = None
     modules: dict[str, str] = field(default_factory=dict)       # global name -> module name
     values: dict[str, bytes] = field(default_factory=dict)      # global name -> pickle
     functions: dict[str, PortableFunction] = field(default_factory=dict)
@@ -37,7 +38,9 @@ class PortableFunction:
         g.update({k: importlib.import_module(m) for k, m in self.modules.items()})
         g.update({k: pickle.loads(v) for k, v in self.values.items()})
         g.update({k: f.load() for k, f in self.functions.items()})
-        return types.FunctionType(marshal.loads(self.code), g, self.name, self.defaults)
+        fn = types.FunctionType(marshal.loads(self.code), g, self.name, self.defaults)
+        fn.__kwdefaults__ = self.kwdefaults
+        return fn
 
 
 def _names(code: types.CodeType) -> Iterator[str]:
@@ -55,7 +58,8 @@ def portable(fn: Callable[..., Any], _depth: int = 0) -> PortableFunction:
     if fn.__closure__:
         raise TypeError(f"{fn.__name__} uses variables of an enclosing function; define it at "
                         "the top level of the notebook (workers receive it on its own)")
-    out = PortableFunction(fn.__name__, marshal.dumps(fn.__code__), fn.__defaults__)
+    out = PortableFunction(fn.__name__, marshal.dumps(fn.__code__), fn.__defaults__,
+                           fn.__kwdefaults__)
     for name in set(_names(fn.__code__)):
         if name not in fn.__globals__:
             continue  # a builtin, an attribute name, or genuinely undefined

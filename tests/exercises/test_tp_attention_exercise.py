@@ -177,8 +177,8 @@ def test_portable_rebuilds_a_notebook_function_and_its_helpers():
         import math
         def helper(t):
             return t * math.sqrt(4.0)
-        def f(t, k=3):
-            return helper(t) + k
+        def f(t, k=3, *, j=0):
+            return helper(t) + k + j
     """, "f")
     assert fn.__module__ == "__main__"
     p = portable(fn)
