@@ -62,7 +62,8 @@ def free_port() -> int:
 
 def build_engine(model: str, *, tokenizer: Any = None, dtype: str | None = None,
                  device: str | None = None, **engine_kw: Any) -> tuple[Any, Any, Any]:
-    """(engine, tokenizer, chat template) for a shipped model name or a local folder."""
+    """(engine, tokenizer, chat template) for a shipped model name, a local folder or a
+    ``.gguf`` file (memory-mapped; its chat template is the ChatML default)."""
     import torch
 
     from labkit.engine.llm_engine import LLMEngine
@@ -76,7 +77,8 @@ def build_engine(model: str, *, tokenizer: Any = None, dtype: str | None = None,
         m, tok = load_pretrained(model, dtype=dtype, device=device)
         m.eval()
     eng = LLMEngine.from_model(m, tokenizer or tok, name=str(model), **kw)
-    render, _ = load_chat_template(resolve_model_path(model))
+    gguf = str(model).endswith(".gguf")  # a single file: no tokenizer_config.json beside it
+    render, _ = load_chat_template(None if gguf else resolve_model_path(model))
     return eng, tokenizer or tok, render
 
 

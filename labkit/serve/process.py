@@ -25,14 +25,19 @@ from labkit.serve.launcher import free_port
 
 
 class ServerProcess:
-    """``with ServerProcess("labkit-tiny", ["--policy", "fair"]) as srv: srv.url``"""
+    """``with ServerProcess("labkit-tiny", ["--policy", "fair"]) as srv: srv.url``
+
+    ``cmd`` runs another server instead (it must listen on ``self.port``; pass ``port``), whose
+    readiness URL path is ``health``: the benchmarks start llama.cpp's server this way."""
 
     def __init__(self, model: str = "labkit-tiny", args: Sequence[str] = (),
                  port: int | None = None, startup_timeout: float = 120.0,
-                 threads: int | None = 1) -> None:
+                 threads: int | None = 1, cmd: Sequence[str] | None = None,
+                 health: str = "/health") -> None:
         self.port = port or free_port()
         self.cmd = [sys.executable, "-m", "labkit.cli", "serve", model, "--host", "127.0.0.1",
-                    "--port", str(self.port), *args]
+                    "--port", str(self.port), *args] if cmd is None else list(cmd)
+        self.health = health  # another server (``cmd``) may answer readiness elsewhere
         self.startup_timeout = startup_timeout
         self.env = dict(os.environ)
         if threads:
@@ -58,16 +63,16 @@ class ServerProcess:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"labkit serve exited with {self.proc.returncode}:\n"
+                raise RuntimeError(f"{self.cmd[:4]} exited with {self.proc.returncode}:\n"
                                    f"{self.output()[-4000:]}")
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                if httpx.get(self.url + self.health, timeout=1).status_code == 200:
                     return self
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
         self.stop()
-        raise RuntimeError(f"labkit serve did not become healthy in {self.startup_timeout} s")
+        raise RuntimeError(f"{self.cmd[:4]} did not become healthy in {self.startup_timeout} s")
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM (graceful drain), then kill if it is still there after ``timeout`` s."""
