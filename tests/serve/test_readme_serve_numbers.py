@@ -38,3 +38,28 @@ def test_serve_rows_match_serve_json():
     sweep = R["sweep"]
     assert n[:3] == pytest.approx([r["request_throughput"] for r in sweep], abs=0.06)
     assert n[4:7] == pytest.approx([r["p99_ttft_ms"] / 1000 for r in sweep], abs=0.06)
+
+
+def _cells(label: str) -> list[list[float]]:
+    """The numbers of each value cell of the README row starting with ``label``."""
+    rows = [ln for ln in README.splitlines() if ln.startswith(f"| {label}")]
+    assert len(rows) == 1, f"want one README row starting '| {label}', got {len(rows)}"
+    return [[float(x.replace(",", "")) for x in re.findall(r"-?\d[\d,]*\.?\d*", c)]
+            for c in rows[0].strip().strip("|").split("|")[1:]]
+
+
+def test_llamacpp_side_by_side_rows_match_json():
+    L = json.loads((ROOT / "datasets" / "results" / "serve_llamacpp.json").read_text())
+    rows = {(r["backend"], r["concurrency"]): r for r in L["rows"]}
+    ratio = L["labkit_over_llamacpp"]
+    for conc, n_req, keys in ((1, 8, ("output_throughput", "median_ttft_ms", "median_tpot_ms")),
+                              (8, 32, ("output_throughput", "median_ttft_ms"))):
+        lk, ll, rat = _cells(f"concurrency {conc} ({n_req} requests)")
+        assert rows[("labkit", conc)]["completed"] == rows[("llama.cpp", conc)]["completed"] \
+            == n_req
+        assert lk == pytest.approx([rows[("labkit", conc)][k] for k in keys], rel=0.01)
+        assert ll == pytest.approx([rows[("llama.cpp", conc)][k] for k in keys], rel=0.01)
+        assert rat == pytest.approx([ratio[str(conc)][k.removesuffix("_ms")] for k in keys],
+                                    abs=0.006)
+    assert L["greedy_same_text"] == L["greedy_checked"] == 6
+    assert all(L["stopped"].values())
