@@ -18,6 +18,18 @@ def _engine(model, **kw):
     return LLMEngine.from_model(model, None, block_size=4, num_blocks=64, **kw)
 
 
+def _fail_steps_of(eng, request_id):
+    """Make every step that schedules ``request_id`` raise inside the executor."""
+    real = eng.executor.execute
+
+    def execute(out):
+        if any(sc.seq.request_id == request_id for sc in out.scheduled):
+            raise RuntimeError("injected kernel failure")
+        return real(out)
+
+    eng.executor.execute = execute
+
+
 async def _collect(stream) -> dict[int, list[int]]:
     toks: dict[int, list[int]] = {}
     async for item in stream:
@@ -93,14 +105,7 @@ def test_bad_request_raises_at_add_and_engine_goes_on(tiny_model):
 
 def test_step_failure_fails_only_its_requests(tiny_model):
     eng = _engine(tiny_model, max_num_seqs=1)  # one at a time: the failing step holds only "boom"
-    real = eng.executor.execute
-
-    def execute(out):
-        if any(sc.seq.request_id == "boom" for sc in out.scheduled):
-            raise RuntimeError("injected kernel failure")
-        return real(out)
-
-    eng.executor.execute = execute
+    _fail_steps_of(eng, "boom")
 
     async def main():
         llm = AsyncLLM(eng).start()
@@ -136,14 +141,7 @@ def test_engine_forgets_every_delivered_request(tiny_model):
     """Finished, aborted and failed requests all leave engine.requests once their last output is
     delivered (flat memory), and request_timings() still says how each ended."""
     eng = _engine(tiny_model, max_num_seqs=2)
-    real = eng.executor.execute
-
-    def execute(out):
-        if any(sc.seq.request_id == "boom" for sc in out.scheduled):
-            raise RuntimeError("injected kernel failure")
-        return real(out)
-
-    eng.executor.execute = execute
+    _fail_steps_of(eng, "boom")
 
     async def main():
         llm = AsyncLLM(eng).start()
