@@ -63,3 +63,13 @@ def test_llamacpp_side_by_side_rows_match_json():
                                     abs=0.006)
     assert L["greedy_same_text"] == L["greedy_checked"] == 6
     assert all(L["stopped"].values())
+
+
+def test_knee_row_matches_serve_json():
+    k = R["knee"]
+    n = _numbers("knee beside the simulator")
+    f = k["step_fit"]
+    assert n == pytest.approx([k["measured_capacity_req_s"], k["simulated_capacity_req_s"],
+                               k["measured_over_simulated"], f["a_s"] * 1e3,
+                               f["per_token_s"] * 1e3, f["per_seq_s"] * 1e3, f["r2"]],
+                              abs=0.06)
