@@ -73,3 +73,16 @@ def test_knee_row_matches_serve_json():
                                k["measured_over_simulated"], f["a_s"] * 1e3,
                                f["per_token_s"] * 1e3, f["per_seq_s"] * 1e3, f["r2"]],
                               abs=0.06)
+
+
+def test_soak_numbers_match_serve_soak_json():
+    S = json.loads((ROOT / "datasets" / "results" / "serve_soak.json").read_text())
+    t = S["memory_trend"]
+    want = (f"{S['disconnects']} disconnects, {S['invalid_4xx']} invalid requests, "
+            f"{S['num_5xx']} 5xx, {S['greedy_compared']} greedy")
+    text = " ".join(README.replace("\u2212", "-").split())  # the README writes minus as U+2212
+    assert want in text
+    assert f"accepted {S['accepted']:.0f} = finished" in text
+    assert f"{t['requests_held']['growth_per_1000_requests']:.2f}/1,000" in text
+    assert f"+{t['rss_kb']['growth_per_1000_requests'] / 1024:.1f} MiB/1,000" in text
+    assert S["memory_flat"] and S["num_5xx"] == 0 and S["requests_held_at_end"] == 0
