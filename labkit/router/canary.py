@@ -88,6 +88,7 @@ class Verdict:
     metrics: dict[str, Any] = field(default_factory=dict)
     source: str = "router"  # where the numbers came from: the router's counters or PromQL
     at: float = field(default_factory=time.time)
+    candidate_seen: int = 0  # candidate requests finished when the check ran
 
 
 def judge(b: Mapping[str, Any], c: Mapping[str, Any], max_error_increase: float,
@@ -164,6 +165,7 @@ class CanaryAnalysis:
             if action == "rollback":
                 self.rolled_back_after = self.seen[CANDIDATE]
             v = Verdict(action, "; ".join(reasons), {"baseline": b, "candidate": c}, source)
+        v.candidate_seen = self.seen[CANDIDATE]
         self.checks.append(v)
         return v
 

@@ -1,0 +1,107 @@
+"""The canary wired into the router, on loopback: fake OpenAI replicas (fixed 20 ms "prefill"),
+the candidate behind the FaultInjector. A candidate made 1 s slower, or failing, is rolled back
+within a stated number of its requests; a healthy one is not; arms are sticky per user and a
+header forces one.
+
+Timing margins are wide on purpose: the box running this may be shared (2 cores), so TTFT p99
+carries scheduling noise of a few hundred ms on both arms; the checks use a 2x p99 ratio and
+a 1 s injected delay."""
+
+import httpx
+import pytest
+from fake_openai import fake_replica
+from scipy import stats
+
+from labkit.router.canary import CANDIDATE
+from labkit.router.canary_demo import default_canary, run_canary
+from labkit.router.faults import FaultInjector, serve_in_thread
+from labkit.router.proxy import create_app
+
+# The first verdict needs 20 requests in *each* arm (min_samples); the users' sticky hashes
+# put more of the first users on the candidate, so that is ~40 candidate requests here; then
+# threshold (2) failed checks, interval (10) apart: rolled back by the 60th candidate request.
+ROLLBACK_WITHIN = 60
+
+
+@pytest.fixture(scope="module")
+def replicas():
+    a, b = fake_replica("a", 0.02), fake_replica("b", 0.02)
+    with serve_in_thread(a) as ua, serve_in_thread(b) as ub:
+        yield ua, ub
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", [{"delay_s": 1.0}, {"error_rate": 0.5}])
+def test_bad_candidate_is_rolled_back_through_the_router(replicas, fault):
+    base, cand = replicas
+    r = run_canary([base], cand, n_requests=400, concurrency=8, canary=default_canary(0.5),
+                   after_rollback=24, **fault)
+    assert r["rolled_back"], r["checks"]
+    assert r["rolled_back_after"] <= ROLLBACK_WITHIN
+    actions = [c["action"] for c in r["checks"]]  # no pass: the first real check already fails
+    assert actions[-2:] == ["fail", "rollback"] and set(actions[:-2]) <= {"wait"}
+    assert ("TTFT p99" if "delay_s" in fault else "error rate") in r["reason"]
+    assert r["reason"].endswith("(source: router)")
+    # requests sent after the rollback went to the baseline, every one
+    later = [x for x in r["requests"] if x["weight_at_start"] == 0.0]
+    assert later and all(x["arm"] == "baseline" and x["status"] == 200 for x in later)
+    assert "labkit_router_canary_rolled_back 1.0" in r["router_metrics"]
+
+
+@pytest.mark.slow
+def test_healthy_candidate_is_not_rolled_back(replicas):
+    base, cand = replicas
+    canary = default_canary(0.5, threshold=3)
+    r = run_canary([base], cand, n_requests=240, concurrency=8, canary=canary)
+    assert not r["rolled_back"], r["reason"]
+    assert r["candidate_requests"] > 80 and len(r["requests"]) == 240
+    assert sum(c["action"] in ("pass", "fail") for c in r["checks"]) >= 6
+    assert all(x["status"] == 200 for x in r["requests"])
+
+
+def test_arms_sticky_per_user_header_forces_and_bad_header_is_400(replicas):
+    base, cand = replicas
+    canary = default_canary(0.5)
+    app = create_app([base], "round-robin", canary_urls=[cand], canary=canary)
+    with serve_in_thread(app) as url, httpx.Client(timeout=10) as c:
+        def arm(user=None, headers=None):
+            body = {"prompt": "hi", "stream": True, **({"user": user} if user else {})}
+            r = c.post(url + "/v1/completions", json=body, headers=headers or {})
+            assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+            assert (r.headers["x-labkit-replica"] == "canary-0") == \
+                (r.headers["x-labkit-canary"] == CANDIDATE)
+            return r.headers["x-labkit-canary"]
+
+        first = {f"u{i}": arm(f"u{i}") for i in range(40)}
+        assert all(arm(u) == a for u, a in list(first.items())[:20])  # sticky
+        assert 0 < list(first.values()).count(CANDIDATE) < 40
+        assert arm("u1", {"x-labkit-canary": "1"}) == CANDIDATE
+        assert arm("u1", {"x-labkit-canary": "0"}) == "baseline"
+        r = c.post(url + "/v1/completions", json={"prompt": "hi"},
+                   headers={"x-labkit-canary": "maybe"})
+        assert r.status_code == 400 and "x-labkit-canary" in r.json()["error"]["message"]
+        st = c.get(url + "/canary").json()
+        assert st["seen"]["baseline"] + st["seen"]["candidate"] == 62
+        assert not st["rolled_back"]
+    with pytest.raises(ValueError, match="candidate replica"):
+        create_app([base], canary=default_canary())
+
+
+def test_no_canary_endpoint_says_how(replicas):
+    with serve_in_thread(create_app([replicas[0]])) as url:
+        r = httpx.get(url + "/canary", timeout=10)
+        assert r.status_code == 404 and "--canary" in r.json()["error"]["message"]
+
+
+def test_fault_injector_errors_at_its_rate_and_delays(replicas):
+    inj = FaultInjector(replicas[0], error_rate=0.3, seed=1)
+    with serve_in_thread(inj.app) as url, httpx.Client(timeout=10) as c:
+        codes = [c.post(url + "/v1/completions", json={"prompt": "x"}).status_code
+                 for _ in range(100)]
+        assert set(codes) == {200, 503}
+        assert stats.binomtest(codes.count(503), 100, 0.3).pvalue > 1e-3
+        r = c.post(url + "/faults", json={"error_rate": 0, "delay_s": 0.3}).json()
+        assert r["delay_s"] == 0.3 and r["injected"]["errors"] == codes.count(503)
+        resp = c.post(url + "/v1/completions", json={"prompt": "x"})
+        assert resp.status_code == 200 and resp.elapsed.total_seconds() >= 0.3
+        assert c.post(url + "/faults", json={"error_rate": 2}).status_code == 400
