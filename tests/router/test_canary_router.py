@@ -17,10 +17,11 @@ from labkit.router.canary_demo import default_canary, run_canary
 from labkit.router.faults import FaultInjector, serve_in_thread
 from labkit.router.proxy import create_app
 
-# The first verdict needs 20 requests in *each* arm (min_samples); the users' sticky hashes
-# put more of the first users on the candidate, so that is ~40 candidate requests here; then
-# threshold (2) failed checks, interval (10) apart: rolled back by the 60th candidate request.
-ROLLBACK_WITHIN = 60
+# The first verdict needs 20 finished requests in *each* arm (min_samples); the sticky hashes
+# of user-0..user-59 put 39 of them on the candidate, so that is ~40 candidate requests (more
+# when baseline requests are still in flight); then threshold (2) failed checks, interval (10)
+# apart: rolled back by the 80th candidate request. The check sequence is asserted exactly.
+ROLLBACK_WITHIN = 80
 
 
 @pytest.fixture(scope="module")
