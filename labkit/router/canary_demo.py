@@ -96,11 +96,14 @@ def canary_router(baseline_urls: Sequence[str], candidate_url: str, canary: Cana
         yield router_url, inj
 
 
-def default_canary(weight: float = 0.3, seed: int = 0, **analysis_kw: Any) -> Canary:
+DEMO_RATIO = 2.0  # p99 ratio that fails a check: wide, a shared 2-core box adds ms-to-s noise
+
+
+def default_canary(weight: float = 0.5, seed: int = 0, **analysis_kw: Any) -> Canary:
     """A canary sized for a short demo: verdicts after 20 requests per arm, a check every 10
     candidate requests, rollback on 2 failed checks in a row."""
     kw = {"window": 200, "min_samples": 20, "interval": 10, "threshold": 2,
-          "max_ttft_p99_ratio": 2.0, **analysis_kw}
+          "max_ttft_p99_ratio": DEMO_RATIO, **analysis_kw}
     import random
 
     return Canary(CanarySplit(weight, rng=random.Random(seed)), CanaryAnalysis(**kw))
@@ -159,17 +162,25 @@ def start_replicas(n: int, model: str = "labkit-tiny", args: Sequence[str] = ())
 
 
 def run_demo(baseline_urls: Sequence[str] | None = None, candidate_url: str | None = None,
-             delay_s: float = 0.5, degrade_after: int = 60, n_requests: int = 240,
-             concurrency: int = 4) -> dict[str, Any]:
+             delay_s: float = 1.0, degrade_after: int = 60, n_requests: int = 300,
+             concurrency: int = 4, prometheus: bool | None = None) -> dict[str, Any]:
     """The notebook's "a canary that degrades and gets rolled back": healthy for
     ``degrade_after`` requests, then ``delay_s`` slower. Starts two labkit-tiny replicas when
-    no URLs are given (and stops them). Plot with ``labkit.viz.canary.plot_canary``."""
+    no URLs are given (and stops them). ``prometheus``: read the verdict from a real Prometheus
+    and return the side-by-side rows (None: when the binary is installed; ``promql_skipped``
+    then says why not). Plot with ``labkit.viz.canary.plot_canary`` and ``promql_table``."""
+    from labkit.router.prometheus import MISSING, find_prometheus
+
+    use_prom = find_prometheus() is not None if prometheus is None else prometheus
     procs = [] if baseline_urls and candidate_url else start_replicas(2)
     try:
         base = list(baseline_urls or [procs[0].url])
         cand = candidate_url or procs[1].url
-        return run_canary(base, cand, delay_s=delay_s, degrade_after=degrade_after,
-                          n_requests=n_requests, concurrency=concurrency)
+        out = run_canary(base, cand, delay_s=delay_s, degrade_after=degrade_after,
+                         n_requests=n_requests, concurrency=concurrency, prometheus=use_prom)
+        out["promql_skipped"] = None if use_prom else MISSING
+        out["ratio"] = DEMO_RATIO
+        return out
     finally:
         for p in procs:
             p.stop()
