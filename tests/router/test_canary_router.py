@@ -1,7 +1,8 @@
 """The canary wired into the router, on loopback: fake OpenAI replicas (fixed 20 ms "prefill"),
-the candidate behind the FaultInjector. A candidate made 1 s slower, or failing, is rolled back
-within a stated number of its requests; a healthy one is not; arms are sticky per user and a
-header forces one.
+the candidate behind the FaultInjector. A candidate made 1 s slower is rolled back within a
+stated number of its requests and what is sent after it all goes to the baseline; arms are
+sticky per user and a header forces one. (The erroring and the healthy candidate run through
+the benchmark's own function: tests/bench/test_cluster_canary.py.)
 
 Timing margins are wide on purpose: the box running this may be shared (2 cores), so TTFT p99
 carries scheduling noise of a few hundred ms on both arms; the checks use a 2x p99 ratio and
@@ -32,7 +33,7 @@ def replicas():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", [{"delay_s": 1.0}, {"error_rate": 0.5}])
+@pytest.mark.parametrize("fault", [{"delay_s": 1.0}])  # erroring, healthy: tests/bench
 def test_bad_candidate_is_rolled_back_through_the_router(replicas, fault):
     base, cand = replicas
     r = run_canary([base], cand, n_requests=400, concurrency=8, canary=default_canary(0.5),
@@ -47,17 +48,6 @@ def test_bad_candidate_is_rolled_back_through_the_router(replicas, fault):
     later = [x for x in r["requests"] if x["weight_at_start"] == 0.0]
     assert later and all(x["arm"] == "baseline" and x["status"] == 200 for x in later)
     assert "labkit_router_canary_rolled_back 1.0" in r["router_metrics"]
-
-
-@pytest.mark.slow
-def test_healthy_candidate_is_not_rolled_back(replicas):
-    base, cand = replicas
-    canary = default_canary(0.5, threshold=3)
-    r = run_canary([base], cand, n_requests=240, concurrency=8, canary=canary)
-    assert not r["rolled_back"], r["reason"]
-    assert r["candidate_requests"] > 80 and len(r["requests"]) == 240
-    assert sum(c["action"] in ("pass", "fail") for c in r["checks"]) >= 6
-    assert all(x["status"] == 200 for x in r["requests"])
 
 
 def test_arms_sticky_per_user_header_forces_and_bad_header_is_400(replicas):
@@ -98,9 +88,9 @@ def test_fault_injector_errors_at_its_rate_and_delays(replicas):
     inj = FaultInjector(replicas[0], error_rate=0.3, seed=1)
     with serve_in_thread(inj.app) as url, httpx.Client(timeout=10) as c:
         codes = [c.post(url + "/v1/completions", json={"prompt": "x"}).status_code
-                 for _ in range(100)]
+                 for _ in range(60)]
         assert set(codes) == {200, 503}
-        assert stats.binomtest(codes.count(503), 100, 0.3).pvalue > 1e-3
+        assert stats.binomtest(codes.count(503), 60, 0.3).pvalue > 1e-3
         r = c.post(url + "/faults", json={"error_rate": 0, "delay_s": 0.3}).json()
         assert r["delay_s"] == 0.3 and r["injected"]["errors"] == codes.count(503)
         resp = c.post(url + "/v1/completions", json={"prompt": "x"})
