@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from labkit.router.canary import add_canary_args, canary_from_args
+    from labkit.router.canary_cli import add_canary_args, canary_from_args
     from labkit.router.policies import POLICIES
 
     p = argparse.ArgumentParser(prog="labkit router", description=__doc__.splitlines()[0])

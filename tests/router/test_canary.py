@@ -14,10 +14,9 @@ from labkit.router.canary import (
     CanaryAnalysis,
     CanarySplit,
     Verdict,
-    add_canary_args,
-    canary_from_args,
     judge,
 )
+from labkit.router.canary_cli import add_canary_args, canary_from_args
 
 # min_samples (100) + interval (25) * (threshold (2) - 1): the earliest possible rollback
 ROLLBACK_WITHIN = 150
