@@ -188,8 +188,8 @@ class _ArmMetrics:
 
 
 class Canary:
-    """Split + analysis, wired into the router: a rollback sets the candidate's weight to 0
-    (headers still force an arm) and records why."""
+    """Split + analysis, wired into the router: a rollback sets the candidate's weight to 0,
+    sends all traffic to the baseline (header-forced requests too) and records why."""
 
     def __init__(self, split: CanarySplit | None = None,
                  analysis: CanaryAnalysis | None = None, promql: Any = None,
@@ -204,7 +204,7 @@ class Canary:
             self.analysis.auto = False
         self.initial_weight = self.split.weight
         self.rollback_reason: str | None = None
-        self.events: list[dict[str, Any]] = []  # per finished request: for timelines
+        self.events: deque = deque(maxlen=10_000)  # the last finished requests: timelines
         self.metrics: _ArmMetrics | None = None
         self._t0 = time.monotonic()
 
@@ -243,9 +243,12 @@ class Canary:
 
     def pick(self, user: str | None, headers: Mapping[str, str], stable: Sequence[Any],
              candidates: Sequence[Any]) -> tuple[str, Sequence[Any]]:
-        """The request's arm and the replica set to route it in. Raises ValueError on a bad
+        """The request's arm and the replica set to route it in: after a rollback, always the
+        baseline (a header no longer reaches the rolled-back build). Raises ValueError on a bad
         header value (the router answers 400)."""
         arm = self.assign(user, headers)
+        if self.rollback_reason is not None:
+            arm = BASELINE
         return arm, (candidates if arm == CANDIDATE else stable)
 
     async def watch(self, body: AsyncIterator[bytes], arm: str, t0: float,

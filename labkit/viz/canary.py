@@ -52,15 +52,16 @@ def plot_canary(result: dict[str, Any], ratio: float | None = None) -> go.Figure
                         mode="lines+markers", name=f"{arm} p99", showlegend=False,
                         line={"color": COLORS[arm]}, row=2, col=1)
     if ratio:
-        fig.add_scatter(x=x, y=[ratio * (c["metrics"]["baseline"]["ttft_p99"] or 0)
-                                for c in checks], mode="lines", name=f"{ratio}x baseline",
+        base = [c["metrics"]["baseline"]["ttft_p99"] for c in checks]
+        fig.add_scatter(x=x, y=[None if b is None else ratio * b for b in base],
+                        mode="lines", name=f"{ratio}x baseline",
                         line={"dash": "dash", "color": "#555"}, row=2, col=1)
     fig.add_scatter(x=x, y=[c["metrics"]["candidate"]["ttft_p99"] for c in checks],
                     mode="markers", showlegend=False, hovertext=[c["reason"] for c in checks],
                     marker={"size": 11, "color": [VERDICT[c["action"]] for c in checks]},
                     row=2, col=1)
     fig.update_xaxes(title_text="request", row=1, col=1)
-    fig.update_xaxes(title_text="check (after min samples)", row=2, col=1)
+    fig.update_xaxes(title_text="check (grey: too few samples yet)", row=2, col=1)
     fig.update_yaxes(title_text="s", row=1, col=1)
     fig.update_yaxes(title_text="s", row=2, col=1)
     title = (f"rolled back after {result['rolled_back_after']} candidate requests: "
@@ -81,5 +82,5 @@ def promql_table(rows: list[dict[str, Any]]) -> go.Figure:
     fig = go.Figure(go.Table(header={"values": cols}, cells={"values": vals, "align": "left"},
                              columnwidth=[1, 1.2, 6, 1.3, 1.3]))
     fig.update_layout(title="the canary's numbers: PromQL beside the router's own counters",
-                      height=120 + 40 * len(rows))
+                      height=160 + 60 * len(rows))
     return fig

@@ -42,9 +42,12 @@ def test_bad_candidate_is_rolled_back_quickly(error, slow):
     assert a.rolled_back_after <= ROLLBACK_WITHIN
     assert canary.split.weight == 0.0
     assert a.checks[-1].action == "rollback" and a.checks[-1].reason
-    # after rollback, no new traffic reaches the candidate (except by header)
+    # after rollback, no new traffic reaches the candidate: the split's weight is 0, and the
+    # router's hook overrides a forcing header too
     assert canary.assign(user="anyone") == BASELINE
-    assert canary.assign(headers={"X-Labkit-Canary": "candidate"}) == CANDIDATE
+    assert canary.assign(headers={"X-Labkit-Canary": "candidate"}) == CANDIDATE  # the split
+    arm, pool = canary.pick("u", {"X-Labkit-Canary": "candidate"}, ["stable"], ["cand"])
+    assert arm == BASELINE and pool == ["stable"]
 
 
 @pytest.mark.parametrize("seed", range(4))

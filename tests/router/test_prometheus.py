@@ -21,6 +21,7 @@ from labkit.router.faults import serve_in_thread
 from labkit.router.health import Backoff
 from labkit.router.prometheus import (
     MISSING,
+    PrometheusError,
     PrometheusServer,
     alert_rules,
     check_rules,
@@ -66,7 +67,7 @@ def test_promtool_accepts_the_rules(tmp_path):
     assert "SUCCESS: 6 rules found" in check_rules(tmp_path / "rules.yml")
     bad = tmp_path / "bad.yml"
     bad.write_text("groups: [{name: x, rules: [{alert: A, expr: 'sum(('}]}]\n")
-    with pytest.raises(Exception, match="promtool check rules failed"):
+    with pytest.raises(PrometheusError, match="promtool check rules failed"):
         check_rules(bad)
 
 
