@@ -20,6 +20,12 @@ router's own policy classes (``labkit.router.policies``):
    ``labkit serve`` processes of labkit-tiny behind ``labkit router`` on loopback: prefix hit
    rate and TTFT p50 of prefix-affinity vs round-robin on a shared-system-prompt workload, and
    a replica SIGKILLed under streaming load (streams resumed, lost, byte-identical).
+4. **Canary on real replicas** (:func:`canary_fields`, skipped with ``--sim-only``): two
+   ``labkit serve`` processes, one the baseline, one the candidate behind a fault injector; the
+   router gives the candidate half the traffic. A candidate made 1 s slower, then one failing
+   half its requests, must be rolled back (``canary_bad_rolled_back_after``: candidate requests
+   at rollback, the worse of the two); the same candidate without faults must not be
+   (``canary_good_rolled_back``).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from labkit.bench.common import bench_parser, environment, print_table, write_json
+from labkit.router.canary_demo import default_canary, run_canary, start_replicas
 from labkit.router.policies import get_policy
 from labkit.sim.autoscaler import Autoscaler, AutoscalerConfig
 from labkit.sim.fleet import Fleet, FleetConfig
@@ -126,6 +133,44 @@ def run_day(day_s: float, peak_rate: float, token_scale: int, seed: int = 0,
             "rate_curve": [(t, tr.rate(t)) for t in [i * day_s / 480 for i in range(481)]]}
 
 
+CANARY_QUICK = {"bad_requests": 300, "good_requests": 160, "delay_s": 1.0, "error_rate": 0.5,
+                "concurrency": 4, "weight": 0.5}
+CANARY_FULL = {**CANARY_QUICK, "bad_requests": 600, "good_requests": 400}
+
+
+def canary_fields(baseline_urls: list[str], candidate_url: str, quick: bool = True,
+                  seed: int = 0) -> dict[str, Any]:
+    """Three canary runs over the same replicas: slow, erroring, healthy (module doc, 3)."""
+    cfg = CANARY_QUICK if quick else CANARY_FULL
+    runs = {}
+    for name, fault in tqdm([("slow", {"delay_s": cfg["delay_s"]}),
+                             ("erroring", {"error_rate": cfg["error_rate"]}), ("healthy", {})],
+                            desc="canary", leave=False):
+        canary = default_canary(cfg["weight"], seed, **({"threshold": 3} if not fault else {}))
+        n = cfg["good_requests" if not fault else "bad_requests"]
+        r = run_canary(baseline_urls, candidate_url, n_requests=n,
+                       concurrency=cfg["concurrency"], canary=canary, after_rollback=8, **fault)
+        runs[name] = {k: r[k] for k in ("rolled_back", "rolled_back_after", "reason", "seen",
+                                        "wall_s")} | {"fault": fault,
+                                                      "threshold": canary.analysis.threshold}
+    bad = [runs[k]["rolled_back_after"] for k in ("slow", "erroring")]
+    return {"canary_bad_rolled_back_after": None if None in bad else max(bad),
+            "canary_good_rolled_back": runs["healthy"]["rolled_back"],
+            "canary": {"config": cfg, "analysis": {k: getattr(canary.analysis, k) for k in (
+                "min_samples", "interval", "max_error_increase", "max_ttft_p99_ratio")},
+                       "runs": runs}}
+
+
+def run_canary_real(quick: bool = True, seed: int = 0) -> dict[str, Any]:
+    """:func:`canary_fields` on two labkit-tiny replicas started (and stopped) here."""
+    procs = start_replicas(2)
+    try:
+        return canary_fields([procs[0].url], procs[1].url, quick, seed)
+    finally:
+        for p in procs:
+            p.stop()
+
+
 def run(quick: bool = True, seed: int = 0, sizes: dict[str, Any] | None = None,
         real: bool = True) -> dict[str, Any]:
     cfg = {**(QUICK if quick else FULL), **(sizes or {})}
@@ -133,7 +178,7 @@ def run(quick: bool = True, seed: int = 0, sizes: dict[str, Any] | None = None,
     if real:
         from labkit.bench.cluster_live import run_real
 
-        live = run_real(quick, seed)
+        live = {**run_real(quick, seed), **run_canary_real(quick, seed)}
     t0 = time.perf_counter()
     sweep = run_sweep(tuple(cfg["sizes"]), cfg["sweep_rate"], cfg["sweep_s"], cfg["sweep_scale"],
                       seed)
@@ -212,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"failover: {payload['failover_requests']} of {payload['failover_streams']} "
               f"streams resumed after a SIGKILL, {payload['failover_lost']} lost, identical to "
               f"the uninterrupted run: {payload['failover_identical']}")
+    if "canary_good_rolled_back" in payload:
+        print(f"canary: bad candidates (1 s slower; 50% errors) rolled back after "
+              f"{payload['canary_bad_rolled_back_after']} candidate requests; the healthy one "
+              f"rolled back: {payload['canary_good_rolled_back']}")
     print(f"\nsimulated {MODEL} on {GPU}: one multi-tenant Poisson trace over N replicas")
     print_table(payload["sweep"])
     day = payload["day"]

@@ -29,7 +29,7 @@ import httpx
 
 from labkit.serve.launcher import free_port
 from labkit.serve.metrics import parse_metrics
-from labkit.serve.process import ChildServer, ServerProcess
+from labkit.serve.process import ChildServer, ServerProcess, labkit_cmd
 
 DEFAULT_REPLICA_ARGS = ("--num-blocks", "256", "--max-num-seqs", "16")
 
@@ -55,7 +55,8 @@ class Cluster:
                 "--probe-interval", str(probe_interval), *router_args]
         for r in self.replicas:
             argv += ["--replica", r.url]
-        self.router = ChildServer(argv, port, startup_timeout, threads=1, name="labkit-router")
+        self.router = ChildServer(labkit_cmd(*argv), port, startup_timeout, threads=1,
+                                  name="labkit-router")
         self.names = [f"replica-{i}" for i in range(n)]
         self._http = httpx.Client(timeout=10)
 

@@ -46,6 +46,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from labkit.router.admin import add_admin_routes
 from labkit.router.admin import router_error as _error
+from labkit.router.canary import Canary
 from labkit.router.failover import SSEBuffer, StreamResume, not_resumable
 from labkit.router.health import Backoff, HealthTracker
 from labkit.router.policies import NoReplicaError, RouteKey, get_policy
@@ -101,27 +102,38 @@ class _Metrics:
 def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
                health: HealthTracker | None = None, backoff: Backoff | None = None,
                timeout_s: float = 600.0, probe_interval_s: float | None = None,
-               max_failovers: int = 2) -> FastAPI:
+               max_failovers: int = 2, canary_urls: Sequence[str] = (),
+               canary: Canary | None = None) -> FastAPI:
     """A FastAPI app routing over ``urls`` (``http://127.0.0.1:8001`` ...); ``replica-i`` is
     the i-th URL. ``probe_interval_s``: active ``/health`` probes every so many seconds (None:
-    passive only). ``max_failovers``: how many times one stream may be resumed."""
+    passive only). ``max_failovers``: how many times one stream may be resumed. With
+    ``canary_urls`` (``canary-i``), a candidate set that ``canary`` (``labkit.router.canary``)
+    gives a share of the traffic; each request is routed, retried and resumed inside its arm."""
     if not urls:
         raise ValueError("give at least one replica URL")
     if probe_interval_s is not None and probe_interval_s <= 0:
         raise ValueError(f"probe_interval_s must be > 0 (or None), got {probe_interval_s}")
     ups = [Upstream(f"replica-{i}", u.rstrip("/")) for i, u in enumerate(urls)]
-    by_name = {u.name: u for u in ups}
+    cands = [Upstream(f"canary-{i}", u.rstrip("/")) for i, u in enumerate(canary_urls)]
+    if cands and canary is None:
+        canary = Canary()
+    if canary is not None and not cands:
+        raise ValueError("a canary needs at least one candidate replica URL (canary_urls)")
+    by_name = {u.name: u for u in [*ups, *cands]}
     pol = get_policy(policy) if isinstance(policy, str) else policy
+    cpol = get_policy(policy) if isinstance(policy, str) else pol  # its own ring for candidates
     health = health or HealthTracker([u.name for u in ups])
     backoff = backoff or Backoff(rng=random.Random(0))
     metrics = _Metrics()
+    if canary is not None:
+        canary.attach(metrics.registry)
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
     failovers: list[dict[str, Any]] = []
     model_len: list[int] = []  # the replicas' max_model_len, fetched once when first needed
 
     async def probe_loop() -> None:
         while True:
-            for u in ups:
+            for u in by_name.values():
                 try:
                     ok = (await client.get(u.url + "/health",
                                            timeout=min(1.0, probe_interval_s))).status_code == 200
@@ -136,34 +148,41 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         prober = asyncio.create_task(probe_loop()) if probe_interval_s else None
+        analysis = None  # the canary's PromQL analysis loop, when it reads Prometheus
+        if canary is not None and canary.promql is not None:
+            analysis = asyncio.create_task(canary.promql_loop())
         yield
-        if prober is not None:
-            prober.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await prober
+        for task in (prober, analysis):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await client.aclose()
 
     app = FastAPI(title="labkit router", lifespan=lifespan)
     app.state.upstreams, app.state.health, app.state.policy = ups, health, pol
     app.state.failovers = failovers
 
-    def in_rotation() -> list[Upstream]:
-        return [u for u in health.available(ups) if not u.draining]
+    app.state.canary, app.state.candidates = canary, cands
+
+    def in_rotation(pool: Sequence[Upstream] = ups) -> list[Upstream]:
+        return [u for u in health.available(pool) if not u.draining]
 
     def _done(up: Upstream) -> None:
         up.outstanding -= 1
         metrics.outstanding.labels(up.name).dec()
 
     async def connect(path: str, raw: bytes, key: RouteKey, headers: dict[str, str],
-                      tried: set[str]) -> tuple[httpx.Response, Upstream] | JSONResponse:
+                      tried: set[str], pool: Sequence[Upstream] = ups,
+                      ) -> tuple[httpx.Response, Upstream] | JSONResponse:
         """Send to a replica chosen by the policy, retrying elsewhere with backoff until one
         answers with headers (status < 500); the answer is the open response, or an error."""
         delays = backoff.delays()
+        chooser = cpol if pool is cands else app.state.policy
         while True:
-            rot = in_rotation()
+            rot = in_rotation(pool)
             try:
-                up = app.state.policy.choose(key, [u for u in rot if u.name not in tried]
-                                             or rot)
+                up = chooser.choose(key, [u for u in rot if u.name not in tried] or rot)
             except NoReplicaError as exc:
                 return _error(503, str(exc), "no_replica")
             if not health.breakers[up.name].allow():
@@ -209,22 +228,34 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
         if not isinstance(body, dict):
             return _error(400, "request body must be a JSON object", "invalid_json")
         key = route_key(body)
+        arm, pool, t0 = None, ups, time.monotonic()
+        if canary is not None:
+            try:
+                arm, pool = canary.pick(key.user, request.headers, ups, cands)
+            except ValueError as exc:
+                return _error(400, str(exc), "invalid_canary_header")
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() in ("authorization", "content-type", "x-request-id")}
         chat = path.endswith("/chat/completions")
         state = None if not_resumable(body, chat) else StreamResume(body, chat)
         got = await connect(path, raw if state is None else state.upstream_body(), key,
-                            headers, set())
+                            headers, set(), pool)
         if isinstance(got, Response):
+            if arm is not None:
+                canary.record(arm, False)
             return got
         resp, up = got
         media = resp.headers.get("content-type", "application/json")
+        out_headers = {"x-labkit-replica": up.name, **({"x-labkit-canary": arm} if arm else {})}
         if state is None or resp.status_code != 200 or not media.startswith("text/event-stream"):
-            return StreamingResponse(_relay(resp, up), status_code=resp.status_code,
-                                     media_type=media, headers={"x-labkit-replica": up.name})
-        return StreamingResponse(_resumable(state, resp, up, key, headers), media_type=media,
-                                 headers={"x-labkit-replica": up.name,
-                                          "Cache-Control": "no-cache"})
+            body_iter, status = _relay(resp, up), resp.status_code
+        else:
+            body_iter, status = _resumable(state, resp, up, key, headers, pool), 200
+            out_headers["Cache-Control"] = "no-cache"
+        if arm is not None:
+            body_iter = canary.watch(body_iter, arm, t0, status)
+        return StreamingResponse(body_iter, status_code=status, media_type=media,
+                                 headers=out_headers)
 
     async def _relay(resp: httpx.Response, up: Upstream) -> AsyncIterator[bytes]:
         try:
@@ -235,7 +266,8 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
             _done(up)
 
     async def _resumable(state: StreamResume, resp: httpx.Response, up: Upstream,
-                         key: RouteKey, headers: dict[str, str]) -> AsyncIterator[bytes]:
+                         key: RouteKey, headers: dict[str, str],
+                         pool: Sequence[Upstream] = ups) -> AsyncIterator[bytes]:
         """Relay events; when the replica dies mid-stream, continue on another one."""
         for attempt in range(max_failovers + 1):
             err = None
@@ -271,7 +303,7 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
             t0, dead, sent = time.monotonic(), up.name, len(state.sent_ids)
             got = await connect("/v1/completions" if state.prompt_ids is not None else
                                 ("/v1/chat/completions" if state.chat else "/v1/completions"),
-                                state.resume_body(mml), key, headers, {dead})
+                                state.resume_body(mml), key, headers, {dead}, pool)
             if isinstance(got, Response):
                 yield state.error_tail(f"{dead} failed mid-stream ({err}) and no replica could "
                                        f"continue it: {json.loads(got.body)['error']['message']}")
@@ -304,6 +336,12 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
         ok = in_rotation()
         return JSONResponse({"replicas": health.states()}, status_code=200 if ok else 503)
 
+    @app.get("/canary")
+    async def canary_status() -> Response:
+        if canary is None:
+            return _error(404, "no canary configured (labkit router --canary URL)", "no_canary")
+        return JSONResponse(canary.status())
+
     @app.get("/metrics")
     async def prom() -> Response:
         return Response(generate_latest(metrics.registry), media_type="text/plain")
@@ -318,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
+    from labkit.router.canary_cli import add_canary_args, canary_from_args
     from labkit.router.policies import POLICIES
 
     p = argparse.ArgumentParser(prog="labkit router", description=__doc__.splitlines()[0])
@@ -336,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="consecutive failures that open a replica's breaker")
     p.add_argument("--recovery", type=float, default=5.0, metavar="S",
                    help="how long an open breaker waits before a trial request")
+    add_canary_args(p)
     args = p.parse_args(argv)
     if args.probe_interval < 0 or args.max_failovers < 0:
         p.error("--probe-interval and --max-failovers must be >= 0")
@@ -350,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
             kw[k.replace("-", "_")] = json.loads(v)
         app = create_app(args.replica, get_policy(args.policy, **kw), health=health,
                          probe_interval_s=args.probe_interval or None,
-                         max_failovers=args.max_failovers)
+                         max_failovers=args.max_failovers, canary_urls=args.canary or (),
+                         canary=canary_from_args(args))
     except (ValueError, TypeError) as e:
         p.error(str(e))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

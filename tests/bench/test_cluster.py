@@ -23,6 +23,7 @@ def test_cluster_bench_fields(tmp_path, monkeypatch):
         assert isinstance(p[key], float), key
     # --sim-only: the real-replica fields (tests/router/test_real_replicas.py) are absent, not faked
     assert "affinity_hit_rate" not in p and "failover_lost" not in p
+    assert "canary_bad_rolled_back_after" not in p  # tests/bench/test_cluster_canary.py
     day = p["day"]
     n = p["static_replicas"]
     assert p["static_replica_hours"] == pytest.approx(n * TINY["day_s"] / 3600)
