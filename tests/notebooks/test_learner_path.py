@@ -83,6 +83,27 @@ OUTPUT_TEXT = """() => Array.from(document.querySelectorAll(
 PAGE_TABLES = """() => Array.from(document.querySelectorAll(
     '.jp-NotebookPanel:not(.lm-mod-hidden) .labkit-pagetable-summary'))
     .map(e => e.innerText)"""
+VISIBLE_PAGE_TABLES = """() => Array.from(document.querySelectorAll(
+    '.jp-NotebookPanel:not(.lm-mod-hidden) .labkit-pagetable'))
+    .filter(e => e.getClientRects().length > 0).length"""
+WIDGET_TABS = ".jp-NotebookPanel:not(.lm-mod-hidden) .widget-tab-bar .lm-TabBar-tab"
+# Every plotly figure in the notebook as drawn (a labkit widget's figure is the one inside an
+# element of class labkit-*-figure): its traces and the marks plotly put in the SVG. A figure
+# whose data never arrived draws empty axes: no traces, no marks. Only figures on screen count
+# (one in a widget tab not selected is checked when the tab is clicked).
+FIGURES = """() => Array.from(document.querySelectorAll(
+    '.jp-NotebookPanel:not(.lm-mod-hidden) .js-plotly-plot'))
+    .filter(gd => gd.getClientRects().length > 0).map(gd => {
+    const box = gd.closest('[class*="labkit-"][class$="-figure"]');
+    const marks = ['g.trace path.point', 'g.trace.bars path', 'g.trace path.js-line',
+                   'g.trace path.js-fill', '.heatmaplayer image', '.iciclelayer path.surface',
+                   '.table .cell-text'];
+    return {cls: box ? Array.from(box.classList).find(c => c.endsWith('-figure')) : 'fig.show()',
+            traces: gd.data ? gd.data.length : 0,
+            marks: gd.querySelectorAll(marks.join(', ')).length,
+            points: gd.querySelectorAll('g.trace path.point').length,
+            table: gd.querySelectorAll('.subplot.x2y2 g.trace path.point').length};
+})"""
 
 
 def _click_run_all(page) -> None:
@@ -122,6 +143,32 @@ def _run_all(page, name: str, timeout_s: float) -> None:
                          f"({retries} retries): {prompts}")
 
 
+def _assert_figures_drawn(page, name: str) -> None:
+    """Every labkit figure in the notebook drew its data (plotly draws asynchronously, so wait
+    a while first); a page table drew its block grid and its block tables."""
+    def drawn(figs: list[dict]) -> bool:
+        return all(f["traces"] and f["marks"] for f in figs)
+
+    deadline = time.monotonic() + 30
+    while not drawn(figs := page.evaluate(FIGURES)) and time.monotonic() < deadline:
+        page.wait_for_timeout(500)
+    print(f"{name}: {len(figs)} figures: {figs}")
+    empty = [f for f in figs if not (f["traces"] and f["marks"])]
+    assert not empty, f"{name}: figures drew empty axes: {empty} (of {len(figs)})"
+    tables = [f for f in figs if f["cls"] == "labkit-pagetable-figure"]
+    assert len(tables) == page.evaluate(VISIBLE_PAGE_TABLES), f"{name}: a page table has no figure"
+    for f in tables:
+        assert f["points"] > f["table"] > 0, f"{name}: a page table drew no blocks: {f}"
+
+
+def _visit_widget_tabs(page, name: str) -> None:
+    """Click every tab of every Tab widget (as a learner would) and check what it shows."""
+    tabs = page.locator(WIDGET_TABS)
+    for i in range(tabs.count()):
+        tabs.nth(i).click()
+        _assert_figures_drawn(page, f"{name}, widget tab {tabs.nth(i).inner_text()!r}")
+
+
 def test_run_all_in_jupyterlab(lab_url):
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
@@ -138,12 +185,16 @@ def test_run_all_in_jupyterlab(lab_url):
             page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
             page.goto(lab_url + "lab", wait_until="domcontentloaded")
             for name in NOTEBOOKS:
+                start = time.monotonic()
                 _run_all(page, name, timeout_s=TIMEOUT_S)
+                print(f"{name}: Run All took {time.monotonic() - start:.0f} s")
                 page.wait_for_timeout(1500)   # let the last widgets draw
                 text = page.evaluate(OUTPUT_TEXT)
                 page.screenshot(path=str(ARTIFACTS / f"lab_{Path(name).stem}.png"))
                 tables = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .labkit-pagetable")
                 for i in range(tables.count()):
+                    if not tables.nth(i).is_visible():
+                        continue   # in a widget tab not selected
                     tables.nth(i).scroll_into_view_if_needed()
                     with contextlib.suppress(PlaywrightTimeout):   # for the screenshot only
                         tables.nth(i).locator(".scatterlayer path.point").first.wait_for(
@@ -152,6 +203,8 @@ def test_run_all_in_jupyterlab(lab_url):
                         path=str(ARTIFACTS / f"lab_{Path(name).stem}_page_table{i}.png"))
                 assert "Traceback" not in text, f"{name}: a cell failed:\n{text[-3000:]}"
                 assert "Error displaying widget" not in text, f"{name}: a widget failed"
+                _assert_figures_drawn(page, name)
+                _visit_widget_tabs(page, name)
                 for summary in page.evaluate(PAGE_TABLES):
                     used = re.search(r"KV blocks used (\d+)", summary)
                     assert used and int(used.group(1)) > 0, f"{name}: page table opened " \
