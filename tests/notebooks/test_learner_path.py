@@ -1,9 +1,11 @@
 """The learner's path, in JupyterLab itself: Run > Run All Cells on notebooks 00-05 in headless
 chromium (the solutions-injected environment, as CI executes notebooks), then check what a
 learner would see: no cell error, no "Error displaying widget", no JavaScript console error, and
-every page table opened on a step with KV blocks in use. A screenshot of each notebook (and of
-each page table) goes to test-artifacts/. By default only 00 and 01 run, to stay within about
-3 minutes of CI time; ``LABKIT_LEARNER_PATH=all`` runs 00-05.
+every page table opened on a step with KV blocks in use, every plotly figure on screen drew its
+data (traces and SVG marks, not empty axes; widget tabs are clicked and checked too). A
+screenshot of each notebook (and of each page table) goes to test-artifacts/. CI runs all of
+00-05 (README, "Tests, CI and GPU checks", has the measurements behind that);
+``LABKIT_LEARNER_PATH=quick`` runs only 00 and 01.
 
 The notebooks run from a temporary copy (JupyterLab autosaves outputs into the files it opens),
 with JupyterLab's windowing off so every cell is in the page. Everything listens on loopback.
@@ -23,10 +25,9 @@ from pathlib import Path
 import pytest
 from browser_support import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, ROOT, free_port, serving
 
-# CI runs 00 and 01 (about 2 minutes with the lab's start); LABKIT_LEARNER_PATH=all runs 00-05
-# (several minutes on 2 cores: 02-05 measure, simulate and quantize).
+# 00-05 by default (the kernels need ~110 CPU-seconds in all); LABKIT_LEARNER_PATH=quick: 00, 01.
 NOTEBOOKS = [p.name for p in sorted((ROOT / "notebooks").glob(
-    "0[0-5]_*.ipynb" if os.environ.get("LABKIT_LEARNER_PATH") == "all" else "0[01]_*.ipynb"))]
+    "0[01]_*.ipynb" if os.environ.get("LABKIT_LEARNER_PATH") == "quick" else "0[0-5]_*.ipynb"))]
 SETTINGS = {  # user settings for the temporary lab (file name -> JSON)
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
     "@jupyter-widgets/jupyterlab-manager/plugin.jupyterlab-settings": {"saveState": False},
@@ -35,7 +36,10 @@ SETTINGS = {  # user settings for the temporary lab (file name -> JSON)
 }
 # Console noise that is not a learner-visible failure: the browser asking for a favicon or a
 # translation bundle the server does not ship.
-TIMEOUT_S = 240   # per notebook; each runs in 15-60 s headless on 2 idle cores
+# A notebook fails when no cell finishes for STALL_S (a hang: a lost kernel connection leaves
+# cells at [*] for ever), not after a fixed total, which a loaded machine stretches 4x (the
+# slowest cell takes 38 s wall at load 18 on 2 cores, ~10 s idle). MAX_S bounds a notebook anyway.
+STALL_S, MAX_S = 180, 900
 BENIGN = re.compile(r"favicon|Failed to load resource: the server responded with a status of 404")
 
 pytestmark = [
@@ -111,8 +115,9 @@ def _click_run_all(page) -> None:
     page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
 
 
-def _run_all(page, name: str, timeout_s: float) -> None:
-    """Open `name`, wait for its kernel, Run All, wait until every code cell has run.
+def _run_all(page, name: str, stall_s: float = STALL_S, max_s: float = MAX_S) -> None:
+    """Open `name`, wait for its kernel, Run All, wait until every code cell has run; fail when
+    no cell finishes for `stall_s` or the notebook takes over `max_s`.
 
     On a loaded machine the kernel can report idle before its session settles, and a restart
     then drops the queued cells (every prompt back to "[ ]"): Run All is clicked again then."""
@@ -124,11 +129,15 @@ def _run_all(page, name: str, timeout_s: float) -> None:
                            timeout=120_000)
     page.wait_for_timeout(2000)   # let the kernel connection settle
     _click_run_all(page)
-    deadline, clicked, retries = time.monotonic() + timeout_s, time.monotonic(), 0
-    while time.monotonic() < deadline:
+    start = clicked = progress_at = time.monotonic()
+    retries, done = 0, -1
+    while time.monotonic() - progress_at < stall_s and time.monotonic() - start < max_s:
         prompts = page.evaluate(PROMPTS)
         if prompts and all(re.fullmatch(r"\[\d+\]:", p) for p in prompts):
             return
+        finished = sum(bool(re.fullmatch(r"\[\d+\]:", p)) for p in prompts)
+        if finished != done:
+            done, progress_at = finished, time.monotonic()
         running = any("*" in p for p in prompts)
         if not running and any(p != "[ ]:" for p in prompts) and "Traceback" in page.evaluate(
                 OUTPUT_TEXT):
@@ -139,8 +148,9 @@ def _run_all(page, name: str, timeout_s: float) -> None:
             clicked, retries = time.monotonic(), retries + 1
         page.wait_for_timeout(1000)
     page.screenshot(path=str(ARTIFACTS / f"lab_{Path(name).stem}_timeout.png"))
-    raise AssertionError(f"{name}: Run All did not finish in {timeout_s:.0f} s "
-                         f"({retries} retries): {prompts}")
+    raise AssertionError(f"{name}: Run All stalled ({done} cells done, none more in "
+                         f"{stall_s:.0f} s; {time.monotonic() - start:.0f} s in all; "
+                         f"{retries} retries): {prompts}")
 
 
 def _assert_figures_drawn(page, name: str) -> None:
@@ -186,7 +196,7 @@ def test_run_all_in_jupyterlab(lab_url):
             page.goto(lab_url + "lab", wait_until="domcontentloaded")
             for name in NOTEBOOKS:
                 start = time.monotonic()
-                _run_all(page, name, timeout_s=TIMEOUT_S)
+                _run_all(page, name)
                 print(f"{name}: Run All took {time.monotonic() - start:.0f} s")
                 page.wait_for_timeout(1500)   # let the last widgets draw
                 text = page.evaluate(OUTPUT_TEXT)
