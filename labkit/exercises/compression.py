@@ -97,7 +97,7 @@ def check_distillation_loss(distillation_loss: Callable) -> object:
                            _label=f"distillation_loss(logits {list(shape)}, T={T})")
                 if not isinstance(got, torch.Tensor) or got.numel() != 1:
                     raise CheckFailure("return a 0-d tensor", expected="tensor(…)", actual=got)
-                val = float(got)
+                val = float(got.detach())
                 if abs(val - ref) <= 1e-4 * max(1.0, abs(ref)):
                     continue
                 hint = "compare your formula with the contract"
