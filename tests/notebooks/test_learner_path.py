@@ -100,7 +100,7 @@ FIGURES = """() => Array.from(document.querySelectorAll(
     .filter(gd => gd.getClientRects().length > 0).map(gd => {
     const box = gd.closest('[class*="labkit-"][class$="-figure"]');
     const marks = ['g.trace path.point', 'g.trace.bars path', 'g.trace path.js-line',
-                   'g.trace path.js-fill', '.heatmaplayer image', '.iciclelayer path.surface',
+                   'g.trace path.js-fill', '.heatmaplayer .hm', '.iciclelayer path.surface',
                    '.table .cell-text'];
     return {cls: box ? Array.from(box.classList).find(c => c.endsWith('-figure')) : 'fig.show()',
             traces: gd.data ? gd.data.length : 0,
