@@ -123,6 +123,7 @@ class SchedulerConfig:
     watermark_high: float = 1.0
     watermark_low: float = 1.0
     num_lookahead_slots: int = 0  # extra KV slots per decoding sequence (speculative decoding)
+    tenant_weights: dict[str, float] | None = None  # policy "fair": tenant -> share (default 1)
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs)
@@ -137,6 +138,24 @@ class SchedulerConfig:
         if not 0.0 < self.watermark_low <= self.watermark_high <= 1.0:
             raise EngineConfigError("need 0 < watermark_low <= watermark_high <= 1, got "
                                     f"{self.watermark_low}, {self.watermark_high}")
+        self._check_tenant_weights()
+
+    def _check_tenant_weights(self) -> None:
+        w = self.tenant_weights
+        if w is None:
+            return
+        if self.policy != "fair":
+            raise EngineConfigError(f"tenant_weights only apply to policy='fair' (got policy="
+                                    f"{self.policy!r}); set policy='fair' or drop the weights")
+        if not isinstance(w, dict) or not w:
+            raise EngineConfigError(f"tenant_weights must be a non-empty dict tenant -> weight, "
+                                    f"got {w!r}")
+        for t, v in w.items():
+            if not isinstance(t, str) or isinstance(v, bool) or \
+                    not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                raise EngineConfigError(f"tenant_weights[{t!r}] = {v!r}: a tenant name (str) "
+                                        "needs a finite weight > 0")
+        self.tenant_weights = {t: float(v) for t, v in w.items()}
 
 
 @dataclass

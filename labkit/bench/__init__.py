@@ -14,6 +14,7 @@ BENCHMARKS = {
     "spec": "labkit.bench.spec",
     "serve": "labkit.bench.serve",
     "serve-soak": "labkit.bench.serve_soak",
+    "serve-llamacpp": "labkit.bench.serve_llamacpp",
     "cluster": "labkit.bench.cluster",
     "compress": "labkit.bench.compress",
     "gguf": "labkit.bench.gguf",

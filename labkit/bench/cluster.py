@@ -16,8 +16,11 @@ router's own policy classes (``labkit.router.policies``):
    trace (searched down from the autoscaler's peak). Reported: SLO attainment and replica-hours
    of each, and the saving.
 
-The real-replica half of the issue (hit rate and TTFT through ``labkit router`` on loopback,
-failover, canary) needs ``labkit serve`` and is not measured here.
+3. **Canary on real replicas** (:func:`canary_fields`): two ``labkit serve`` processes, one
+   the baseline, one the candidate behind a fault injector; the router gives the candidate half
+   the traffic. A candidate made 1 s slower, then one failing half its requests, must be rolled
+   back (``canary_bad_rolled_back_after``: candidate requests at rollback, the worse of the two);
+   the same candidate without faults must not be (``canary_good_rolled_back``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from labkit.bench.common import bench_parser, environment, print_table, write_json
+from labkit.router.canary_demo import default_canary, run_canary, start_replicas
 from labkit.router.policies import get_policy
 from labkit.sim.autoscaler import Autoscaler, AutoscalerConfig
 from labkit.sim.fleet import Fleet, FleetConfig
@@ -124,6 +128,44 @@ def run_day(day_s: float, peak_rate: float, token_scale: int, seed: int = 0,
             "rate_curve": [(t, tr.rate(t)) for t in [i * day_s / 480 for i in range(481)]]}
 
 
+CANARY_QUICK = {"bad_requests": 300, "good_requests": 160, "delay_s": 1.0, "error_rate": 0.5,
+                "concurrency": 4, "weight": 0.5}
+CANARY_FULL = {**CANARY_QUICK, "bad_requests": 600, "good_requests": 400}
+
+
+def canary_fields(baseline_urls: list[str], candidate_url: str, quick: bool = True,
+                  seed: int = 0) -> dict[str, Any]:
+    """Three canary runs over the same replicas: slow, erroring, healthy (module doc, 3)."""
+    cfg = CANARY_QUICK if quick else CANARY_FULL
+    runs = {}
+    for name, fault in tqdm([("slow", {"delay_s": cfg["delay_s"]}),
+                             ("erroring", {"error_rate": cfg["error_rate"]}), ("healthy", {})],
+                            desc="canary", leave=False):
+        canary = default_canary(cfg["weight"], seed, **({"threshold": 3} if not fault else {}))
+        n = cfg["good_requests" if not fault else "bad_requests"]
+        r = run_canary(baseline_urls, candidate_url, n_requests=n,
+                       concurrency=cfg["concurrency"], canary=canary, after_rollback=8, **fault)
+        runs[name] = {k: r[k] for k in ("rolled_back", "rolled_back_after", "reason", "seen",
+                                        "wall_s")} | {"fault": fault,
+                                                      "threshold": canary.analysis.threshold}
+    bad = [runs[k]["rolled_back_after"] for k in ("slow", "erroring")]
+    return {"canary_bad_rolled_back_after": None if None in bad else max(bad),
+            "canary_good_rolled_back": runs["healthy"]["rolled_back"],
+            "canary": {"config": cfg, "analysis": {k: getattr(canary.analysis, k) for k in (
+                "min_samples", "interval", "max_error_increase", "max_ttft_p99_ratio")},
+                       "runs": runs}}
+
+
+def run_canary_real(quick: bool = True, seed: int = 0) -> dict[str, Any]:
+    """:func:`canary_fields` on two labkit-tiny replicas started (and stopped) here."""
+    procs = start_replicas(2)
+    try:
+        return canary_fields([procs[0].url], procs[1].url, quick, seed)
+    finally:
+        for p in procs:
+            p.stop()
+
+
 def run(quick: bool = True, seed: int = 0, sizes: dict[str, Any] | None = None) -> dict[str, Any]:
     cfg = {**(QUICK if quick else FULL), **(sizes or {})}
     t0 = time.perf_counter()
@@ -132,6 +174,7 @@ def run(quick: bool = True, seed: int = 0, sizes: dict[str, Any] | None = None) 
     sweep_wall = time.perf_counter() - t0
     day = run_day(cfg["day_s"], cfg["peak_rate"], cfg["day_scale"], seed)
     head = max(cfg["sizes"])
+    canary = run_canary_real(quick, seed)
     pick = {r["policy"]: r for r in sweep if r["replicas"] == head}
     a, s = day["autoscaled"], day["static_summary"]
     return {
@@ -151,6 +194,7 @@ def run(quick: bool = True, seed: int = 0, sizes: dict[str, Any] | None = None) 
         "static_replicas": day["static_replicas"],
         "replica_hours_saving": 1 - a["replica_hours"] / s["replica_hours"],
         "ttft_slo_s": day["ttft_slo_s"], "cold_start_s": day["cold_start_s"],
+        **canary,
         "sweep": sweep, "day": day,
         "wall_s": {"sweep": sweep_wall, "day": day["wall_s"]}, "environment": environment(),
     }

@@ -2,12 +2,14 @@
 (a short distillation from the dense model) wins back, on labkit-tiny.
 
 Side by side in one run: dense; structured pruning (25% of query heads — 1 of 4 per KV group —
-and 25% of FFN channels in every layer) with magnitude, activation and gradient (Taylor)
-importance; unstructured magnitude at 50%; 2:4 semi-structured (50%). Each: held-out
-perplexity and mean KL from the dense model before and after healing, parameters, fp16 bytes
-(dense storage) and the bytes a sparse format would need, CPU decode tokens per CPU-second, and
-for the structured models whether greedy decoding through the engine equals the reference.
-A sweep of structured sparsity (activation importance, before healing) gives the KL curve.
+and 27% of FFN channels in every layer: 25.4% of the decoder's parameters) with magnitude,
+activation and gradient (Taylor) importance, each repaired by a least-squares refit of the
+output projections (:func:`labkit.compress.prune.reconstruct`) before healing; unstructured
+magnitude at 50%; 2:4 semi-structured (50%). Each: held-out perplexity and mean KL from the
+dense model right after pruning, after the refit, after healing; parameters, fp16 bytes (dense
+storage) and the bytes a sparse format would need, CPU decode tokens per CPU-second, and for the
+structured models whether greedy decoding through the engine equals the reference. A sweep of
+structured sparsity (activation importance) gives the one-shot curve, before and after the refit.
 
 Healing data are train-split windows, evaluation windows the held-out split (as bench quant).
 """
@@ -23,11 +25,12 @@ import torch
 from labkit.bench.common import bench_parser, environment, print_table, write_json
 
 QUICK = {"eval": (4, 128), "heal_windows": 16, "heal_steps": 4, "batch": 4, "seq": 128,
-         "sweep": [0.25, 0.5], "decode_tokens": 8, "rounds": 1, "calib": (4, 128)}
+         "sweep": [0.25, 0.5], "decode_tokens": 8, "rounds": 1, "calib": (16, 256)}
 FULL = {"eval": (16, 256), "heal_windows": 256, "heal_steps": 30, "batch": 8, "seq": 128,
         "sweep": [0.125, 0.25, 0.375, 0.5], "decode_tokens": 32, "rounds": 2,
-        "calib": (8, 256)}
-STRUCTURED = 0.25
+        "calib": (32, 256)}  # the refit needs ~10x the 704 FFN width in tokens (8 x 256: none)
+HEAD_FRACTION, FFN_FRACTION = 0.25, 0.27  # 2 of 8 heads, 190 of 704 channels: 25.4%
+HEAL_LR = 3e-4  # 1e-3 un-did the refit (KL 0.99 -> 0.96 in 68 steps; 3e-4: 0.70 in 38)
 
 
 def _decoder_params(model) -> int:
@@ -69,7 +72,7 @@ def heal(student, teacher, train_stream, heldout, s: dict, masks=None, progress=
     from labkit.train.trainer import TrainConfig
 
     cfg = TrainConfig(seq_len=s["seq"], batch_size=s["batch"], max_steps=s["heal_steps"],
-                      lr=1e-3, warmup_steps=max(1, s["heal_steps"] // 10),
+                      lr=HEAL_LR, warmup_steps=max(1, s["heal_steps"] // 10),
                       eval_every=10**6, eval_max_tokens=2048, weight_decay=0.0)
     after = None if masks is None else (lambda m: apply_masks(m, masks))
     student, log = distill(student, teacher, cfg, DistillConfig(), train_stream, heldout,
@@ -79,7 +82,7 @@ def heal(student, teacher, train_stream, heldout, s: dict, masks=None, progress=
 
 def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
     from labkit.bench.quant_speed import compare_decode
-    from labkit.compress.prune import importance, prune_masked, prune_structured
+    from labkit.compress.prune import importance, prune_masked, prune_structured, reconstruct
     from labkit.model.loader import load_pretrained
     from labkit.quant.calib import corpus_windows
     from labkit.quant.evaluate import log_probs, mean_kl, perplexity_from_logprobs
@@ -106,17 +109,22 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
     sweep = []
     for frac in s["sweep"]:
         pm = prune_structured(dense, scores["activation"], frac, frac)
-        sweep.append({"fraction": frac, "sparsity": 1 - _decoder_params(pm) / dec, **metrics(pm)})
+        row = {"fraction": frac, "sparsity": 1 - _decoder_params(pm) / dec, **metrics(pm)}
+        refit = metrics(reconstruct(pm, dense, calib))
+        sweep.append({**row, "perplexity_refit": refit["perplexity"], "kl_refit": refit["kl"]})
     todo = [(f"structured_{m}", "structured", m) for m in scores] + \
         [("unstructured_magnitude", "magnitude", None), ("2:4", "2:4", None)]
     for name, pattern, imp in todo:
         t0 = time.perf_counter()
-        masks = None
+        masks, refit = None, {}
         if pattern == "structured":
-            pm = prune_structured(dense, scores[imp], STRUCTURED, STRUCTURED)
+            pm = prune_structured(dense, scores[imp], HEAD_FRACTION, FFN_FRACTION)
+            before = metrics(pm)
+            refit = metrics(reconstruct(pm, dense, calib))
+            refit = {"perplexity_refit": refit["perplexity"], "kl_refit": refit["kl"]}
         else:
             pm, masks = prune_masked(dense, pattern, 0.5)
-        before = metrics(pm)
+            before = metrics(pm)
         pm, log = heal(pm, dense, train_stream, heldout, s, masks, progress)
         after = metrics(pm)
         models[name] = pm
@@ -124,7 +132,7 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
         rows.append({"method": name, "pattern": pattern, "importance": imp,
                      "sparsity": 1 - kept / dec, **after,
                      "perplexity_before_heal": before["perplexity"],
-                     "kl_before_heal": before["kl"], "heal_steps": log["steps"],
+                     "kl_before_heal": before["kl"], **refit, "heal_steps": log["steps"],
                      "heal_tokens": log["tokens_seen"], "seconds": time.perf_counter() - t0})
         print(f"{name}: ppl {before['perplexity']:.3f} -> healed {after['perplexity']:.3f}",
               flush=True)
@@ -143,14 +151,14 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
                  if pat in ("dense", "structured") else None)
     base = rows[0]["perplexity"]
     best = min((r for r in rows if r["pattern"] == "structured"), key=lambda r: r["perplexity"])
+    reached = best["sparsity"] >= 0.25 and best["perplexity"] <= 1.05 * base
     return {"model": "labkit-tiny", "quick": quick, "results": rows, "sweep": sweep,
-            "targets": {"structured_25pct_healed_within_5pct_ppl":
-                        best["perplexity"] <= 1.05 * base,
+            "targets": {"structured_25pct_healed_within_5pct_ppl": reached,
                         "engine_equals_reference": all(
                             r["engine_matches_reference"] for r in rows
                             if r["engine_matches_reference"] is not None)},
-            "settings": {**s, "structured_fraction": STRUCTURED,
-                         "heal": "forward KL, T=1, lr 1e-3, AdamW, cosine"},
+            "settings": {**s, "head_fraction": HEAD_FRACTION, "ffn_fraction": FFN_FRACTION,
+                         "heal": f"forward KL, T=1, lr {HEAL_LR:g}, AdamW, cosine"},
             "environment": environment()}
 
 
@@ -161,11 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = run(args.quick)
-    print_table(out["results"], ["method", "sparsity", "perplexity_before_heal", "perplexity",
+    print_table(out["results"], ["method", "sparsity", "perplexity_before_heal",
+                                 "perplexity_refit", "perplexity",
                                  "kl", "parameters", "sparse_format_bytes", "speedup_vs_dense",
                                  "engine_matches_reference"])
-    print("structured sweep (activation importance, before healing):")
-    print_table(out["sweep"], ["fraction", "sparsity", "perplexity", "kl"])
+    print("structured sweep (activation importance; one-shot, then least-squares refit):")
+    print_table(out["sweep"], ["fraction", "sparsity", "perplexity", "kl", "perplexity_refit",
+                               "kl_refit"])
     for k, ok in out["targets"].items():
         print(f"target {k}: {'PASS' if ok else 'FAIL'}")
     write_json(args.json, out)

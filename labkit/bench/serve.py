@@ -9,7 +9,10 @@ process it starts and stops itself. In one run:
    names, beside ``in_process_output_throughput``: the same requests through ``LLM.generate``
    in this process. ``http_over_in_process`` is what HTTP, JSON and SSE cost;
 3. **concurrency 1**: client TTFT p50 beside the engine's own TTFT for the same prompts;
-4. **noisy neighbour** (own servers only): a light tenant alone, then under a heavy tenant that
+4. **the knee beside the simulator** (with the in-process run): the same sweep through
+   ``labkit.sim``'s engine on a step time fitted to this run's engine (:mod:`serve_knee`);
+   ``knee`` = measured and simulated capacity, their ratio, and the fit;
+5. **noisy neighbour** (own servers only): a light tenant alone, then under a heavy tenant that
    sends 10x its load, on a server with ``--policy fcfs`` and one with ``--policy fair``;
    ``fairness = {fcfs,fair}_light_p99_ttft_ratio`` = light p99 TTFT with the neighbour / alone.
 
@@ -29,6 +32,7 @@ from tqdm.auto import tqdm
 
 from labkit.bench.common import bench_parser, environment, print_table, write_json
 from labkit.bench.serve_client import BenchRequest, run_load, summarize
+from labkit.bench.serve_knee import fit_step_time, knee_report, simulate_rate
 from labkit.sim.workloads import prompt_texts
 
 QUICK = {"num_requests": 24, "max_tokens": 32, "rates": (4.0, 8.0, math.inf),
@@ -81,7 +85,10 @@ def in_process(model_path: str, reqs: list[BenchRequest], max_num_seqs: int) -> 
         ttfts.append(first)
     return {"output_throughput": n / wall, "wall_s": wall, "output_tokens": n,
             "median_ttft_ms": float(np.median(ttfts)) * 1000,
-            "texts": [o.outputs[0].text for o in outs]}
+            "texts": [o.outputs[0].text for o in outs],
+            "step_fit": fit_step_time(eng.trace.steps),  # the simulator's clock (serve_knee)
+            "prompt_ids": [list(o.prompt_token_ids) for o in outs],
+            "vocab_size": eng.vocab_size}
 
 
 def fairness(model_path: str, cfg: dict[str, Any], bar: Any) -> dict[str, Any]:
@@ -168,9 +175,19 @@ def write_chart(payload: dict[str, Any], path: Path) -> None:
                         mode="lines+markers", name=f"{q} TTFT", line={"dash": dash})
         fig.add_scatter(x=x, y=[r[f"{q}_tpot_ms"] for r in rows], text=labels, row=1, col=2,
                         mode="lines+markers", name=f"{q} TPOT", line={"dash": dash})
+    sim = payload.get("simulated_sweep")
+    if sim:  # the simulator on the fitted step time, same requests and arrivals (serve_knee)
+        fig.add_scatter(x=[r["request_throughput"] for r in sim],
+                        y=[r["p99_ttft_ms"] for r in sim], row=1, col=1, mode="lines+markers",
+                        text=[f"rate {r['request_rate']}" for r in sim],
+                        name="p99 TTFT, simulated engine", line={"dash": "dash"})
+        for name, cap in (("measured", payload["knee"]["measured_capacity_req_s"]),
+                          ("simulated", payload["knee"]["simulated_capacity_req_s"])):
+            fig.add_vline(x=cap, line_dash="dot", row=1, col=1,
+                          annotation_text=f"{name} capacity {cap:.2f}/s")
     fig.update_xaxes(title_text="achieved requests/s")
     fig.update_layout(title="labkit serve: latency against load (the knee is where the queue "
-                      "starts to grow)")
+                      "starts to grow), beside the simulator's prediction")
     fig.write_html(str(path), include_plotlyjs="directory")
     print(f"wrote {path}")
 
@@ -217,6 +234,11 @@ def run(args: Any) -> dict[str, Any]:
         payload["in_process_median_ttft_ms"] = ip["median_ttft_ms"]
         payload["c1_ttft_overhead_ms"] = c1["median_ttft_ms"] - ip["median_ttft_ms"]
         payload["greedy_text_matches"] = sum(a == b for a, b in zip(http_texts, ip["texts"]))
+        sim = [simulate_rate(ip["step_fit"], ip["prompt_ids"], [r.max_tokens for r in reqs],
+                             rate, args.burstiness, args.seed, vocab_size=ip["vocab_size"])
+               for rate in cfg["rates"]]
+        payload["simulated_sweep"] = sim
+        payload["knee"] = knee_report(sweep, sim, ip["step_fit"])
     if own and args.fairness:
         payload["fairness"] = fairness(args.model_path, cfg, bar)
     bar.close()
@@ -255,6 +277,11 @@ def main(argv: list[str] | None = None) -> int:
               f"(ratio {payload['http_over_in_process']:.2f}); concurrency 1 TTFT p50 "
               f"{payload['concurrency_1']['median_ttft_ms']:.1f} ms vs "
               f"{payload['in_process_median_ttft_ms']:.1f} ms in process")
+    if "knee" in payload:
+        k = payload["knee"]
+        print(f"knee: measured capacity {k['measured_capacity_req_s']:.2f} req/s, simulator "
+              f"(fitted step time) {k['simulated_capacity_req_s']:.2f} req/s: "
+              f"{k['measured_over_simulated']:.2f}x")
     if "fairness" in payload:
         f = payload["fairness"]
         print(f"noisy neighbour, light tenant p99 TTFT with / without: "

@@ -18,6 +18,9 @@ Importance of a unit (head or channel), three ways:
               carry it to the residual stream (Wanda-like: weight x activation);
   gradient    first-order Taylor estimate of the loss change if it were removed,
               |Σ a · ∂L/∂a| over calibration tokens (Molchanov et al. 2019).
+
+After structured pruning, :func:`reconstruct` refits the output projections by least squares
+on calibration text (no training), then healing distils from the dense model.
 """
 
 from __future__ import annotations
@@ -149,6 +152,56 @@ def prune_structured(model: nn.Module, scores: dict[str, torch.Tensor], head_fra
         state[p + "mlp.down_proj.weight"] = state[p + "mlp.down_proj.weight"][:, ch]
     new.load_state_dict({k: v.clone() for k, v in state.items()})
     return new.eval()
+
+
+# ---- one-shot repair: refit the output projections by least squares ------------------------
+def _projections(model: nn.Module) -> list[nn.Linear]:
+    return [m for layer in model.model.layers for m in (layer.self_attn.o_proj,
+                                                         layer.mlp.down_proj)]
+
+
+def _capture(model: nn.Module, modules: list[nn.Module], calib: torch.Tensor, outputs: bool,
+             batch: int = 8) -> list[torch.Tensor]:
+    """Inputs (or outputs) [tokens, features] of ``modules`` over ``calib``; the forward is cut
+    after the last of them."""
+    from labkit.quant.calib import run_to_layer
+
+    got: list[list[torch.Tensor]] = [[] for _ in modules]
+    hs = [m.register_forward_hook(lambda _m, inp, out, i=i: got[i].append(
+        (out if outputs else inp[0]).flatten(0, -2))) for i, m in enumerate(modules)]
+    try:
+        run_to_layer(model, calib, modules[-1], batch)
+    finally:
+        for h in hs:
+            h.remove()
+    return [torch.cat(g).double() for g in got]
+
+
+@torch.no_grad()
+def reconstruct(pruned: nn.Module, dense: nn.Module, calib: torch.Tensor,
+                damp: float = 1e-3) -> nn.Module:
+    """Refit every ``o_proj`` and ``down_proj`` of ``pruned`` (in place) so that, on the pruned
+    model's own inputs, it reproduces what the dense layer output: ridge least squares
+    ``W = argmin ||X W^T - Y||^2 + damp * mean(diag X^T X) * ||W||^2``.
+
+    Removing heads or channels deletes terms from a sum that lands in the residual stream; the
+    surviving units are correlated with the removed ones, so re-weighting them recovers much of
+    the lost signal with no training. Front to back, each fit sees the inputs that the
+    already-repaired projections produce, so errors do not pile up (the layer-wise
+    reconstruction of Kwon et al. 2022; SparseGPT's sequential pass)."""
+    need = 2 * max(m.in_features for m in _projections(pruned))
+    if calib.numel() < need:
+        raise ValueError(f"reconstruct needs at least {need} calibration tokens (twice the "
+                         f"widest projection's inputs) for a well-posed fit, got "
+                         f"{calib.numel()}: pass more or longer windows")
+    targets = _capture(dense, _projections(dense), calib, outputs=True)
+    for mod, y in zip(_projections(pruned), targets):
+        x = _capture(pruned, [mod], calib, outputs=False)[0]
+        g = x.T @ x
+        g.diagonal().add_(damp * g.diagonal().mean())
+        w = torch.linalg.solve(g, x.T @ (y if mod.bias is None else y - mod.bias.double()))
+        mod.weight.copy_(w.T.to(mod.weight.dtype))
+    return pruned
 
 
 # ---- unstructured and 2:4: masks over the decoder linears ------------------------------------

@@ -29,6 +29,7 @@ text is cut at them here, and the token that completed one stays in ``token_ids`
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import torch
@@ -45,6 +46,8 @@ from labkit.kv.block_manager import BlockManager
 from labkit.sched.request import Request
 from labkit.sched.scheduler import Scheduler, SchedulerOutput, SeqOutput, StopChecker
 
+FINISHED_RECORDS = 4096  # sequences whose timings a forgetting engine keeps (request_timings)
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor, tokenizer: Any = None,
@@ -56,7 +59,11 @@ class LLMEngine:
         stop = StopChecker(config.model.eos_token_ids, config.max_model_len, tokenizer)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.clock.now, stop)
         self.executor = executor
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # live ones, and finished ones until forgotten
+        # timings of forgotten requests, newest last (forget_finished; bounded, so flat memory)
+        self.finished_timings: deque[dict[str, Any]] = deque(maxlen=FINISHED_RECORDS)
+        self.num_forgotten = 0
+        self._num_added = 0  # add order (Request.index): len(requests) shrinks when forgetting
         self.num_steps = 0
         self.trace = Trace(config.trace_meta(executor.name))
         self.observer = TraceObserver(self.trace, executor.real_tokens)
@@ -128,11 +135,13 @@ class LLMEngine:
         request_id = str(request_id)
         if request_id in self.requests:
             raise InvalidPromptError(f"duplicate request id {request_id!r}: ids must be unique "
-                                     "for the engine's lifetime")
+                                     "among the requests the engine holds (live, or finished "
+                                     "and not yet forgotten)")
         ids = prompt_ids(request_id, prompt, prompt_token_ids, self.tokenizer)
         check_fits(self.config, request_id, ids, params, priority, self.tokenizer is not None)
         arrival = self._arrival(arrival_time)
-        req = Request(request_id, ids, params, arrival, priority, cache_salt, len(self.requests))
+        req = Request(request_id, ids, params, arrival, priority, cache_salt, self._num_added)
+        self._num_added += 1
         self.requests[request_id] = req
         self.scheduler.add_request(req)
         self.observer.on_request(request_id, ids, params, priority, arrival)
@@ -162,6 +171,25 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def forget_finished(self, request_ids: list[str] | None = None) -> int:
+        """Drop finished requests (all of them, or those of ``request_ids``) from
+        ``self.requests``; returns how many. A server calls this once a request's last output
+        is delivered (vLLM frees a request's state then): without it ``requests`` keeps every
+        request ever served and a long-running server's memory grows with its request count.
+        Their timings stay readable through :meth:`request_timings`, but only the newest
+        ``finished_timings.maxlen`` sequences (a bounded record: flat memory). Unfinished ids
+        are left alone; a forgotten id may be used again."""
+        ids = list(self.requests) if request_ids is None else [str(r) for r in request_ids]
+        n = 0
+        for rid in ids:
+            req = self.requests.get(rid)
+            if req is not None and req.is_finished:
+                self.finished_timings.extend(_timings(req))
+                del self.requests[rid]
+                n += 1
+        self.num_forgotten += n
+        return n
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -233,7 +261,7 @@ class LLMEngine:
         s.update({"num_running": len(sched.running), "num_waiting": sched.num_waiting,
                   "num_pending": len(sched.pending), "num_swapped": len(sched.swapped),
                   "num_preemptions": sched.num_preemptions, "num_steps": self.num_steps,
-                  "num_requests": len(self.requests)})
+                  "num_requests": len(self.requests), "num_forgotten": self.num_forgotten})
         c = self.config.cache
         if c.bytes_per_block is not None:  # a real KV pool (not the simulator's)
             s.update({"kv_cache_dtype": c.kv_cache_dtype, "kv_bytes_per_block": c.bytes_per_block,
@@ -241,16 +269,23 @@ class LLMEngine:
         return s
 
     def request_timings(self) -> list[dict[str, Any]]:
-        """One dict per sequence (sample), for labkit.engine.metrics.compute_metrics."""
-        return [{"request_id": req.request_id, "seq_id": seq.seq_id,
-                 "prompt_len": req.prompt_len, "arrival_time": req.arrival_time,
-                 "first_scheduled_time": req.first_scheduled_time,
-                 "first_token_time": seq.token_times[0] if seq.token_times else None,
-                 "token_times": list(seq.token_times),
-                 "finish_time": req.finish_time if seq.is_finished else None,
-                 "finish_reason": seq.finish_reason, "num_output_tokens": seq.num_output_tokens,
-                 "num_cached_tokens": req.seqs[0].num_cached_tokens}
-                for req in self.requests.values() for seq in req.seqs]
+        """One dict per sequence (sample), for labkit.engine.metrics.compute_metrics: the
+        requests the engine holds, after the bounded record of forgotten ones
+        (:meth:`forget_finished`)."""
+        return [*self.finished_timings,
+                *(t for req in self.requests.values() for t in _timings(req))]
+
+
+def _timings(req: Request) -> list[dict[str, Any]]:
+    return [{"request_id": req.request_id, "seq_id": seq.seq_id,
+             "prompt_len": req.prompt_len, "arrival_time": req.arrival_time,
+             "first_scheduled_time": req.first_scheduled_time,
+             "first_token_time": seq.token_times[0] if seq.token_times else None,
+             "token_times": list(seq.token_times),
+             "finish_time": req.finish_time if seq.is_finished else None,
+             "finish_reason": seq.finish_reason, "num_output_tokens": seq.num_output_tokens,
+             "num_cached_tokens": req.seqs[0].num_cached_tokens}
+            for seq in req.seqs]
 
 
 def update_text(tokenizer: Any, seq: Any, finished: bool = False) -> tuple[str, bool]:

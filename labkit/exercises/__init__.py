@@ -15,6 +15,10 @@ values and a hint when something is wrong:
 - ``quantization``     INT8 per-channel, INT4 group-wise, NF4
 - ``speculative``      acceptance rule (chi-square, seeded) and the expected speed-up
 - ``triton_kernels``   vector add and paged-attention decode through the CPU interpreter
+- ``tp_attention``     tensor-parallel split of one attention block (vs ``labkit.parallel``'s plan);
+                       ``tp_forward`` its all-reduce, on thread ranks then 2 gloo processes
+- ``prefix_affinity``  the router's consistent hashing with bounded loads (measured properties,
+                       then the fleet simulator's hit rate against round-robin)
 
 Underneath: ``checks`` (reports, strict mode, ``ready`` for gated cells), ``shared`` (``Seq``, the
 tiny engine), ``progress`` (the local progress file and widget), ``quiz`` (the main notebooks'

@@ -9,16 +9,20 @@ solutions: the checkers take their references from labkit itself.
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any
 
 
-def inject(name: str, learner_fn: Any) -> Any:
-    """The reference ``name`` under ``LABKIT_INJECT_SOLUTIONS=1``, else ``learner_fn``."""
+def inject(name: str, learner_fn: Any, module: str = "solutions") -> Any:
+    """The reference ``name`` under ``LABKIT_INJECT_SOLUTIONS=1``, else ``learner_fn``.
+    ``module``: the ``labkit.exercises`` module holding it (newer exercises keep their own)."""
     if os.environ.get("LABKIT_INJECT_SOLUTIONS") != "1":
         return learner_fn
-    from labkit.exercises import solutions  # lazy: spoilers stay unread unless injecting
-
+    if module == "solutions":  # lazy: spoilers stay unread unless injecting
+        from labkit.exercises import solutions
+    else:  # e.g. "tp_attention_solutions": nothing else imports those either
+        solutions = importlib.import_module(f"labkit.exercises.{module}")
     if not hasattr(solutions, name):
-        raise ValueError(f"no reference solution named {name!r} in labkit.exercises.solutions")
+        raise ValueError(f"no reference solution named {name!r} in labkit.exercises.{module}")
     return getattr(solutions, name)

@@ -33,6 +33,12 @@ EXERCISES: dict[str, tuple[str, str]] = {
     "gguf_q4_0": ("10_gguf_block_quantizers", "GGUF Q4_0 blocks, bytes equal to gguf's"),
     "distillation_loss": ("11_distillation_pruning", "Distillation loss with temperature and T²"),
     "mask_2_4": ("11_distillation_pruning", "2:4 semi-structured pruning mask"),
+    "tp_shard_attention": ("12_tensor_parallel_attention",
+                           "Tensor parallel: split q/k/v/o by heads (GQA-aware)"),
+    "tp_attention_forward": ("12_tensor_parallel_attention",
+                             "Tensor parallel: the all-reduce, on 2 gloo processes"),
+    "prefix_affinity": ("13_prefix_affinity",
+                        "Router: consistent hashing with bounded load on prefixes"),
 }
 
 

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from labkit.quant import cpu_gemv
+
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 ACT_DTYPE = torch.bfloat16
 _INT8_MM = torch.ops.aten._weight_int8pack_mm.default  # the overload: skips a dispatch step
@@ -50,17 +52,30 @@ def int4_layout_problem(n: int, k: int, group_size: int) -> str | None:
 
 @dataclass
 class Int8Pack:
-    """INT8 weight [N, K] and bf16 per-channel scales, as ``_weight_int8pack_mm`` reads them."""
+    """INT8 weight [N, K] and per-channel scales: bf16 for ``_weight_int8pack_mm``, fp32 for
+    labkit's prefetching GEMV (:mod:`labkit.quant.cpu_gemv`), which decode (at most
+    ``cpu_gemv.MAX_ROWS`` fp32 rows) uses where it could be compiled."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
+    scales_f32: torch.Tensor
 
     def matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        if x2d.shape[0] <= cpu_gemv.MAX_ROWS and x2d.dtype == torch.float32:
+            lib = cpu_gemv.library()
+            if lib is not None:
+                return cpu_gemv.int8_gemv(x2d, self.qweight, self.scales_f32, lib)
         return _INT8_MM(x2d.to(ACT_DTYPE), self.qweight, self.scales).to(x2d.dtype)
 
 
-def pack_int8(qweight: torch.Tensor, scales: torch.Tensor) -> Int8Pack:
-    return Int8Pack(qweight.to(torch.int8).contiguous(), scales.to(ACT_DTYPE).contiguous())
+def pack_int8(qweight: torch.Tensor, scales: torch.Tensor) -> Int8Pack | None:
+    """None when in_features is not a multiple of 16: torch 2.13's ``_weight_int8pack_mm``
+    then returns garbage for one row and crashes the process for several (its vector loop
+    has no tail), so such a layer keeps the dequantize path."""
+    if qweight.shape[1] % 16:
+        return None
+    return Int8Pack(qweight.to(torch.int8).contiguous(), scales.to(ACT_DTYPE).contiguous(),
+                    scales.float().contiguous())
 
 
 @dataclass

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import random
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from labkit.router.canary import CANDIDATE, Canary
 from labkit.router.health import Backoff, HealthTracker
 from labkit.router.policies import NoReplicaError, RouteKey, get_policy
 
@@ -82,24 +84,40 @@ def _error(status: int, message: str, code: str) -> JSONResponse:
 
 def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
                health: HealthTracker | None = None, backoff: Backoff | None = None,
-               timeout_s: float = 600.0) -> FastAPI:
-    """A FastAPI app routing over ``urls`` (``http://127.0.0.1:8001`` ...)."""
+               timeout_s: float = 600.0, canary_urls: Sequence[str] = (),
+               canary: Canary | None = None) -> FastAPI:
+    """A FastAPI app routing over ``urls`` (``http://127.0.0.1:8001`` ...); with
+    ``canary_urls``, a candidate set that ``canary`` (``labkit.router.canary``) gives a share."""
     if not urls:
         raise ValueError("give at least one replica URL")
     ups = [Upstream(f"replica-{i}", u.rstrip("/")) for i, u in enumerate(urls)]
+    cands = [Upstream(f"canary-{i}", u.rstrip("/")) for i, u in enumerate(canary_urls)]
+    if cands and canary is None:
+        canary = Canary()
+    if canary is not None and not cands:
+        raise ValueError("a canary needs at least one candidate replica URL (canary_urls)")
     pol = get_policy(policy) if isinstance(policy, str) else policy
+    cpol = get_policy(policy) if isinstance(policy, str) else pol  # its own ring for candidates
     health = health or HealthTracker([u.name for u in ups])
     backoff = backoff or Backoff(rng=random.Random(0))
     metrics = _Metrics()
+    if canary is not None:
+        canary.attach(metrics.registry)
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = None  # the canary's PromQL analysis loop, when it reads Prometheus
+        if canary is not None and canary.promql is not None:
+            task = asyncio.create_task(canary.promql_loop())
         yield
+        if task:
+            task.cancel()
         await client.aclose()
 
     app = FastAPI(title="labkit router", lifespan=lifespan)
     app.state.upstreams, app.state.health, app.state.policy = ups, health, pol
+    app.state.canary, app.state.candidates = canary, cands
 
     async def forward(request: Request, path: str) -> Response:
         raw = await request.body()
@@ -110,16 +128,24 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
         if not isinstance(body, dict):
             return _error(400, "request body must be a JSON object", "invalid_json")
         key = route_key(body)
+        arm, pool, t0 = None, ups, time.monotonic()
+        if canary is not None:
+            try:
+                arm, pool = canary.pick(key.user, request.headers, ups, cands)
+            except ValueError as exc:
+                return _error(400, str(exc), "invalid_canary_header")
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() in ("authorization", "content-type", "x-request-id")}
         tried: set[str] = set()
         delays = backoff.delays()
         while True:
-            avail = [u for u in health.available(ups) if u.name not in tried] or \
-                [u for u in health.available(ups)]
+            avail = [u for u in health.available(pool) if u.name not in tried] or \
+                [u for u in health.available(pool)]
             try:
-                up = pol.choose(key, avail)
+                up = (cpol if arm == CANDIDATE else pol).choose(key, avail)
             except NoReplicaError as exc:
+                if arm is not None:
+                    canary.record(arm, False)
                 return _error(503, str(exc), "no_replica")
             if not health.breakers[up.name].allow():
                 tried.add(up.name)
@@ -141,13 +167,19 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
                 tried.add(up.name)
                 wait = next(delays, None)
                 if wait is None:
+                    if arm is not None:
+                        canary.record(arm, False)
                     return _error(502, f"every attempt failed before the first byte; last: "
                                   f"{up.name}: {exc}", "upstream_failed")
                 await asyncio.sleep(wait)
                 continue
             health.record(up.name, True)
             metrics.open.labels(up.name).set(0)
-            return _relay(resp, up)
+            out = _relay(resp, up)
+            if arm is not None:
+                out.body_iterator = canary.watch(out.body_iterator, arm, t0, resp.status_code)
+                out.headers["x-labkit-canary"] = arm
+            return out
 
     def _done(up: Upstream) -> None:
         up.outstanding -= 1
@@ -179,6 +211,12 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
         ok = health.available(ups)
         return JSONResponse({"replicas": health.states()}, status_code=200 if ok else 503)
 
+    @app.get("/canary")
+    async def canary_status() -> Response:
+        if canary is None:
+            return _error(404, "no canary configured (labkit router --canary URL)", "no_canary")
+        return JSONResponse(canary.status())
+
     @app.get("/metrics")
     async def prom() -> Response:
         return Response(generate_latest(metrics.registry), media_type="text/plain")
@@ -192,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
+    from labkit.router.canary_cli import add_canary_args, canary_from_args
     from labkit.router.policies import POLICIES
 
     p = argparse.ArgumentParser(prog="labkit router", description=__doc__.splitlines()[0])
@@ -200,7 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default="prefix-affinity", choices=list(POLICIES))
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    add_canary_args(p)
     args = p.parse_args(argv)
-    uvicorn.run(create_app(args.replica, args.policy), host=args.host, port=args.port,
-                log_level="warning")
+    try:
+        canary = canary_from_args(args)
+    except ValueError as e:
+        p.error(str(e))
+    uvicorn.run(create_app(args.replica, args.policy, canary_urls=args.canary or (),
+                           canary=canary), host=args.host, port=args.port, log_level="warning")
     return 0

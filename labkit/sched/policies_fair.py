@@ -17,6 +17,10 @@ the batch is full (below), but only if that tenant is ahead by more than the vic
 tokens: preemption by recompute redoes them, so a smaller imbalance is not worth the work, and
 two equally busy tenants do not preempt each other back and forth.
 
+The weights are ``SchedulerConfig.tenant_weights`` (``labkit serve --tenant-weights a=2,b=1``;
+a tenant not listed weighs 1): under contention each tenant's share of the tokens served is
+proportional to its weight (tests/serve/test_tenant_weights.py measures it).
+
 The tenant is the request's ``cache_salt``: ``labkit serve`` sets it to the API key's tenant,
 which also keeps tenants from sharing prefix-cache blocks (the timing side channel vLLM's
 cache_salt exists to close). Requests without one share the tenant ``""``.

@@ -105,7 +105,8 @@ class Scheduler:
         self.admitting = True  # watermark hysteresis state
         self.num_preemptions = 0
         self.static_queue: list[Sequence] = []  # static batching: the current batch's waiting
-        self.fair = FairShare() if config.policy == "fair" else None  # policies_fair.py
+        self.fair = (FairShare(config.tenant_weights) if config.policy == "fair"
+                     else None)  # policies_fair.py
 
     # ---- queues ---------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:

@@ -12,7 +12,14 @@ while a step runs is applied right after that step, before the next one is sched
 request's KV blocks are free from then on.
 
 Only the engine's public API is used: ``add_request``, ``step``, ``abort``,
-``has_unfinished_requests``, ``stats`` (plus ``StepOutput`` / ``SamplingParams``).
+``has_unfinished_requests``, ``forget_finished``, ``stats`` (plus ``StepOutput`` /
+``SamplingParams``).
+
+Flat memory: once a request's last output is handed to its stream (finished, aborted or failed),
+the thread calls ``engine.forget_finished`` for it, as vLLM frees a request's state when its
+output is returned. The engine then holds only live requests plus a bounded record of recent
+finished ones (``engine.request_timings()`` still answers "how did request X end" for those),
+so a server that runs for days does not grow with the number of requests it served.
 """
 
 from __future__ import annotations
@@ -90,8 +97,10 @@ class AsyncLLM:
     ``engine.stats()``: the metrics exporter reads it without touching the engine."""
 
     def __init__(self, engine: Any, *, idle_wait: float = 0.05,
-                 on_step: Callable[[dict, list[StepOutput]], None] | None = None) -> None:
+                 on_step: Callable[[dict, list[StepOutput]], None] | None = None,
+                 forget_finished: bool = True) -> None:
         self.engine = engine
+        self.forget_finished = forget_finished
         self.idle_wait = idle_wait
         self.on_step = on_step
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
@@ -221,6 +230,7 @@ class AsyncLLM:
                 outs = [StepOutput(rid, "", i, [], "", True, "abort") for i in range(stream.n)
                         if i not in stream.finish_reasons]
                 self._post(stream._put, StreamItem(outs, finished=True))
+            self._forget([rid])
             self.stats = dict(eng.stats())
         elif kind == "call":
             _, fn, fut = cmd
@@ -240,6 +250,7 @@ class AsyncLLM:
                 stream = self._streams.pop(rid, None)
                 if stream is not None:
                     self._post(stream._put, StreamItem(error=e))
+            self._forget(e.request_ids)
             outputs = []
         except Exception as e:  # noqa: BLE001 - the engine cannot go on: fail everything
             self.dead = e
@@ -250,6 +261,7 @@ class AsyncLLM:
         by_req: dict[str, list[StepOutput]] = {}
         for o in outputs:
             by_req.setdefault(o.request_id, []).append(o)
+        done_ids = []
         for rid, outs in by_req.items():
             stream = self._streams.get(rid)
             if stream is None:
@@ -260,10 +272,17 @@ class AsyncLLM:
             done = len(stream.finish_reasons) >= stream.n
             if done:
                 del self._streams[rid]
+                done_ids.append(rid)
             self._post(stream._put, StreamItem(outs, finished=done, step_start=t0))
+        self._forget(done_ids)
         self.stats = dict(eng.stats())
         if self.on_step is not None:
             self.on_step(self.stats, outputs)
+
+    def _forget(self, request_ids: list[str]) -> None:
+        """Their last output is on its way to the stream: the engine may drop them."""
+        if self.forget_finished and request_ids:
+            self.engine.forget_finished(list(request_ids))
 
     def _fail_all(self, exc: BaseException) -> None:
         for rid, stream in list(self._streams.items()):

@@ -24,7 +24,7 @@ from labkit.serve.limits import parse_api_keys
 
 ENGINE_FLAGS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "policy",
                 "max_model_len", "preemption_mode", "num_cpu_blocks", "kv_cache_bytes",
-                "tensor_parallel_size")
+                "tensor_parallel_size", "tenant_weights")
 
 
 class DrainingServer(uvicorn.Server):
@@ -62,7 +62,8 @@ def free_port() -> int:
 
 def build_engine(model: str, *, tokenizer: Any = None, dtype: str | None = None,
                  device: str | None = None, **engine_kw: Any) -> tuple[Any, Any, Any]:
-    """(engine, tokenizer, chat template) for a shipped model name or a local folder."""
+    """(engine, tokenizer, chat template) for a shipped model name, a local folder or a
+    ``.gguf`` file (memory-mapped; its chat template is the ChatML default)."""
     import torch
 
     from labkit.engine.llm_engine import LLMEngine
@@ -76,7 +77,8 @@ def build_engine(model: str, *, tokenizer: Any = None, dtype: str | None = None,
         m, tok = load_pretrained(model, dtype=dtype, device=device)
         m.eval()
     eng = LLMEngine.from_model(m, tokenizer or tok, name=str(model), **kw)
-    render, _ = load_chat_template(resolve_model_path(model))
+    gguf = str(model).endswith(".gguf")  # a single file: no tokenizer_config.json beside it
+    render, _ = load_chat_template(None if gguf else resolve_model_path(model))
     return eng, tokenizer or tok, render
 
 
@@ -143,13 +145,41 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--policy", default="fcfs", help="fcfs | priority | sjf | fair")
+    p.add_argument("--policy", default=None, help="fcfs | priority | sjf | fair (default "
+                   "fcfs; fair when --tenant-weights is given)")
+    p.add_argument("--tenant-weights", type=_weights_arg, default=None,
+                   metavar="T=W,...", help="policy fair: each tenant's share of service "
+                   "(tokens), e.g. a=2,b=1 (tenants are named by --api-key KEY:TENANT; "
+                   "unlisted tenants weigh 1)")
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     p.add_argument("--num-cpu-blocks", type=int, default=0)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default=None)
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=None, metavar="N",
                    help="split the model over N worker processes (labkit.parallel)")
+
+
+def parse_tenant_weights(spec: str) -> dict[str, float]:
+    """``"a=2,b=1"`` -> ``{"a": 2.0, "b": 1.0}``; raises ValueError naming the bad part."""
+    out: dict[str, float] = {}
+    for part in spec.split(","):
+        name, eq, w = part.strip().partition("=")
+        try:
+            weight = float(w)
+        except ValueError:
+            weight = float("nan")
+        if not name or not eq or not 0 < weight < float("inf") or name in out:
+            raise ValueError(f"--tenant-weights: {part.strip()!r} is not TENANT=WEIGHT with a "
+                             "new tenant name and a finite weight > 0 (e.g. a=2,b=1)")
+        out[name] = weight
+    return out
+
+
+def _weights_arg(spec: str) -> dict[str, float]:
+    try:
+        return parse_tenant_weights(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,6 +209,9 @@ def _positive(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--{name.replace('_', '-')} must be > 0, got {v}")
     if not 0 < args.port < 65536:
         p.error(f"--port must be in 1..65535, got {args.port}")
+    if args.tenant_weights and args.policy not in (None, "fair"):
+        p.error(f"--tenant-weights needs --policy fair (got --policy {args.policy})")
+    args.policy = args.policy or ("fair" if args.tenant_weights else "fcfs")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -189,6 +222,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         keys = parse_api_keys(args.api_key)
+        unknown = sorted(set(args.tenant_weights or ()) - set(keys.values()))
+        if unknown:  # a typo would silently weigh nobody
+            raise ValueError(f"--tenant-weights names {unknown}, which no --api-key KEY:TENANT "
+                             f"defines (tenants: {sorted(set(keys.values())) or 'none'})")
         eng, tok, render = build_engine(args.model, dtype=args.dtype, device=args.device,
                                         **{k: getattr(args, k) for k in ENGINE_FLAGS})
     except (CheckpointError, ValueError) as e:

@@ -6,7 +6,7 @@ users feel (TTFT and inter-token latency histograms). The names follow vLLM's
 (``vllm:num_requests_running`` -> ``labkit:num_requests_running`` ...), so dashboards carry over:
 
 - gauges, read from ``engine.stats()`` after every step: requests running / waiting / swapped,
-  KV-cache usage (used blocks / all blocks, 0..1);
+  KV-cache usage (used blocks / all blocks, 0..1), requests the engine holds state for;
 - counters: prefix-cache queries and hits (tokens), preemptions, prompt and generation tokens,
   finished requests by finish reason, rejections (429/503) by reason, timeouts by kind, aborts
   by reason;
@@ -52,6 +52,9 @@ class _EngineCollector:
                                     s.get("num_used_blocks", 0) / max(s.get("num_blocks", 1), 1)),
             "num_requests_in_flight": ("Requests the server holds (queued or running)",
                                        self.llm.num_in_flight),
+            "num_requests_held": ("Requests the engine keeps state for (live, and finished ones "
+                                  "not yet forgotten): flat in a healthy server",
+                                  s.get("num_requests", 0)),
         }
         for name, (doc, v) in gauges.items():
             g = GaugeMetricFamily(P + name, doc, labels=lab)

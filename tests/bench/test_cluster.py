@@ -12,7 +12,12 @@ TINY = {"sizes": (2, 4), "sweep_rate": 20.0, "sweep_s": 2.0, "sweep_scale": 8,
 
 @pytest.mark.slow
 def test_cluster_bench_fields(tmp_path, monkeypatch):
+    from test_cluster_canary import SMALL, canary_on_fakes
+
     monkeypatch.setattr(cluster, "QUICK", TINY)
+    monkeypatch.setattr(cluster, "CANARY_QUICK", {**SMALL, "bad_requests": 60,
+                                                  "good_requests": 40})
+    monkeypatch.setattr(cluster, "run_canary_real", canary_on_fakes)  # no model processes
     out = tmp_path / "cluster.json"
     assert BENCHMARKS["cluster"] == "labkit.bench.cluster"
     assert cluster.main(["--quick", "--json", str(out)]) == 0
@@ -21,6 +26,9 @@ def test_cluster_bench_fields(tmp_path, monkeypatch):
                 "sim_affinity_hit_rate", "sim_round_robin_hit_rate", "sim_affinity_ttft_p50",
                 "sim_round_robin_ttft_p50"):
         assert isinstance(p[key], float), key
+    assert isinstance(p["canary_good_rolled_back"], bool)
+    bad = p["canary_bad_rolled_back_after"]
+    assert bad is None or isinstance(bad, int)  # None: 60 requests were too few to roll back
     # the real-replica fields come with the real router: not faked here
     assert "affinity_hit_rate" not in p and "failover_lost" not in p
     day = p["day"]

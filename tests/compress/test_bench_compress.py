@@ -15,7 +15,7 @@ def test_bench_compress_toy_run(monkeypatch):
 
     monkeypatch.setattr(compress, "QUICK", {**compress.QUICK, "eval": (2, 64), "heal_steps": 1,
                                              "heal_windows": 4, "sweep": [0.25],
-                                             "decode_tokens": 2, "calib": (2, 64)})
+                                             "decode_tokens": 2, "calib": (6, 256)})
     out = compress.run(quick=True, progress=False)
     rows = {r["method"]: r for r in out["results"]}
     dense = rows["dense"]
@@ -23,10 +23,13 @@ def test_bench_compress_toy_run(monkeypatch):
                          "structured_gradient", "unstructured_magnitude", "2:4"}
     for name in ("structured_magnitude", "structured_activation", "structured_gradient"):
         r = rows[name]
-        # 2 of 8 query heads and 176 of 704 FFN channels in each of 6 layers
-        removed = 6 * (2 * 256 * 64 + 3 * 256 * 176)
+        # 2 of 8 query heads and 190 of 704 FFN channels in each of 6 layers
+        removed = 6 * (2 * 256 * 64 + 3 * 256 * 190)
         assert r["parameters"] == dense["parameters"] - removed
         assert r["engine_matches_reference"] is True and r["heal_steps"] == 1
+        decoder = 6 * (2 * 256 * 256 + 2 * 256 * 64 + 3 * 256 * 704)  # q, o; k, v; the MLP
+        assert r["sparsity"] == pytest.approx(removed / decoder) and r["sparsity"] > 0.25
+        assert r["kl_refit"] > 0  # refit ran (whether it helps: tests/compress/test_prune.py)
     assert rows["2:4"]["sparsity"] == 0.5
     assert rows["2:4"]["sparse_format_bytes"] < 0.7 * dense["fp16_bytes"]
     assert rows["unstructured_magnitude"]["sparsity"] == pytest.approx(0.5, abs=1e-3)

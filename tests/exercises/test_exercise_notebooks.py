@@ -74,3 +74,20 @@ def test_notebooks_committed_without_outputs(path):
     # the learner's cells are stubs: solutions are never in the notebooks themselves
     if path.stem != "drills":
         assert any("your code here" in c.source for c in nb.cells if c.cell_type == "code")
+
+
+# Exercise notebooks written after the main notebooks' first-cell rule (tests/notebooks/
+# test_lab_settings.py) follow it too: they end with the progress widget.
+WIDGET_NOTE = [p for p in NOTEBOOKS if p.stem[:2] in ("12", "13")]
+
+
+@pytest.mark.parametrize("path", WIDGET_NOTE, ids=lambda p: p.stem)
+def test_first_cell_says_to_rerun_and_every_cell_has_an_id(path):
+    import json
+
+    raw = json.loads(path.read_text())
+    assert all(c.get("id") for c in raw["cells"]), f"{path.name}: a cell has no id"
+    first = raw["cells"][0]
+    text = "".join(first["source"])
+    assert first["cell_type"] == "markdown" and "Error displaying widget" in text
+    assert "Run All" in text

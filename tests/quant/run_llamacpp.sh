@@ -49,10 +49,15 @@ if ! ls "$WHEELS"/llama_cpp_python-*.whl >/dev/null 2>&1; then
   mkdir -p "$WHEELS" && mv "$WHEELS.tmp"/llama_cpp_python-*.whl "$WHEELS"/
   rm -rf "$WHEELS.tmp"
 fi
-if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null; then
-  python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q "$WHEELS"/llama_cpp_python-*.whl
+# the [server] extra (FastAPI, uvicorn, sse-starlette from PyPI) is llama-cpp-python's OpenAI
+# server, which `labkit bench serve-llamacpp` and tests/quant/test_serve_llamacpp.py start
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import llama_cpp.server.app" 2>/dev/null
+then
+  [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+  WHEEL=$(ls "$WHEELS"/llama_cpp_python-*.whl | head -1)
+  "$VENV/bin/pip" install -q "$WHEEL[server]"
 fi
 [ "${1:-}" = "--install-only" ] && exit 0
 export LABKIT_LLAMACPP_PYTHON="$VENV/bin/python" OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-exec "$LABKIT_PY" -m pytest tests/quant/test_gguf_llamacpp.py -m interop -q -rs -p no:xdist "$@"
+exec "$LABKIT_PY" -m pytest tests/quant/test_gguf_llamacpp.py tests/quant/test_serve_llamacpp.py \
+  -m interop -q -rs -p no:xdist "$@"

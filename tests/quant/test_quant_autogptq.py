@@ -48,7 +48,10 @@ def test_autogptq_loads_labkit_gptq_checkpoint(tmp_path, monkeypatch, act_order)
         disable_exllamav2=True, use_safetensors=True, torch_dtype=torch.float32)
     tokens = torch.tensor([tok.encode("def fibonacci(n):\n    if n < 2:\n        return n\n"
                                       "    return fibonacci(n - 1) + fibonacci(n - 2)\n")])
-    with torch.no_grad():
+    from labkit.quant.linear import use_cpu_packed
+
+    # the exact dequantize-then-matmul path: the packed CPU kernels round activations to bf16
+    with torch.no_grad(), use_cpu_packed(False):
         theirs = theirs_model(input_ids=tokens).logits.float()
         ours, fp = q(tokens), model(tokens)
     torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)

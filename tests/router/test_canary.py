@@ -13,7 +13,10 @@ from labkit.router.canary import (
     Canary,
     CanaryAnalysis,
     CanarySplit,
+    Verdict,
+    judge,
 )
+from labkit.router.canary_cli import add_canary_args, canary_from_args
 
 # min_samples (100) + interval (25) * (threshold (2) - 1): the earliest possible rollback
 ROLLBACK_WITHIN = 150
@@ -39,9 +42,12 @@ def test_bad_candidate_is_rolled_back_quickly(error, slow):
     assert a.rolled_back_after <= ROLLBACK_WITHIN
     assert canary.split.weight == 0.0
     assert a.checks[-1].action == "rollback" and a.checks[-1].reason
-    # after rollback, no new traffic reaches the candidate (except by header)
+    # after rollback, no new traffic reaches the candidate: the split's weight is 0, and the
+    # router's hook overrides a forcing header too
     assert canary.assign(user="anyone") == BASELINE
-    assert canary.assign(headers={"X-Labkit-Canary": "candidate"}) == CANDIDATE
+    assert canary.assign(headers={"X-Labkit-Canary": "candidate"}) == CANDIDATE  # the split
+    arm, pool = canary.pick("u", {"X-Labkit-Canary": "candidate"}, ["stable"], ["cand"])
+    assert arm == BASELINE and pool == ["stable"]
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -82,3 +88,78 @@ def test_analysis_waits_for_min_samples_and_validates():
         a.record("blue", True)
     with pytest.raises(ValueError, match="min_samples"):
         CanaryAnalysis(window=10, min_samples=20)
+
+
+def test_header_accepts_0_and_1():
+    s = CanarySplit(0.0)
+    assert s.assign(headers={"x-labkit-canary": "1"}) == CANDIDATE
+    assert s.assign(headers={"X-LABKIT-CANARY": " 0 "}) == BASELINE
+    assert CanarySplit(1.0).assign(user="u", headers={"x-labkit-canary": "false"}) == BASELINE
+
+
+def test_decide_on_external_summaries_counts_consecutive_failures():
+    """The PromQL path hands in summaries; the same thresholds and the same K-in-a-row rule."""
+    a = CanaryAnalysis(min_samples=10, threshold=3, max_error_increase=0.05,
+                       max_ttft_p99_ratio=1.5)
+    base = {"n": 50, "error_rate": 0.01, "ttft_p99": 0.10}
+    slow = {"n": 50, "error_rate": 0.01, "ttft_p99": 0.16}
+    assert a.decide(base, {**slow, "n": 9}).action == "wait"  # too few candidate samples
+    assert a.decide(base, slow, "prometheus").action == "fail"
+    assert a.decide(base, {**slow, "ttft_p99": 0.149}).action == "pass"  # resets the streak
+    assert [a.decide(base, slow).action for _ in range(3)] == ["fail", "fail", "rollback"]
+    assert a.rolled_back and "TTFT p99 0.160s vs baseline 0.100s" in a.checks[-1].reason
+    erroring = {"n": 50, "error_rate": 0.07, "ttft_p99": None}  # no successes: no p99
+    assert "error rate 0.070" in judge(base, erroring, 0.05, 1.5)[0]
+    assert judge(base, {**erroring, "error_rate": 0.059}, 0.05, 1.5) == []
+
+
+def test_rollback_is_recorded_once_with_reason_and_source():
+    c = Canary(CanarySplit(0.5), CanaryAnalysis(min_samples=1, threshold=1))
+    c.apply(Verdict("rollback", "TTFT p99 9s vs baseline 1s", source="prometheus"))
+    assert c.split.weight == 0 and c.rollback_reason.endswith("(source: prometheus)")
+    c.apply(Verdict("rollback", "later", source="router"))
+    assert "later" not in c.rollback_reason
+    assert c.status()["weight"] == 0 and c.status()["initial_weight"] == 0.5
+
+
+def test_cli_flags_build_the_canary():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_canary_args(p)
+    assert canary_from_args(p.parse_args([])) is None
+    c = canary_from_args(p.parse_args(["--canary", "http://127.0.0.1:9", "--canary-weight",
+                                       "0.25", "--canary-min-samples", "30",
+                                       "--canary-max-ttft-ratio", "2"]))
+    assert c.split.weight == 0.25 and c.analysis.min_samples == 30
+    assert c.analysis.max_ttft_p99_ratio == 2 and c.promql is None and c.analysis.auto
+    c = canary_from_args(p.parse_args(["--canary", "http://127.0.0.1:9", "--canary-prometheus",
+                                       "http://127.0.0.1:9090"]))
+    assert c.promql.url == "http://127.0.0.1:9090" and not c.analysis.auto
+    with pytest.raises(ValueError, match="needs --canary"):
+        canary_from_args(p.parse_args(["--canary-prometheus", "http://127.0.0.1:9090"]))
+    with pytest.raises(ValueError, match="weight"):
+        canary_from_args(p.parse_args(["--canary", "http://x:1", "--canary-weight", "2"]))
+
+
+def test_promql_loop_falls_back_to_router_counters_when_prometheus_is_down():
+    """No Prometheus on that port: every check runs on the router's windows and says so."""
+    import asyncio
+    import socket
+
+    from labkit.router.prometheus import PromQLCanarySource
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+    c = Canary(CanarySplit(0.5), CanaryAnalysis(min_samples=5, threshold=2),
+               PromQLCanarySource(dead), interval_s=0.01)
+    for _ in range(10):
+        c.record(BASELINE, True, 0.05)
+        assert c.record(CANDIDATE, False) is None  # auto checks are off: the loop decides
+    asyncio.run(asyncio.wait_for(c.promql_loop(), 20))
+    assert c.analysis.rolled_back
+    assert [v.action for v in c.analysis.checks] == ["fail", "rollback"]
+    assert all(v.source.startswith("router (prometheus failed: ConnectError")
+               for v in c.analysis.checks)

@@ -3,19 +3,17 @@ OpenAI-shaped JSON and streams SSE under the test's control. Real ``labkit serve
 not used here (that test comes when the serve branch is merged)."""
 
 import asyncio
-import contextlib
 import json
 import socket
 import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
+from labkit.router.faults import serve_in_thread as serve
 from labkit.router.health import Backoff, HealthTracker
 from labkit.router.proxy import create_app
 
@@ -57,26 +55,6 @@ class FakeReplica:
         except (asyncio.CancelledError, GeneratorExit):
             self.disconnected.set()
             raise
-
-
-@contextlib.contextmanager
-def serve(app):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 10
-    while not server.started and time.time() < deadline:
-        time.sleep(0.02)
-    assert server.started, "server did not start in 10 s"
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
 
 
 def free_port_url():

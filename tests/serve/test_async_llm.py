@@ -18,6 +18,18 @@ def _engine(model, **kw):
     return LLMEngine.from_model(model, None, block_size=4, num_blocks=64, **kw)
 
 
+def _fail_steps_of(eng, request_id):
+    """Make every step that schedules ``request_id`` raise inside the executor."""
+    real = eng.executor.execute
+
+    def execute(out):
+        if any(sc.seq.request_id == request_id for sc in out.scheduled):
+            raise RuntimeError("injected kernel failure")
+        return real(out)
+
+    eng.executor.execute = execute
+
+
 async def _collect(stream) -> dict[int, list[int]]:
     toks: dict[int, list[int]] = {}
     async for item in stream:
@@ -93,14 +105,7 @@ def test_bad_request_raises_at_add_and_engine_goes_on(tiny_model):
 
 def test_step_failure_fails_only_its_requests(tiny_model):
     eng = _engine(tiny_model, max_num_seqs=1)  # one at a time: the failing step holds only "boom"
-    real = eng.executor.execute
-
-    def execute(out):
-        if any(sc.seq.request_id == "boom" for sc in out.scheduled):
-            raise RuntimeError("injected kernel failure")
-        return real(out)
-
-    eng.executor.execute = execute
+    _fail_steps_of(eng, "boom")
 
     async def main():
         llm = AsyncLLM(eng).start()
@@ -130,3 +135,48 @@ def test_shutdown_fails_open_streams(tiny_model):
         assert_no_leaks(llm.engine)
 
     asyncio.run(main())
+
+
+def test_engine_forgets_every_delivered_request(tiny_model):
+    """Finished, aborted and failed requests all leave engine.requests once their last output is
+    delivered (flat memory), and request_timings() still says how each ended."""
+    eng = _engine(tiny_model, max_num_seqs=2)
+    _fail_steps_of(eng, "boom")
+
+    async def main():
+        llm = AsyncLLM(eng).start()
+        try:
+            done = [await llm.add_request(f"r{i}", [1 + i, 2], SamplingParams(
+                temperature=0, max_tokens=3, n=1 + i % 2)) for i in range(6)]
+            await asyncio.gather(*(_collect(s) for s in done))
+            cut = await llm.add_request("cut", [4, 5], SamplingParams(max_tokens=200,
+                                                                     ignore_eos=True))
+            await cut.get()
+            await cut.aclose()
+            boom = await llm.add_request("boom", [1, 2], SamplingParams(max_tokens=4))
+            assert (await boom.get()).error is not None
+            held = await llm.call(lambda e: dict(e.requests))
+            timings = await llm.call(lambda e: e.request_timings())
+            await llm.call(assert_no_leaks)
+            return held, timings
+        finally:
+            await llm.shutdown()
+
+    held, timings = asyncio.run(main())
+    assert held == {}
+    reasons = {t["request_id"]: t["finish_reason"] for t in timings}
+    assert reasons == {**{f"r{i}": "length" for i in range(6)}, "cut": "abort",
+                       "boom": "abort"}
+    assert len(timings) == 6 + 3 + 2  # one per sample: n = 1, 2, 1, 2, 1, 2
+
+
+def test_forgetting_can_be_turned_off(tiny_model):
+    async def main():
+        llm = AsyncLLM(_engine(tiny_model), forget_finished=False).start()
+        try:
+            await _collect(await llm.add_request("r", [1], SamplingParams(max_tokens=2)))
+            return await llm.call(lambda e: list(e.requests))
+        finally:
+            await llm.shutdown()
+
+    assert asyncio.run(main()) == ["r"]
