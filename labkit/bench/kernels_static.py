@@ -3,9 +3,10 @@
 Triton compiles to PTX and then to a Hopper (sm_90) cubin on any machine. The cubin says how
 many registers a thread needs (which caps how many warps an SM keeps in flight to hide memory
 latency) and which machine instructions (SASS) the hot loop runs. For the decode GEMV kernels
-the loop cost per weight is the number that matters: 4-bit weights stream at ~9 T weights/s
-on an H200, about the rate its 132 SMs issue single-lane instructions, so every instruction
-per weight shows up in the time. These are static counts, not timings: ``labkit bench kernels``
+the loop cost per weight is the number that matters: 4-bit weights stream at ~9.6 T weights/s
+on an H200, and in that time its SMs issue only ~3.5 instructions per thread per weight
+(``issue_budget_per_weight``), so a loop that needs more than that is issue-bound, not
+memory-bound. These are static counts, not timings: ``labkit bench kernels``
 measures on a GPU.
 
 The compile mimics a real launch: pointers 16-byte aligned and sizes divisible by 16 are
@@ -27,9 +28,26 @@ from labkit.paths import RESULTS_DIR
 
 DEFAULT_JSON = RESULTS_DIR / "kernels_static.json"
 REGS_PER_SM, MAX_WARPS_PER_SM = 65536, 64
+# Hopper (sm_90): 64K 32-bit registers and at most 64 resident warps per SM (CUDA C++
+# Programming Guide, "Technical Specifications per Compute Capability", 9.0); each SM has four
+# warp schedulers issuing one warp instruction (32 threads) per clock; an H200 (GH100, like the
+# H100 SXM5) has 132 SMs at up to 1.98 GHz (NVIDIA H100 Tensor Core GPU Architecture
+# whitepaper, 2022; https://www.nvidia.com/en-us/data-center/h200/).
+ISSUE_THREADS_PER_SM_CLOCK, H200_SMS, H200_MAX_CLOCK_HZ = 4 * 32, 132, 1.98e9
+
 DIV16 = {"N", "K", "stride_xm", "stride_om", "split_stride"}
 INT4 = {"x_ptr": "*fp16", "qw_ptr": "*i32", "qz_ptr": "*i32", "s_ptr": "*fp16",
         "g_ptr": "*i32", "out_ptr": "*fp32"}
+
+
+def issue_budget_per_weight(bits: int = 4) -> float:
+    """Instructions per thread the H200's SMs can issue in the time one ``bits``-bit weight
+    streams in at its datasheet bandwidth (4.8 TB/s): the most SASS per weight (``sass_per_weight``)
+    a decode GEMV loop can run and still be limited by memory rather than by instruction issue."""
+    from labkit.sim.presets import get_gpu
+
+    weights_per_s = get_gpu("h200-sxm").mem_bandwidth * 8 / bits
+    return ISSUE_THREADS_PER_SM_CLOCK * H200_SMS * H200_MAX_CLOCK_HZ / weights_per_s
 
 
 def compile_sm90(fn, ptr_types: dict[str, str], consts: dict[str, Any], num_warps: int,

@@ -16,6 +16,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from labkit.viz import tracedata as td
+from labkit.viz.figure_view import FigureView
 
 PERCENTILES = (50, 90, 99)
 
@@ -62,9 +63,9 @@ class LatencyWidget(widgets.VBox):
 
     def __init__(self, source: Any, nbins: int = 40) -> None:
         self.nbins = nbins
-        self.figure = td.swap_figure(None, None, go.Figure(), "labkit-latency-figure")
+        self.view = FigureView("labkit-latency-figure")
         self.table = widgets.HTML()
-        super().__init__([self.table, self.figure])
+        super().__init__([self.table, self.view])
         self.add_class("labkit-latency")
         self.set_source(source)
 
@@ -91,7 +92,7 @@ class LatencyWidget(widgets.VBox):
                           barmode="overlay", showlegend=len(self.runs) > 1,
                           legend=dict(orientation="h", y=-0.2),
                           margin=dict(l=50, r=20, t=60, b=40))
-        self.figure = td.swap_figure(self, self.figure, fig, "labkit-latency-figure")
+        self.figure = self.view.show(fig)
         self.table.value = ("<table><tr><th>run</th><th>metric (ms)</th><th>samples</th>"
                             "<th>mean</th>" + "".join(f"<th>p{q}</th>" for q in PERCENTILES)
                             + "</tr>" + "".join(rows) + "</table>")

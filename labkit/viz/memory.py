@@ -16,6 +16,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 
 from labkit.viz import tracedata as td
+from labkit.viz.figure_view import FigureView
 
 
 def memory_series(trace: Any) -> dict[str, list[float]]:
@@ -57,9 +58,9 @@ class MemoryWidget(widgets.VBox):
         if x not in ("step", "time"):
             raise ValueError(f"x must be 'step' or 'time', got {x!r}")
         self.x = x
-        self.figure = td.swap_figure(None, None, go.Figure(), "labkit-memory-figure")
+        self.view = FigureView("labkit-memory-figure")
         self.summary = widgets.HTML()
-        super().__init__([self.summary, self.figure])
+        super().__init__([self.summary, self.view])
         self.add_class("labkit-memory")
         self.set_trace(trace)
 
@@ -97,7 +98,7 @@ class MemoryWidget(widgets.VBox):
                           xaxis_title="engine step" if self.x == "step" else "time (s)",
                           yaxis_title="KV token slots", legend=dict(orientation="h", y=-0.25),
                           margin=dict(l=60, r=20, t=30, b=40))
-        self.figure = td.swap_figure(self, self.figure, fig, "labkit-memory-figure")
+        self.figure = self.view.show(fig)
         self.summary.value = _summary(s, capacity)
 
 

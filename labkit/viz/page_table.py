@@ -16,6 +16,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from labkit.viz import tracedata as td
+from labkit.viz.figure_view import FigureView
 
 COLOR_MODES = ("owner", "ref count", "state")
 STATE_LEGEND = {"free": td.FREE_COLOR, "prefix-cached (free)": td.CACHED_COLOR,
@@ -51,7 +52,7 @@ class PageTableWidget(widgets.VBox):
                                               description="colour by")
         self.summary = widgets.HTML()
         self.legend = widgets.HTML()
-        self.figure = td.swap_figure(None, None, go.Figure(), "labkit-pagetable-figure")
+        self.view = FigureView("labkit-pagetable-figure")
         self.summary.add_class("labkit-pagetable-summary")
         self.prev_button.on_click(lambda _: self._nudge(-1))
         self.next_button.on_click(lambda _: self._nudge(+1))
@@ -59,7 +60,7 @@ class PageTableWidget(widgets.VBox):
         self.color_by.observe(lambda ch: self.show_step(self.slider.value), names="value")
         super().__init__([
             widgets.HBox([self.prev_button, self.slider, self.next_button]),
-            self.color_by, self.summary, self.figure, self.legend,
+            self.color_by, self.summary, self.view, self.legend,
         ])
         self.add_class("labkit-pagetable")
         self.set_trace(trace, step)
@@ -95,7 +96,7 @@ class PageTableWidget(widgets.VBox):
         t.marker.color, t.marker.line.width = table["color"], table["line"]
         fig.layout.yaxis2.tickvals = list(range(len(table["rows"])))
         fig.layout.yaxis2.ticktext = table["rows"]
-        self.figure = td.swap_figure(self, self.figure, fig, "labkit-pagetable-figure")
+        self.figure = self.view.show(fig)
         self.summary.value = self._summary_html(step, state)
         self.legend.value = self._legend_html()
 

@@ -16,6 +16,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 
 from labkit.viz import tracedata as td
+from labkit.viz.figure_view import FigureView
 from labkit.viz.page_table import _seq_tokens
 
 IN_USE, SHARED = "#4c78a8", "#7b3294"
@@ -75,9 +76,9 @@ class PrefixTreeWidget(widgets.VBox):
                                         if step is None else step,
                                         layout=widgets.Layout(width="420px"))
         self.summary = widgets.HTML()
-        self.figure = td.swap_figure(None, None, go.Figure(), "labkit-prefixtree-figure")
+        self.view = FigureView("labkit-prefixtree-figure")
         self.slider.observe(lambda ch: self.show_step(ch["new"]), names="value")
-        super().__init__([self.slider, self.summary, self.figure])
+        super().__init__([self.slider, self.summary, self.view])
         self.add_class("labkit-prefixtree")
         self.show_step(self.slider.value)
 
@@ -107,7 +108,7 @@ class PrefixTreeWidget(widgets.VBox):
                                   hoverinfo="text", marker=dict(colors=colors),
                                   tiling=dict(orientation="h"), root=dict(color="white")))
         fig.update_layout(height=360, width=900, margin=dict(l=10, r=10, t=10, b=10))
-        self.figure = td.swap_figure(self, self.figure, fig, "labkit-prefixtree-figure")
+        self.figure = self.view.show(fig)
         cached = sum(1 for n in nodes if n["state"] == "cached")
         roots = sum(1 for n in nodes if not n["parent"])
         self.summary.value = (

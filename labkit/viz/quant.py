@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from labkit.viz import tracedata as td
+from labkit.viz.figure_view import FigureView
 
 FORMATS = ("int8", "int4_rtn", "nf4", "fp8")
 
@@ -93,11 +93,11 @@ class QuantWidget(widgets.VBox):
         self.fmt = widgets.ToggleButtons(options=list(self.quantized), value="int4_rtn",
                                          description="format")
         self.summary = widgets.HTML()
-        self.figure = td.swap_figure(None, None, go.Figure(), "labkit-quant-figure")
+        self.view = FigureView("labkit-quant-figure")
         for c in (self.row, self.group, self.fmt):
             c.observe(lambda _: self.redraw(), names="value")
         super().__init__([widgets.HBox([self.row, self.group]), self.fmt, self.summary,
-                          self.figure])
+                          self.view])
         self.add_class("labkit-quant")
         self.redraw()
 
@@ -131,7 +131,7 @@ class QuantWidget(widgets.VBox):
                           legend=dict(orientation="h", y=-0.2),
                           margin=dict(l=40, r=20, t=40, b=40))
         fig.update_yaxes(type="log", row=1, col=2)
-        self.figure = td.swap_figure(self, self.figure, fig, "labkit-quant-figure")
+        self.figure = self.view.show(fig)
         e = errs[fmt]
         self.summary.value = (f"<div>{self.title} <b>{fmt}</b>, row {r}: relative RMSE "
                               f"{e['rel_rmse']:.4f}, worst weight off by {e['rel_max']:.3f}× "

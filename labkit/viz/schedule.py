@@ -15,6 +15,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from labkit.viz import tracedata as td
+from labkit.viz.figure_view import FigureView
 
 
 class ScheduleWidget(widgets.VBox):
@@ -26,10 +27,10 @@ class ScheduleWidget(widgets.VBox):
 
     def __init__(self, trace: Any, max_requests: int = 64, max_steps: int = 600) -> None:
         self.max_requests, self.max_steps = max_requests, max_steps
-        self.figure = td.swap_figure(None, None, go.Figure(), "labkit-schedule-figure")
+        self.view = FigureView("labkit-schedule-figure")
         self.summary = widgets.HTML()
         self.summary.add_class("labkit-schedule-summary")
-        super().__init__([self.summary, self.figure])
+        super().__init__([self.summary, self.view])
         self.add_class("labkit-schedule")
         self.set_trace(trace)
 
@@ -81,7 +82,7 @@ class ScheduleWidget(widgets.VBox):
                           margin=dict(l=70, r=20, t=20, b=40), bargap=0.1,
                           legend=dict(x=1.02, y=1, xanchor="left"))
         self._base, self._step = fig, None
-        self.figure = td.swap_figure(self, self.figure, fig, "labkit-schedule-figure")
+        self.figure = self.view.show(fig)
         self.summary.value = self._summary_html(len(steps))
 
     @property
@@ -96,7 +97,7 @@ class ScheduleWidget(widgets.VBox):
                                   x1=step + 0.5, y0=0, y1=1, line=dict(color="black", width=1.5),
                                   fillcolor="rgba(0,0,0,0.06)")]
         self._step = step
-        self.figure = td.swap_figure(self, self.figure, fig, "labkit-schedule-figure")
+        self.figure = self.view.show(fig)
 
     def _hover(self, rid: str, i: int, st: str | None) -> str:
         if st is None:

@@ -17,6 +17,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from labkit.viz import tracedata as td
+from labkit.viz.figure_view import FigureView
 
 
 def spec_series(trace: Any) -> dict[str, list]:
@@ -48,13 +49,13 @@ class SpecWidget(widgets.VBox):
 
     def __init__(self, trace: Any, tokenizer: Any = None) -> None:
         self.tokenizer = tokenizer
-        self.figure = td.swap_figure(None, None, go.Figure(), "labkit-spec-figure")
+        self.view = FigureView("labkit-spec-figure")
         self.slider = widgets.SelectionSlider(description="step", options=[0],
                                               layout=widgets.Layout(width="420px"))
         self.tokens = widgets.HTML()
         self.summary = widgets.HTML()
         self.slider.observe(lambda ch: self.show_step(ch["new"]), names="value")
-        super().__init__([self.summary, self.figure, self.slider, self.tokens])
+        super().__init__([self.summary, self.view, self.slider, self.tokens])
         self.add_class("labkit-spec")
         self.set_trace(trace)
 
@@ -77,7 +78,7 @@ class SpecWidget(widgets.VBox):
         fig.update_yaxes(title_text="draft tokens", secondary_y=False)
         fig.update_yaxes(title_text="acceptance rate", range=[0, 1.05], dtick=0.2,
                          tickformat=".0%", showgrid=False, secondary_y=True)
-        self.figure = td.swap_figure(self, self.figure, fig, "labkit-spec-figure")
+        self.figure = self.view.show(fig)
         self._spec_steps = s["step"]
         rate = s["rate"][-1]
         self.summary.value = (f"<div>{sum(s['proposed'])} draft tokens proposed over "

@@ -198,21 +198,3 @@ def _timing(out: dict, trace: dict, rid: str, seq_id: str) -> dict:
             "token_times": [], "finish_time": None,
         }
     return out[seq_id]
-
-
-
-def swap_figure(box: Any, old: Any, fig: Any, css_class: str) -> Any:
-    """Show `fig` in `box` in place of the FigureWidget `old`; returns the new FigureWidget.
-
-    A FigureWidget's edits made before the browser view exists are sent as messages nobody
-    receives, so the first render would show a stale (often empty) figure. Building a fresh
-    widget from the finished figure makes its initial state complete every time.
-    """
-    import plotly.graph_objects as go
-
-    new = go.FigureWidget(fig)
-    new.add_class(css_class)
-    if old is not None:
-        box.children = tuple(new if c is old else c for c in box.children)
-        old.close()
-    return new

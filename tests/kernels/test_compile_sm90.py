@@ -46,3 +46,13 @@ def test_kernels_static_refuses_the_interpreter():
     proc = subprocess.run([sys.executable, "-m", "labkit.cli", "bench", "kernels-static"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "TRITON_INTERPRET" in proc.stderr
+
+
+def test_issue_budget_per_weight_by_hand():
+    """132 SMs x 128 threads issued per clock x 1.98 GHz over 4.8 TB/s of 4-bit weights (two per
+    byte): 33.45e12 / 9.6e12 = 3.4848 instructions per thread per weight; 8-bit doubles it."""
+    from labkit.bench.kernels_static import issue_budget_per_weight
+
+    assert issue_budget_per_weight() == pytest.approx(132 * 128 * 1.98e9 / 9.6e12)
+    assert issue_budget_per_weight() == pytest.approx(3.4848)
+    assert issue_budget_per_weight(8) == pytest.approx(2 * issue_budget_per_weight(4))
