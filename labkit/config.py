@@ -35,7 +35,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 BATCHING = ("continuous", "static")
 KV_CACHE_DTYPES = ("auto", "int8")
 ATTENTION_BACKENDS = ("torch", "triton")
-SPEC_METHODS = ("draft_model", "ngram")
+SPEC_METHODS = ("draft_model", "ngram", "eagle")
 
 
 @dataclass
@@ -160,7 +160,7 @@ class SchedulerConfig:
 
 @dataclass
 class SpeculativeConfig:
-    """vLLM's ``speculative_config``: ``{"method": "draft_model" | "ngram", "model":
+    """vLLM's ``speculative_config``: ``{"method": "draft_model" | "ngram" | "eagle", "model":
     "labkit-tiny-draft", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
     "prompt_lookup_min": 1}``. ``draft_model`` is the loaded draft (set by the engine builder,
     which checks it against the target with :meth:`check_draft`)."""
@@ -184,6 +184,10 @@ class SpeculativeConfig:
         if self.method == "ngram" and (not (is_int(lo) and is_int(hi)) or not 1 <= lo <= hi):
             raise SpeculativeConfigError(
                 f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo} and {hi}")
+        if self.method == "eagle" and self.model is None:
+            raise SpeculativeConfigError(
+                'method "eagle" needs "model": an EAGLE head trained for the target, such as '
+                '"labkit-tiny-eagle", a head folder, or an EagleDraft object')
         if self.method == "draft_model" and self.model is None:
             raise SpeculativeConfigError(
                 'method "draft_model" needs "model": a shipped name such as '

@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--direction", choices=("forward", "reverse"), default="forward")
     p.add_argument("--hard-weight", type=float, default=0.0)
+    p.add_argument("--hard-label", choices=("data", "teacher"), default="data",
+                   help="hard-label target: the text's next token or the teacher's argmax")
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--eval-max-tokens", type=int, default=16384)
     p.add_argument("--probe-prompts", default="code_prompts")
@@ -54,6 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="teacher greedy continuations of train-split prompts to mix in")
     p.add_argument("--teacher-text-fraction", type=float, default=0.5,
                    help="share of each batch's rows taken from the teacher text")
+    p.add_argument("--spec-data", type=int, default=0, metavar="ROWS",
+                   help="DistillSpec data: ROWS teacher continuations of line-start prompts "
+                        "from the train split (evaluation prompts excluded); replaces "
+                        "--teacher-text-rows")
+    p.add_argument("--spec-data-sampled", type=float, default=0.3,
+                   help="share of --spec-data rows sampled (the rest greedy)")
+    p.add_argument("--spec-data-temperature", type=float, default=0.8)
+    p.add_argument("--text-cache", type=Path, default=None,
+                   help="load the teacher text from this .pt file if it exists, else save it")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chart", metavar="HTML", help="write the loss / agreement curve")
@@ -81,6 +92,30 @@ def make_student(args: argparse.Namespace, teacher: torch.nn.Module) -> tuple[to
     return load_pretrained(name)[0], f"the weights of `{name}`"
 
 
+def make_text(args: argparse.Namespace, teacher: torch.nn.Module, tok, data):
+    """The teacher text mixed into batches (None without --spec-data / --teacher-text-rows),
+    from or into ``--text-cache``."""
+    from labkit.compress.distill import teacher_text
+    from labkit.compress.spec_data import draft_training_text
+    from labkit.train.corpus import build_corpus
+
+    if not (args.spec_data or args.teacher_text_rows):
+        return None
+    if args.text_cache and args.text_cache.is_file():
+        return torch.load(args.text_cache)
+    if args.spec_data:
+        texts = [d.text for d in build_corpus().train]
+        text = draft_training_text(teacher, tok, texts, args.spec_data, args.seq_len + 1,
+                                   args.spec_data_sampled, args.spec_data_temperature,
+                                   seed=args.seed + 1)
+    else:
+        text = teacher_text(teacher, data.train, args.teacher_text_rows, args.seq_len + 1,
+                            seed=args.seed + 1)
+    if args.text_cache:
+        torch.save(text, args.text_cache)
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -89,7 +124,6 @@ def main(argv: list[str] | None = None) -> int:
         DistillConfig,
         distill,
         greedy_continuations,
-        teacher_text,
     )
     from labkit.model.loader import load_pretrained, resolve_model_path
     from labkit.sim.workloads import prompt_texts
@@ -110,18 +144,19 @@ def main(argv: list[str] | None = None) -> int:
                       warmup_steps=args.warmup_steps, eval_every=args.eval_every,
                       eval_max_tokens=args.eval_max_tokens, log_every=5, seed=args.seed,
                       weight_decay=0.0)
-    kd = DistillConfig(args.temperature, args.direction, args.hard_weight)
+    kd = DistillConfig(args.temperature, args.direction, args.hard_weight, args.hard_label)
     print(f"labkit distill: {args.teacher} -> student from {init}, "
           f"{sum(p.numel() for p in student.parameters()):,} parameters", file=sys.stderr)
-    text = None
-    if args.teacher_text_rows:
-        text = teacher_text(teacher, data.train, args.teacher_text_rows, args.seq_len + 1,
-                            seed=args.seed + 1)
+    text = make_text(args, teacher, tok, data)
     student, log = distill(student, teacher, cfg, kd, data.train, data.heldout, probe,
                            on_eval=lambda r: print(json.dumps(r), file=sys.stderr, flush=True),
                            text=text, text_fraction=args.teacher_text_fraction if text
                            is not None else 0.0)
-    log.update(teacher_text_rows=args.teacher_text_rows, student_init=init,
+    log.update(teacher_text_rows=args.teacher_text_rows, spec_data_rows=args.spec_data,
+               spec_data_sampled=args.spec_data_sampled,
+               spec_data_temperature=args.spec_data_temperature,
+               teacher_text_fraction=args.teacher_text_fraction if text is not None else 0.0,
+               student_init=init,
                teacher=args.teacher, command="labkit distill " + shlex.join(argv),
                torch_version=torch.__version__,
                python_version=platform.python_version(),

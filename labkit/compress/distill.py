@@ -13,7 +13,8 @@ the hard-label term) independent of T.
 * **reverse KL**, ``KL(q || p)``: mode-seeking; the student concentrates on the teacher's main
   mode (MiniLLM, Gu et al. 2023) — which is what a *speculative-decoding draft* is scored on:
   greedy acceptance only asks whether the student's top token is the teacher's.
-* ``hard_weight`` mixes in the usual cross-entropy on the corpus's next token:
+* ``hard_weight`` mixes in the usual cross-entropy on the corpus's next token (or, with
+  ``hard_label="teacher"``, on the teacher's argmax):
   ``loss = (1 - w) · T² · KL + w · CE``.
 
 The teacher runs on the fly (no_grad, eval mode) on exactly the windows the student sees.
@@ -35,6 +36,7 @@ from tqdm.auto import tqdm
 from labkit.train.trainer import TrainConfig, evaluate, lr_at, sample_batch
 
 DIRECTIONS = ("forward", "reverse")
+HARD_LABELS = ("data", "teacher")
 
 
 @dataclass
@@ -42,6 +44,7 @@ class DistillConfig:
     temperature: float = 1.0
     direction: str = "forward"
     hard_weight: float = 0.0  # weight of the hard-label cross-entropy (0 = pure distillation)
+    hard_label: str = "data"  # "data": the text's next token; "teacher": the teacher's argmax
 
     def __post_init__(self) -> None:
         if self.direction not in DIRECTIONS:
@@ -50,6 +53,8 @@ class DistillConfig:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if not 0 <= self.hard_weight <= 1:
             raise ValueError(f"hard_weight must be in [0, 1], got {self.hard_weight}")
+        if self.hard_label not in HARD_LABELS:
+            raise ValueError(f"hard_label must be one of {HARD_LABELS}, got {self.hard_label!r}")
 
 
 def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
@@ -71,10 +76,14 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
 
 def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
                  targets: torch.Tensor, cfg: DistillConfig) -> torch.Tensor:
-    """(1 - w) · T² · KL + w · CE(student, next token)."""
+    """(1 - w) · T² · KL + w · CE(student, next token). With ``hard_label="teacher"`` the
+    hard label is the teacher's argmax: greedy acceptance asks exactly for that token, and on
+    sampled text the data's next token is often not it."""
     kd = kd_loss(student_logits, teacher_logits, cfg.temperature, cfg.direction)
     if cfg.hard_weight == 0:
         return kd
+    if cfg.hard_label == "teacher":
+        targets = teacher_logits.argmax(-1)
     ce = F.cross_entropy(student_logits.float().flatten(0, 1), targets.flatten())
     return (1 - cfg.hard_weight) * kd + cfg.hard_weight * ce
 
@@ -95,26 +104,12 @@ def agreement(student: nn.Module, teacher: nn.Module, tokens: torch.Tensor,
             "kl": float(kd_loss(s, t))}
 
 
-@torch.no_grad()
 def batched_greedy(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
     """Greedy continuations of equal-length prompts [B, P] -> [B, P + new_tokens], all rows at
     once through the reference contiguous KV cache (one prefill, then one token per step)."""
-    from labkit.model.generate import ContiguousKVCache
+    from labkit.compress.spec_data import batched_generate
 
-    was = model.training
-    model.eval()
-    B, P = prompts.shape
-    cache = ContiguousKVCache(model, B, P + new_tokens)
-    seq = prompts.to(model.device)
-    logits = model(seq, None, cache)[:, -1]
-    for i in range(new_tokens):
-        nxt = logits.argmax(-1, keepdim=True)
-        seq = torch.cat([seq, nxt], dim=1)
-        if i + 1 < new_tokens:
-            pos = torch.full((B, 1), P + i, device=seq.device)
-            logits = model(nxt, pos, cache)[:, -1]
-    model.train(was)
-    return seq
+    return batched_generate(model, prompts, new_tokens)
 
 
 Probe = list[tuple[torch.Tensor, int]]

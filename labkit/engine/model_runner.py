@@ -51,10 +51,12 @@ class ModelRunner:
         return cls(model, kv)
 
     @torch.inference_mode()
-    def forward(self, chunks: list[Chunk], logits_rows: list[list[int]]) -> torch.Tensor:
+    def forward(self, chunks: list[Chunk], logits_rows: list[list[int]],
+                **model_inputs: torch.Tensor) -> torch.Tensor:
         """Run chunks in one packed forward; each block table must already cover
         ``[start, start + len)``. ``logits_rows[i]`` lists the offsets within chunk i whose
-        logits are wanted; returns them stacked ``[R, V]``."""
+        logits are wanted; returns them stacked ``[R, V]``. ``model_inputs`` go to the model
+        as keyword arguments (an EAGLE head's packed features)."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -73,7 +75,8 @@ class ModelRunner:
         dev = self.device
         try:
             return self.model(torch.tensor([ids], device=dev), torch.tensor([pos], device=dev),
-                              self.kv_cache, torch.tensor(out_idx, dtype=torch.long, device=dev))
+                              self.kv_cache, torch.tensor(out_idx, dtype=torch.long, device=dev),
+                              **model_inputs)
         finally:
             self.kv_cache.meta = None
 

@@ -33,6 +33,8 @@ from labkit.engine.executor import Executor, ModelRunnerOutput
 from labkit.engine.model_runner import ModelExecutor, step_chunks
 from labkit.kv.block_manager import BlockOps
 from labkit.sched.scheduler import ScheduledSeq, SchedulerOutput
+from labkit.spec.eagle import load_eagle
+from labkit.spec.eagle_proposer import EagleProposer
 from labkit.spec.proposers import DraftModelProposer, NgramProposer, Proposal, ProposalRequest
 from labkit.spec.rejection import verify
 
@@ -50,9 +52,13 @@ class SpecDecodeExecutor(Executor):
         self.gamma = config.num_speculative_tokens
         self.max_model_len = max_model_len
         self.proposer: NgramProposer | DraftModelProposer
+        self._features: torch.Tensor | None = None  # the target's last features (EAGLE)
         if config.method == "ngram":
             self.proposer = NgramProposer(self.gamma, config.prompt_lookup_max,
                                           config.prompt_lookup_min)
+        elif config.method == "eagle":
+            self.proposer = EagleProposer(config.draft_model, self.gamma, cache.num_blocks,
+                                          cache.block_size, attention_backend or "torch")
         else:
             # the draft's own pool mirrors the target's block ids (same size, same tables),
             # read from the config: the target's cache may live in other processes (TP)
@@ -64,6 +70,19 @@ class SpecDecodeExecutor(Executor):
         # CPU seconds spent drafting / in the target forward / verifying (for the benchmark's
         # cost breakdown; process time, so other processes on a shared machine do not count)
         self.cpu_s = {"propose": 0.0, "target": 0.0, "verify": 0.0}
+
+    def _catch_features(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        self._features = args[0]
+
+    def _observe(self, out: SchedulerOutput, chunks: list) -> None:
+        """Hand the EAGLE proposer the target's features of every chunk this step ran."""
+        if not isinstance(self.proposer, EagleProposer) or self._features is None:
+            return
+        feats, at = self._features[0], 0
+        for sc, (_, start, toks) in zip(out.scheduled, chunks):
+            self.proposer.observe(sc.seq.seq_id, start, feats[at:at + len(toks)])
+            at += len(toks)
+        self._features = None
 
     def apply_block_ops(self, ops: BlockOps) -> None:
         # the draft's KV is not copied: a changed block id makes it recompute (proposers.py)
@@ -101,7 +120,17 @@ class SpecDecodeExecutor(Executor):
         chunks, rows, _ = step_chunks(out, {k: p.token_ids for k, p in proposals.items()})
         if not chunks:
             return ModelRunnerOutput()
-        logits = self.runner.forward(chunks, rows).float().cpu()
+        hook = None
+        if isinstance(self.proposer, EagleProposer):
+            # the head drafts from the input of the target's final norm: catch it this forward
+            # (hooked per step: engines may share one target model object)
+            hook = self.model.model.norm.register_forward_hook(self._catch_features)
+        try:
+            logits = self.runner.forward(chunks, rows).float().cpu()
+        finally:
+            if hook is not None:
+                hook.remove()
+        self._observe(out, chunks)
         t2 = time.process_time()
         result = ModelRunnerOutput()
         start = 0
@@ -152,5 +181,12 @@ def make_spec_executor(base: ModelExecutor, config: EngineConfig) -> SpecDecodeE
     scheduler's lookahead slots set to γ (``EngineConfig``)."""
     if not isinstance(base, ModelExecutor):
         raise ValueError("speculative decoding needs the model executor (real tensors)")
+    spec = config.speculative
+    if spec.method == "eagle" and spec.draft_model is None:
+        # a head is built on the target's own embedding, norm and LM head: load it here,
+        # where the target exists (the engine itself never imports labkit.spec)
+        head = spec.model if isinstance(spec.model, torch.nn.Module) else load_eagle(
+            spec.model, base.model)
+        spec.draft_model = head.eval()
     return SpecDecodeExecutor(base, config.speculative, config.max_model_len, config.cache,
                               config.model.attention_backend)

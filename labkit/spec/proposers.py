@@ -169,15 +169,18 @@ class DraftModelProposer:
             same += 1
         return min(self._computed.get(r.seq_id, 0), same * self.block_size, len(r.token_ids) - 1)
 
-    @torch.inference_mode()
-    def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
-        active = [r for r in requests if r.num_tokens > 0]
+    def _check_tables(self, active: Sequence[ProposalRequest]) -> None:
         for r in active:
             need = len(r.token_ids) + r.num_tokens - 1
             if len(r.block_table) * self.block_size < need:
                 raise ValueError(f"sequence {r.seq_id}: block table covers "
                                  f"{len(r.block_table) * self.block_size} positions, drafting "
                                  f"needs {need}")
+
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
+        active = [r for r in requests if r.num_tokens > 0]
+        self._check_tables(active)
         # first step: every token the draft has not seen yet (the whole prompt the first time,
         # one or two tokens afterwards); later steps: the previous draft token
         feeds = [(s, list(r.token_ids[s:])) for r in active for s in [self._valid_prefix(r)]]
