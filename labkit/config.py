@@ -161,7 +161,7 @@ class SchedulerConfig:
 @dataclass
 class SpeculativeConfig:
     """vLLM's ``speculative_config``: ``{"method": "draft_model" | "ngram" | "eagle", "model":
-    "labkit-tiny-draft", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+    "labkit-tiny-draft-distilled", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
     "prompt_lookup_min": 1}``. ``draft_model`` is the loaded draft (set by the engine builder,
     which checks it against the target with :meth:`check_draft`)."""
 

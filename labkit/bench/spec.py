@@ -51,10 +51,13 @@ from labkit.bench.common import (
     timed,
     write_results,
 )
+from labkit.spec.eagle import EagleDraft, load_eagle
 from labkit.spec.theory import expected_speedup, expected_tokens_per_step, trace_acceptance
 
 QUICK = {"num_prompts": 4, "max_tokens": 64, "gammas": [2, 4], "rounds": 1}
 FULL = {"num_prompts": 16, "max_tokens": 128, "gammas": [1, 2, 4, 6, 8], "rounds": 2}
+DEFAULT_DRAFT = "labkit-tiny-draft-distilled"
+DEFAULT_EAGLE = "labkit-tiny-eagle"
 SIM = {"target": "llama-2-7b", "draft": "tinyllama-1.1b", "gpu": "a100-80gb", "context": 512}
 
 
@@ -131,28 +134,37 @@ def compare_spec(target: torch.nn.Module, prompts: list[list[int]], max_tokens: 
 @torch.inference_mode()
 def _forward_ms(model: torch.nn.Module, context: int, num_tokens: int, reps: int) -> float:
     """Median CPU ms of one forward of ``num_tokens`` new tokens after ``context`` cached ones
-    (process time: on a shared machine wall time mostly measures the other processes)."""
+    (process time: on a shared machine wall time mostly measures the other processes). An
+    EAGLE head gets random features beside its tokens."""
     from labkit.model.generate import ContiguousKVCache
 
     cache = ContiguousKVCache(model, 1, context + num_tokens)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (1, context + num_tokens), generator=gen)
-    model(ids[:, :context], None, cache)
+    kw = {}
+    if isinstance(model, EagleDraft):
+        kw = {"features": torch.randn(1, context + num_tokens, model.config.hidden_size,
+                                      generator=gen)}
+    model(ids[:, :context], None, cache, **{k: v[:, :context] for k, v in kw.items()})
     new, pos = ids[:, context:], torch.arange(context, context + num_tokens)[None]
+    kw = {k: v[:, context:] for k, v in kw.items()}
     times = []
     last = torch.tensor([num_tokens - 1])
     for _ in range(reps):
-        times.append(timed(model, new, pos, cache, last)[1].cpu_s)
+        times.append(timed(model, new, pos, cache, last, **kw)[1].cpu_s)
     return 1e3 * statistics.median(times)
 
 
 def measure_costs(target, draft, gammas: list[int], context: int = 64,
-                  reps: int = 30) -> dict[str, Any]:
+                  reps: int = 30, eagle: torch.nn.Module | None = None) -> dict[str, Any]:
     """Raw model forward costs on this machine (no engine): the c and verify terms."""
     t_dec = _forward_ms(target, context, 1, reps)
-    return {"context": context, "target_decode_ms": t_dec,
-            "draft_decode_ms": _forward_ms(draft, context, 1, reps),
-            "target_verify_ms": {g: _forward_ms(target, context, g + 1, reps) for g in gammas}}
+    out = {"context": context, "target_decode_ms": t_dec,
+           "draft_decode_ms": _forward_ms(draft, context, 1, reps),
+           "target_verify_ms": {g: _forward_ms(target, context, g + 1, reps) for g in gammas}}
+    if eagle is not None:
+        out["eagle_decode_ms"] = _forward_ms(eagle, context, 1, reps)
+    return out
 
 
 def sim_rows(alpha_by_gamma: dict[int, float], cfg: dict[str, Any] = SIM) -> list[dict]:
@@ -185,14 +197,17 @@ def _best(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run(quick: bool = True, target_name: str = "labkit-tiny",
-        draft_name: str = "labkit-tiny-draft", prompt_set: str = "code_prompts",
-        sizes: dict[str, Any] | None = None, concurrency: int = 1) -> dict[str, Any]:
+        draft_name: str = DEFAULT_DRAFT, prompt_set: str = "code_prompts",
+        sizes: dict[str, Any] | None = None, concurrency: int = 1,
+        eagle_name: str | None = None) -> dict[str, Any]:
+    """``eagle_name``: also run an EAGLE head (rows ``eagle``)."""
     from labkit.model.loader import load_pretrained
     from labkit.sim.workloads import prompt_texts
 
     cfg = {**(QUICK if quick else FULL), **(sizes or {})}
     target, tok = load_pretrained(target_name)
     draft, _ = load_pretrained(draft_name)
+    eagle = load_eagle(eagle_name, target) if eagle_name else None
     prompts = [tok.encode(t) for t in prompt_texts(prompt_set)[: cfg["num_prompts"]]]
     gammas = cfg["gammas"]
     configs: list[tuple[str, int, dict | None]] = [("baseline", 0, None)]
@@ -201,6 +216,9 @@ def run(quick: bool = True, target_name: str = "labkit-tiny",
                                      "prompt_lookup_max": 4}))
         configs.append(("draft_model", g, {"method": "draft_model", "model": draft,
                                            "num_speculative_tokens": g}))
+        if eagle is not None:
+            configs.append(("eagle", g, {"method": "eagle", "model": eagle,
+                                         "num_speculative_tokens": g}))
     # every round runs every config once, so slow phases of a shared machine hit all of them
     raw: dict[tuple[str, int], list[dict]] = {(n, g): [] for n, g, _ in configs}
     todo = [(n, g, spec) for _ in range(cfg["rounds"]) for n, g, spec in configs]
@@ -209,8 +227,10 @@ def run(quick: bool = True, target_name: str = "labkit-tiny",
     base = _best(raw[("baseline", 0)])
     n_tok = base["num_tokens"]
     base_wall, base_cpu = n_tok / base["wall_s"], n_tok / base["cpu_s"]
-    costs = measure_costs(target, draft, gammas)
-    t_dec, t_draft = costs["target_decode_ms"], costs["draft_decode_ms"]
+    costs = measure_costs(target, draft, gammas, eagle=eagle)
+    t_dec = costs["target_decode_ms"]
+    draft_ms = {"ngram": 0.0, "draft_model": costs["draft_decode_ms"],
+                "eagle": costs.get("eagle_decode_ms", 0.0)}
     # engine CPU overhead per step beyond the model forward, from the plain run
     overhead_ms = max(0.0, 1e3 * base["cpu_s"] / base["num_steps"] - t_dec)
     rows = []
@@ -219,7 +239,7 @@ def run(quick: bool = True, target_name: str = "labkit-tiny",
             continue
         r = _best(raw[(name, g)])
         alpha, parts = r["acc"].alpha, r["cpu_parts_s"]
-        c = 0.0 if name == "ngram" else t_draft / t_dec
+        c = draft_ms[name] / t_dec
         # cost side with this machine's raw forward costs, token side as measured
         d = r["drafts_per_step"]
         cpu_model = r["tokens_per_step"] * (t_dec + overhead_ms) / (
@@ -246,6 +266,7 @@ def run(quick: bool = True, target_name: str = "labkit-tiny",
     alpha_by_gamma = {r["gamma"]: r["alpha"] for r in rows if r["proposer"] == "draft_model"}
     sim = sim_rows(alpha_by_gamma)
     return {"benchmark": "spec", "quick": quick, "target": target_name, "draft": draft_name,
+            "eagle": eagle_name,
             "prompt_set": prompt_set, "num_prompts": len(prompts),
             "max_tokens": cfg["max_tokens"], "concurrency": concurrency, "rounds": cfg["rounds"],
             "baseline_runs": [{"wall_s": b["wall_s"], "cpu_s": b["cpu_s"]}
@@ -265,8 +286,11 @@ def write_chart(payload: dict[str, Any], path: str | Path) -> None:
     fig = make_subplots(rows=1, cols=2, subplot_titles=(
         f"{payload['target']} on CPU: speed-up vs plain decoding",
         f"roofline: {SIM['draft']} -> {SIM['target']} on {SIM['gpu']}"))
-    for prop, color in (("ngram", "#1f77b4"), ("draft_model", "#d62728")):
+    for prop, color in (("ngram", "#1f77b4"), ("draft_model", "#d62728"),
+                        ("eagle", "#2ca02c")):
         rows = [r for r in payload["results"] if r["proposer"] == prop]
+        if not rows:
+            continue
         g = [r["gamma"] for r in rows]
         for key, dash, label in (("speedup", None, "measured"),
                                  ("predicted_speedup_cpu", "dash", "predicted (CPU costs)"),
@@ -287,7 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-set", default="code_prompts",
                    help="datasets/workloads/<name>.jsonl (e.g. spec_code_prompts)")
     p.add_argument("--target", default="labkit-tiny")
-    p.add_argument("--draft", default="labkit-tiny-draft")
+    p.add_argument("--draft", default=DEFAULT_DRAFT,
+                   help="draft model (labkit-tiny-draft: the one trained on its own)")
+    p.add_argument("--eagle", default=DEFAULT_EAGLE,
+                   help="EAGLE head to run beside it ('none': skip the eagle rows)")
     p.add_argument("--concurrency", type=int, default=1,
                    help="requests decoding together (max_num_seqs); speculation pays most at 1")
     p.add_argument("--threads", type=int, default=1,
@@ -295,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     payload = run(args.quick, args.target, args.draft, args.prompt_set,
-                  concurrency=args.concurrency)
+                  concurrency=args.concurrency,
+                  eagle_name=None if args.eagle == "none" else args.eagle)
     c = payload["costs_ms"]
     print(f"\n{payload['target']} (+ {payload['draft']}) on CPU, {payload['num_prompts']} "
           f"{payload['prompt_set']} prompts x {payload['max_tokens']} greedy tokens, "

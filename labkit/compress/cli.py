@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--student", help="checkpoint to start from (name or folder)")
     g.add_argument("--drop-layers", help="start from these teacher layers, e.g. 0,5")
     g.add_argument("--student-preset", help="fresh student with a `labkit train` preset")
+    g.add_argument("--eagle", action="store_true",
+                   help="train an EAGLE draft head on the teacher's features instead of a "
+                        "student model (labkit.spec.eagle)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--data", type=Path, default=None,
                    help="prepared-data directory (`labkit train --prepare-only`); default: "
@@ -134,7 +137,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     teacher, tok = load_pretrained(args.teacher)
-    student, init = make_student(args, teacher)
     tdir = resolve_model_path(args.teacher)
     data = load_token_data(args.data or prepare_data(tokenizer_dir=tdir))
     prompts = [tok.encode(t) for t in prompt_texts(args.probe_prompts)[:args.probe_count]]
@@ -145,9 +147,14 @@ def main(argv: list[str] | None = None) -> int:
                       eval_max_tokens=args.eval_max_tokens, log_every=5, seed=args.seed,
                       weight_decay=0.0)
     kd = DistillConfig(args.temperature, args.direction, args.hard_weight, args.hard_label)
+    text = make_text(args, teacher, tok, data)
+    if args.eagle:
+        from labkit.compress.eagle_cli import run_eagle
+
+        return run_eagle(args, argv, teacher, data, text, probe)
+    student, init = make_student(args, teacher)
     print(f"labkit distill: {args.teacher} -> student from {init}, "
           f"{sum(p.numel() for p in student.parameters()):,} parameters", file=sys.stderr)
-    text = make_text(args, teacher, tok, data)
     student, log = distill(student, teacher, cfg, kd, data.train, data.heldout, probe,
                            on_eval=lambda r: print(json.dumps(r), file=sys.stderr, flush=True),
                            text=text, text_fraction=args.teacher_text_fraction if text

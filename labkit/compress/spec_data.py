@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+PROMPT_BUCKETS = (4, 6, 8, 12, 16, 24, 32)
 _LINE_START = re.compile(r"(?m)^(?=[ \t]*\S)")
 
 
@@ -125,7 +126,13 @@ def draft_training_text(teacher: nn.Module, tok, texts: Sequence[str], rows: int
     (the TRAIN split), ``sampled_fraction`` of them sampled at ``temperature``, the rest greedy.
     Prompts containing a line of ``exclude_prompt_sets`` are never used."""
     prompts = line_prompts(texts, rows, eval_lines(exclude_prompt_sets), seed=seed)
-    ids = [tok.encode(p)[:length // 4] for p in prompts]
+    # cut each prompt to the longest bucket length it reaches: few distinct lengths means few,
+    # large generation batches (one batch per length and temperature)
+    buckets = [n for n in PROMPT_BUCKETS if n < length]
+    ids = []
+    for p in prompts:
+        t = tok.encode(p)
+        ids.append(t[:max([n for n in buckets if n <= len(t)], default=len(t))])
     n_sampled = int(round(sampled_fraction * rows))
     temps = [temperature if i < n_sampled else 0.0 for i in range(rows)]
     return teacher_generations(teacher, ids, length, temps, seed=seed, progress=progress)

@@ -162,7 +162,8 @@ class SpecControls(widgets.VBox):
     """
 
     def __init__(self, prompts: list[str], model: str = "labkit-tiny",
-                 draft: str = "labkit-tiny-draft", gamma: int = 4, method: str = "draft_model",
+                 draft: str = "labkit-tiny-draft-distilled", gamma: int = 4,
+                 method: str = "draft_model",
                  max_tokens: int = 32, run: bool = True, **llm_kw: Any) -> None:
         if not prompts:
             raise ValueError("SpecControls needs at least one prompt")
