@@ -56,7 +56,15 @@ def write_distill_card(out: str | Path, name: str, student: nn.Module, teacher: 
         f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads, FFN "
         f"{cfg.intermediate_size}, vocab {cfg.vocab_size} |",
         f"| loss | {kd['direction']} KL, temperature {kd['temperature']:g} (x T²), hard-label "
-        f"weight {kd['hard_weight']:g} |",
+        f"weight {kd['hard_weight']:g}"
+        f"{' (label: the teacher argmax)' if kd.get('hard_label') == 'teacher' else ''} |",
+        *([f"| data | {log['teacher_text_fraction']:.0%} of each batch's rows from "
+           f"{log['spec_data_rows']:,} continuations written by the teacher itself "
+           f"(DistillSpec-style; {log['spec_data_sampled']:.0%} sampled at temperature "
+           f"{log['spec_data_temperature']:g}, the rest greedy) of line-start prompts of 1-3 "
+           "lines cut from the TRAIN split; prompts containing any line of the evaluation "
+           "prompt sets (`code_prompts`, `spec_code_prompts`) were dropped; the other rows: "
+           "corpus windows |"] if log.get("spec_data_rows") else []),
         f"| steps | {log['steps']} x batch {tc['batch_size']} x {tc['seq_len']} tokens = "
         f"{log['tokens_seen']:,} tokens, AdamW lr {tc['lr']:g} (warm-up {tc['warmup_steps']}, "
         f"cosine), seed {tc['seed']} |",
