@@ -120,3 +120,24 @@ def test_training_raises_agreement_and_save_load_roundtrips(target, tmp_path):
 
 def generate_ids(target, prompt, n):
     return torch.tensor([prompt + generate(target, prompt, n, ignore_eos=True)])
+
+
+def test_shipped_head_is_float16_and_keeps_greedy_output():
+    from safetensors import safe_open
+
+    from labkit.model.loader import load_pretrained, models_dir
+
+    d = models_dir() / "labkit-tiny-eagle"
+    if not (d / "model.safetensors").is_file():
+        pytest.skip("labkit-tiny-eagle is not in datasets/models")
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float16}
+        assert not any(k.startswith(("embed", "lm_head", "norm")) for k in f.keys())
+    assert "labkit distill --eagle" in (d / "README.md").read_text()
+    target, tok = load_pretrained("labkit-tiny")
+    prompt = tok.encode("def gcd(a, b):\n")
+    llm = LLM(target, speculative_config={"method": "eagle", "model": "labkit-tiny-eagle",
+                                          "num_speculative_tokens": 3})
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=_greedy(24))[0]
+    assert out.outputs[0].token_ids == generate(target, prompt, 24, ignore_eos=True)
+    assert llm.llm_engine.executor.num_accepted_tokens > 0
