@@ -141,3 +141,31 @@ def test_shipped_head_is_float16_and_keeps_greedy_output():
     out = llm.generate(prompt_token_ids=[prompt], sampling_params=_greedy(24))[0]
     assert out.outputs[0].token_ids == generate(target, prompt, 24, ignore_eos=True)
     assert llm.llm_engine.executor.num_accepted_tokens > 0
+
+
+def test_sampled_drafts_carry_their_distribution_and_runs_repeat(target, head, monkeypatch):
+    """Temperature sampling goes through the same rejection rule as a draft model: each draft
+    comes with the filtered q it was drawn from, and a seeded run is reproducible."""
+    from labkit.spec.eagle_proposer import EagleProposer
+
+    seen = []
+    orig = EagleProposer.propose
+
+    def spy(self, requests):
+        props = orig(self, requests)
+        seen.extend(p for p in props if p.token_ids)
+        return props
+
+    monkeypatch.setattr(EagleProposer, "propose", spy)
+    params = SamplingParams(temperature=0.8, top_k=20, max_tokens=16, ignore_eos=True, seed=7)
+    runs = []
+    for _ in range(2):
+        llm = LLM(target, block_size=4, speculative_config={
+            "method": "eagle", "model": head, "num_speculative_tokens": 3})
+        runs.append([o.outputs[0].token_ids for o in llm.generate(
+            prompt_token_ids=PROMPTS[:2], sampling_params=params)])
+        assert_no_leaks(llm.llm_engine)
+    assert runs[0] == runs[1] and all(len(t) == 16 for t in runs[0])
+    assert seen and all(p.probs is not None and p.probs.shape[0] == len(p.token_ids)
+                        and torch.allclose(p.probs.sum(-1), torch.ones(len(p.token_ids)))
+                        for p in seen)
