@@ -306,6 +306,15 @@ def write_chart(payload: dict[str, Any], path: str | Path) -> None:
     fig.write_html(str(path), include_plotlyjs="directory")
 
 
+def _eagle_name(arg: str | None) -> str | None:
+    """--eagle: a head name or folder, 'none', or unset (the shipped head, if there is one)."""
+    from labkit.model.loader import models_dir
+
+    if arg is None:
+        return DEFAULT_EAGLE if (models_dir() / DEFAULT_EAGLE / "config.json").is_file() else None
+    return None if arg == "none" else arg
+
+
 def main(argv: list[str] | None = None) -> int:
     p = bench_parser("spec", __doc__.splitlines()[0])
     p.add_argument("--prompt-set", default="code_prompts",
@@ -313,8 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", default="labkit-tiny")
     p.add_argument("--draft", default=DEFAULT_DRAFT,
                    help="draft model (labkit-tiny-draft: the one trained on its own)")
-    p.add_argument("--eagle", default=DEFAULT_EAGLE,
-                   help="EAGLE head to run beside it ('none': skip the eagle rows)")
+    p.add_argument("--eagle", default=None,
+                   help=f"EAGLE head to run beside it (default: {DEFAULT_EAGLE} if shipped; "
+                        "'none': no eagle rows)")
     p.add_argument("--concurrency", type=int, default=1,
                    help="requests decoding together (max_num_seqs); speculation pays most at 1")
     p.add_argument("--threads", type=int, default=1,
@@ -323,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     payload = run(args.quick, args.target, args.draft, args.prompt_set,
                   concurrency=args.concurrency,
-                  eagle_name=None if args.eagle == "none" else args.eagle)
+                  eagle_name=_eagle_name(args.eagle))
     c = payload["costs_ms"]
     print(f"\n{payload['target']} (+ {payload['draft']}) on CPU, {payload['num_prompts']} "
           f"{payload['prompt_set']} prompts x {payload['max_tokens']} greedy tokens, "
