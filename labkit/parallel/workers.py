@@ -78,7 +78,7 @@ def _worker_main(rank: int, world: int, port: int, factory: Callable[[TPGroup], 
                 conn.send(("ok", getattr(target, method)(*args)))
             except BaseException:  # noqa: BLE001
                 conn.send(("err", traceback.format_exc()))
-    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+    except (EOFError, BrokenPipeError):  # the driver closed the pipe
         return
     finally:
         if dist.is_initialized():

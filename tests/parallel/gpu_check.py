@@ -61,7 +61,8 @@ def main() -> int:
     res: dict = {"device": a.device, "torch": torch.__version__}
     if a.device == "cuda":
         res["gpu"] = torch.cuda.get_device_name()
-        res["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        v = torch.cuda.nccl.version()  # a tuple in recent torch, an int in older ones
+        res["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
     g = torch.Generator().manual_seed(0)
     shared = torch.randint(3, 4096, (40,), generator=g).tolist()
     prompts = [shared + [5, 6], torch.randint(3, 4096, (9,), generator=g).tolist(), shared + [7]]
