@@ -1,11 +1,12 @@
-"""labkit.spec: speculative decoding (draft model and n-gram drafts, exact rejection sampling).
+"""labkit.spec: speculative decoding (draft model, EAGLE head and n-gram drafts, exact rejection
+sampling).
 
 Sits above the engine: ``SpecDecodeExecutor`` implements the engine's executor contract around
 its ``ModelRunner``, and the draft model runs through a ModelRunner of its own.
-``labkit.LLM(model=..., speculative_config={"method": "ngram" | "draft_model", ...})`` builds it
-through :func:`make_spec_executor` (registered by ``labkit/__init__``); the pieces are
-importable on their own for the notebooks:
-``rejection`` (the accept / resample rule), ``proposers``, ``theory`` (formulas, acceptance
+``labkit.LLM(model=..., speculative_config={"method": "ngram" | "draft_model" | "eagle", ...})``
+builds it through :func:`make_spec_executor` (registered by ``labkit/__init__``); the pieces are
+importable on their own for the notebooks: ``rejection`` (the accept / resample rule), ``proposers``, ``eagle`` (the EAGLE head, its
+training and save/load) with ``eagle_proposer``, ``theory`` (formulas, acceptance
 statistics from a trace, and the engine-free reference ``speculative_generate``).
 """
 
