@@ -5,9 +5,10 @@ Sits above the engine: ``SpecDecodeExecutor`` implements the engine's executor c
 its ``ModelRunner``, and the draft model runs through a ModelRunner of its own.
 ``labkit.LLM(model=..., speculative_config={"method": "ngram" | "draft_model" | "eagle", ...})``
 builds it through :func:`make_spec_executor` (registered by ``labkit/__init__``); the pieces are
-importable on their own for the notebooks: ``rejection`` (the accept / resample rule), ``proposers``, ``eagle`` (the EAGLE head, its
-training and save/load) with ``eagle_proposer``, ``theory`` (formulas, acceptance
-statistics from a trace, and the engine-free reference ``speculative_generate``).
+importable on their own for the notebooks: ``rejection`` (the accept / resample rule),
+``proposers``, ``eagle`` (the EAGLE head, its training and save/load) with ``eagle_proposer``,
+``theory`` (formulas, acceptance statistics from a trace, and the engine-free reference
+``speculative_generate``).
 """
 
 from labkit.spec.config import SpeculativeConfig, SpeculativeConfigError

@@ -151,34 +151,49 @@ class EagleTrainConfig:
     seed: int = 0
 
 
+def _lr(cfg: EagleTrainConfig, step: int) -> float:
+    """Linear warm-up, then cosine down to 10% of ``cfg.lr``."""
+    warm = min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
+    return cfg.lr * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * step / cfg.steps)))
+
+
+def _batch(train_ids: torch.Tensor, text: torch.Tensor | None, n_corpus: int, n_text: int,
+           length: int, gen: torch.Generator) -> torch.Tensor:
+    """``n_corpus`` random corpus windows and ``n_text`` teacher-text rows of ``length``."""
+    starts = torch.randint(0, train_ids.numel() - length, (n_corpus,), generator=gen)
+    rows = [train_ids[starts[:, None] + torch.arange(length)]]
+    if n_text:
+        rows.append(text[torch.randint(0, text.shape[0], (n_text,), generator=gen)][:, :length])
+    return torch.cat(rows)
+
+
+@torch.no_grad()
+def probe_agreement(target: nn.Module, draft: EagleDraft, probe: list[torch.Tensor]) -> float:
+    """Mean first-draft top-1 agreement (true features) over the probe sequences."""
+    agree = []
+    for x in probe:
+        t_logits, feats = target_features(target, x)
+        agree.append(eagle_loss(draft, x, feats, t_logits)[1])
+    return float(sum(agree) / len(agree))
+
+
 def train_eagle(target: nn.Module, draft: EagleDraft, cfg: EagleTrainConfig,
                 train_ids: torch.Tensor, text: torch.Tensor | None = None,
                 probe: list[torch.Tensor] | None = None, progress: bool = True,
                 on_eval: Callable[[dict], None] | None = None) -> dict:
-    """Train the head in place (the target frozen); returns the log. ``text`` [N, >= seq_len+1]
-    (e.g. :func:`labkit.compress.spec_data.draft_training_text`) supplies ``text_fraction`` of
-    each batch's rows, corpus windows of ``train_ids`` the rest. ``probe`` sequences (the
-    target's greedy continuations) give the head's first-position agreement α."""
-    target.eval()
-    for p in target.parameters():
-        p.requires_grad_(False)
-    params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    """Train the head in place, target frozen; returns the log. ``text`` [N, >= seq_len+1]
+    (:func:`labkit.compress.spec_data.draft_training_text`) gives ``text_fraction`` of each
+    batch, corpus windows the rest; ``probe`` rows (target greedy text) give α."""
+    target.eval().requires_grad_(False)
+    opt = torch.optim.AdamW(params := list(draft.parameters()), lr=cfg.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(cfg.seed)
-    L = cfg.seq_len + 1
     n_text = int(round(cfg.text_fraction * cfg.batch_size)) if text is not None else 0
     log: dict = {"config": asdict(cfg), "train": [], "eval": []}
     t0 = time.perf_counter()
 
     def run_eval(step: int) -> None:
-        row = {"step": step, "elapsed_s": time.perf_counter() - t0}
-        if probe:
-            agree = []
-            with torch.no_grad():
-                for x in probe:
-                    t_logits, feats = target_features(target, x)
-                    agree.append(eagle_loss(draft, x, feats, t_logits)[1])
-            row["top1_agreement"] = float(sum(agree) / len(agree))
+        row = {"step": step, "elapsed_s": time.perf_counter() - t0,
+               **({"top1_agreement": probe_agreement(target, draft, probe)} if probe else {})}
         log["eval"].append(row)
         if on_eval:
             on_eval(row)
@@ -186,31 +201,23 @@ def train_eagle(target: nn.Module, draft: EagleDraft, cfg: EagleTrainConfig,
     run_eval(0)
     bar = tqdm(total=cfg.steps, desc="eagle", unit="step", disable=not progress)
     step = 0
-    while step < cfg.steps:
-        if cfg.time_budget_s is not None and time.perf_counter() - t0 > cfg.time_budget_s:
-            break
-        warm = min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
-        cos = 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+    budget = math.inf if cfg.time_budget_s is None else cfg.time_budget_s
+    while step < cfg.steps and time.perf_counter() - t0 <= budget:
         for g in opt.param_groups:
-            g["lr"] = cfg.lr * warm * (0.1 + 0.9 * cos)
-        starts = torch.randint(0, train_ids.numel() - L, (cfg.batch_size - n_text,),
-                               generator=gen)
-        rows = [train_ids[starts[:, None] + torch.arange(L)]]
-        if n_text:
-            rows.append(text[torch.randint(0, text.shape[0], (n_text,), generator=gen)][:, :L])
-        ids = torch.cat(rows).to(draft.device)
+            g["lr"] = _lr(cfg, step)
+        ids = _batch(train_ids, text, cfg.batch_size - n_text, n_text, cfg.seq_len + 1,
+                     gen).to(draft.device)
         t_logits, feats = target_features(target, ids)
         loss, agree = eagle_loss(draft, ids, feats, t_logits, cfg.reg_weight, cfg.noise, gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        step += 1
+        loss, step = loss.detach(), step + 1
         bar.update(1)
         if step % 10 == 0:
-            log["train"].append({"step": step, "loss": float(loss.detach()),
-                                 "agree": float(agree)})
-            bar.set_postfix(loss=f"{log['train'][-1]['loss']:.3f}", agree=f"{float(agree):.3f}")
+            log["train"].append({"step": step, "loss": float(loss), "agree": float(agree)})
+            bar.set_postfix(loss=f"{float(loss):.3f}", agree=f"{float(agree):.3f}")
         if step % cfg.eval_every == 0:
             run_eval(step)
     bar.close()
