@@ -90,6 +90,12 @@ class RequestStream:
             self.llm.abort(self.request_id)
 
 
+def _deliver(deliveries: list[tuple[RequestStream, StreamItem]]) -> None:
+    """On the event loop: hand one step's items to their streams."""
+    for stream, item in deliveries:
+        stream._put(item)
+
+
 class AsyncLLM:
     """``await llm.add_request(...)`` returns a RequestStream; the engine steps in a thread.
 
@@ -261,7 +267,7 @@ class AsyncLLM:
         by_req: dict[str, list[StepOutput]] = {}
         for o in outputs:
             by_req.setdefault(o.request_id, []).append(o)
-        done_ids = []
+        done_ids, deliveries = [], []
         for rid, outs in by_req.items():
             stream = self._streams.get(rid)
             if stream is None:
@@ -273,7 +279,9 @@ class AsyncLLM:
             if done:
                 del self._streams[rid]
                 done_ids.append(rid)
-            self._post(stream._put, StreamItem(outs, finished=done, step_start=t0))
+            deliveries.append((stream, StreamItem(outs, finished=done, step_start=t0)))
+        if deliveries:  # one wake-up of the event loop per step, not one per request
+            self._post(_deliver, deliveries)
         self._forget(done_ids)
         self.stats = dict(eng.stats())
         if self.on_step is not None:
