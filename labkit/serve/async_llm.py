@@ -7,9 +7,11 @@ releases the GIL inside its kernels) and keeps the engine object inspectable fro
 
 The engine is not thread-safe, so only the engine thread touches it. The event loop talks to it
 through a command queue (add, abort, call) that the thread drains *before every step*; outputs go
-back with ``loop.call_soon_threadsafe``. Hence "cancel = abort within one step": an abort queued
-while a step runs is applied right after that step, before the next one is scheduled, and the
-request's KV blocks are free from then on.
+back with ``loop.call_soon_threadsafe``, one call per step for all its requests (each call
+writes the loop's self-pipe, a syscall that lets the loop thread take the GIL; one per request
+per step made the engine thread queue for the GIL that many times a step). Hence "cancel =
+abort within one step": an abort queued while a step runs is applied right after that step,
+before the next one is scheduled, and the request's KV blocks are free from then on.
 
 Only the engine's public API is used: ``add_request``, ``step``, ``abort``,
 ``has_unfinished_requests``, ``forget_finished``, ``stats`` (plus ``StepOutput`` /
@@ -71,7 +73,8 @@ class RequestStream:
 
     async def get(self, timeout: float | None = None) -> StreamItem:
         """The next item; raises TimeoutError after ``timeout`` seconds without one."""
-        item = await asyncio.wait_for(self.queue.get(), timeout)
+        item = await (self.queue.get() if timeout is None else  # no timer task per token
+                      asyncio.wait_for(self.queue.get(), timeout))
         if item.finished or item.error is not None:
             self.finished = True
         return item
