@@ -13,6 +13,14 @@ per step made the engine thread queue for the GIL that many times a step). Hence
 abort within one step": an abort queued while a step runs is applied right after that step,
 before the next one is scheduled, and the request's KV blocks are free from then on.
 
+The GIL: the engine thread runs Python (scheduler, model code between PyTorch kernels) most of
+a step. A loop thread woken by a socket or an output then waits for the GIL until the engine
+thread blocks or CPython forces a switch after ``sys.getswitchinterval()`` (5 ms by default),
+and that wait lands on every TTFT, every accepted request and every chunk. While it runs,
+AsyncLLM lowers the interval to ``switch_interval`` (0.5 ms; restored at shutdown): the loop's
+work is small and bounded, so handing it the GIL sooner costs the engine little. vLLM avoids
+the question by running the engine in another process.
+
 Only the engine's public API is used: ``add_request``, ``step``, ``abort``,
 ``has_unfinished_requests``, ``forget_finished``, ``stats`` (plus ``StepOutput`` /
 ``SamplingParams``).
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +46,8 @@ from typing import Any
 from labkit.engine.errors import EngineStepError
 from labkit.engine.outputs import StepOutput
 from labkit.engine.sampling_params import SamplingParams
+
+SWITCH_INTERVAL = 0.0005  # s; CPython's default is 0.005 (sys.getswitchinterval)
 
 
 class EngineDeadError(RuntimeError):
@@ -107,8 +118,11 @@ class AsyncLLM:
 
     def __init__(self, engine: Any, *, idle_wait: float = 0.05,
                  on_step: Callable[[dict, list[StepOutput]], None] | None = None,
-                 forget_finished: bool = True) -> None:
+                 forget_finished: bool = True,
+                 switch_interval: float | None = SWITCH_INTERVAL) -> None:
         self.engine = engine
+        self.switch_interval = switch_interval
+        self._saved_interval: float | None = None
         self.forget_finished = forget_finished
         self.idle_wait = idle_wait
         self.on_step = on_step
@@ -127,6 +141,9 @@ class AsyncLLM:
         """Bind to the running event loop and start the engine thread."""
         if self._thread is None:
             self._loop = asyncio.get_running_loop()
+            if self.switch_interval and self.switch_interval < sys.getswitchinterval():
+                self._saved_interval = sys.getswitchinterval()
+                sys.setswitchinterval(self.switch_interval)
             self._thread = threading.Thread(target=self._run, name="labkit-engine", daemon=True)
             self._thread.start()
         return self
@@ -141,6 +158,9 @@ class AsyncLLM:
         self._cmds.put(("wake",))
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
         self._thread = None
+        if self._saved_interval is not None:
+            sys.setswitchinterval(self._saved_interval)
+            self._saved_interval = None
 
     @property
     def is_running(self) -> bool:

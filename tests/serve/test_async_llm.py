@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 
@@ -86,6 +87,26 @@ def test_one_event_loop_wake_up_per_step_not_per_request(tiny_model):
         assert toks[0] == generate(tiny_model, p, 8)
     assert posted.count("_deliver") == len(steps_with_outputs)
     assert sum(steps_with_outputs) == 4 * 8 > len(steps_with_outputs)  # batched: fewer posts
+
+
+def test_switch_interval_lowered_while_running_and_restored(tiny_model):
+    """While the engine thread runs, a loop thread waiting for the GIL gets it within
+    switch_interval, not CPython's 5 ms (which lands on every TTFT); restored at shutdown."""
+    before = sys.getswitchinterval()
+
+    async def main():
+        llm = AsyncLLM(_engine(tiny_model), switch_interval=before / 10).start()
+        try:
+            during = sys.getswitchinterval()
+            s = await llm.add_request("a", [1, 2], SamplingParams(temperature=0, max_tokens=3))
+            toks = await _collect(s)
+        finally:
+            await llm.shutdown()
+        return during, toks
+
+    during, toks = asyncio.run(main())
+    assert during == pytest.approx(before / 10) and sys.getswitchinterval() == before
+    assert toks[0] == generate(tiny_model, [1, 2], 3)
 
 
 def test_cancel_aborts_within_one_step_and_frees_blocks(tiny_model):
