@@ -314,8 +314,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{k['measured_over_simulated']:.2f}x")
     if "fairness" in payload:
         f = payload["fairness"]
-        print(f"noisy neighbour, light tenant p99 TTFT with / without: "
-              f"fcfs {f['fcfs_light_p99_ttft_ratio']:.2f}x, fair "
+        print(f"noisy neighbour (heavy tenant at {f['heavy_rate_req_s']:.1f} req/s = "
+              f"{payload['config']['overload']:g}x the measured capacity "
+              f"{f['capacity_req_s']:.1f} req/s, light at a tenth of that), light tenant p99 "
+              f"TTFT with / without: fcfs {f['fcfs_light_p99_ttft_ratio']:.2f}x, fair "
               f"{f['fair_light_p99_ttft_ratio']:.2f}x")
     write_json(args.json, payload)
     if args.json:
