@@ -33,7 +33,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from labkit.bench.common import bench_parser, environment, print_table, write_json
-from labkit.bench.serve_client import BenchRequest, load_in_child, run_load, summarize
+from labkit.bench.serve_client import BenchRequest, run_load, summarize
 from labkit.bench.serve_knee import fit_step_time, knee_report, simulate_rate
 from labkit.sim.workloads import prompt_texts
 
@@ -93,30 +93,14 @@ def in_process(model_path: str, reqs: list[BenchRequest], max_num_seqs: int) -> 
             "vocab_size": eng.vocab_size}
 
 
-def _two_tenants(url: str, light: list, heavy: list, rate: float, k: float,
-                 bar: Any) -> tuple:
-    """Both tenants' Poisson arrivals at once, light at ``rate`` from this process, heavy at
-    ``k * rate`` from a child process (its client's work would otherwise delay this one's
-    measurements). Returns ((light results, duration), (heavy results, duration))."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    ready, results = ctx.Event(), ctx.Queue()
-    child = ctx.Process(target=load_in_child, args=(url, "labkit-tiny", heavy, rate * k, 2,
-                                                   {"ignore_eos": True}, ready, results))
-    child.start()
-    try:
-        if not ready.wait(120):
-            raise RuntimeError("the heavy tenant's client process did not start")
-        light_out = _load(url, "labkit-tiny", light, bar, rate=rate, seed=1)
-        heavy_out = results.get(timeout=1800)
-    finally:
-        child.join(30)
-        if child.is_alive():
-            child.kill()
-    if bar is not None:
-        bar.update(len(heavy))
-    return light_out, heavy_out
+async def _two_tenants(url: str, light: list, heavy: list, rate: float, k: float,
+                       bar: Any) -> tuple:
+    """Both tenants' Poisson arrivals at once: light at ``rate``, heavy at ``k * rate``."""
+    return await asyncio.gather(
+        run_load(url, "labkit-tiny", light, rate, seed=1, progress=bar,
+                 extra={"ignore_eos": True}),
+        run_load(url, "labkit-tiny", heavy, rate * k, seed=2, progress=bar,
+                 extra={"ignore_eos": True}))
 
 
 def fairness(model_path: str, cfg: dict[str, Any], bar: Any) -> dict[str, Any]:
@@ -128,7 +112,7 @@ def fairness(model_path: str, cfg: dict[str, Any], bar: Any) -> dict[str, Any]:
     the heavy tenant then offers ``overload`` x that capacity (Poisson), the light tenant a
     tenth of the heavy rate, for as long as ``light_n`` light requests take. The heavy backlog
     grows for the whole run on any machine; fcfs queues the light tenant behind it, fair
-    should not. Each tenant has its own client process, as real tenants do."""
+    should not."""
     from labkit.serve.process import ServerProcess
 
     n, k, mt = cfg["light_n"], cfg["heavy_mult"], cfg["fair_max_tokens"]
@@ -150,7 +134,8 @@ def fairness(model_path: str, cfg: dict[str, Any], bar: Any) -> dict[str, Any]:
 
             # mixed first: a solo run before it would leave the light tenant's counter ahead of
             # the heavy one's, a head start for the heavy tenant that is not the steady state
-            (mixed, d_mixed), (hv, d_hv) = _two_tenants(srv.url, light, heavy, rate, k, bar)
+            (mixed, d_mixed), (hv, d_hv) = asyncio.run(_two_tenants(srv.url, light, heavy,
+                                                                    rate, k, bar))
             solo, d_solo = _load(srv.url, "labkit-tiny", light, bar, rate=rate, seed=1)
         s_solo, s_mixed = summarize(solo, d_solo), summarize(mixed, d_mixed)
         s_heavy = summarize(hv, d_hv)

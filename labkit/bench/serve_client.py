@@ -183,12 +183,3 @@ def summarize(results: list[RequestResult], duration: float,
         "status_counts": {str(s): sum(1 for r in results if r.status == s)
                           for s in sorted({r.status for r in results})},
     }
-
-
-def load_in_child(url: str, model: str, requests: list[BenchRequest], rate: float,
-                  seed: int, extra: dict[str, Any] | None, ready: Any, results: Any) -> None:
-    """``run_load`` in a process of its own (``multiprocessing`` spawn target): a second
-    tenant's client then has its own interpreter, and its connection set-up and SSE parsing
-    do not delay the first tenant's measured TTFTs. Sets ``ready`` just before it starts."""
-    ready.set()
-    results.put(asyncio.run(run_load(url, model, requests, rate, seed=seed, extra=extra)))
