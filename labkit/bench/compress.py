@@ -1,15 +1,19 @@
 """``labkit bench compress``: what pruning costs in accuracy, saves in bytes, and what healing
-(a short distillation from the dense model) wins back, on labkit-tiny.
+(a distillation from the dense model) wins back, on labkit-tiny.
 
-Side by side in one run: dense; structured pruning (25% of query heads — 1 of 4 per KV group —
-and 27% of FFN channels in every layer: 25.4% of the decoder's parameters) with magnitude,
-activation and gradient (Taylor) importance, each repaired by a least-squares refit of the
-output projections (:func:`labkit.compress.prune.reconstruct`) before healing; unstructured
-magnitude at 50%; 2:4 semi-structured (50%). Each: held-out perplexity and mean KL from the
-dense model right after pruning, after the refit, after healing; parameters, fp16 bytes (dense
-storage) and the bytes a sparse format would need, CPU decode tokens per CPU-second, and for the
-structured models whether greedy decoding through the engine equals the reference. A sweep of
-structured sparsity (activation importance) gives the one-shot curve, before and after the refit.
+Side by side in one run: dense; structured pruning with :class:`PruneRecipe`'s defaults (25.0%
+of the decoder's linear weights: 1 of 4 query heads per KV group and 187 of 704 FFN channels in
+every layer) with magnitude, activation and gradient (Taylor) importance, each repaired by a
+least-squares refit of the output projections on 128 x 256 train tokens, then a short healing;
+unstructured magnitude at 50%; 2:4 semi-structured (50%). Each: held-out perplexity and mean KL
+from the dense model right after pruning, after the refit, after healing; parameters, fp16 bytes
+(dense storage) and the bytes a sparse format would need, CPU decode tokens per CPU-second, and
+for the structured models whether greedy decoding through the engine equals the reference.
+
+Also: how to split 25% between heads and FFN channels (one-shot and refit); a sweep of
+structured sparsity (activation importance; one-shot, then refit); and the shipped
+``labkit-tiny-pruned`` (the same recipe healed for long by ``labkit prune``, whose command and
+healing curve are copied from its ``prune_log.json``), measured here like the others.
 
 Healing data are train-split windows, evaluation windows the held-out split (as bench quant).
 """
@@ -18,19 +22,21 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import asdict
 from typing import Any
 
 import torch
 
-from labkit.bench.common import bench_parser, environment, print_table, write_json
+from labkit.bench.common import bench_parser, environment, print_table, write_results
 
 QUICK = {"eval": (4, 128), "heal_windows": 16, "heal_steps": 4, "batch": 4, "seq": 128,
-         "sweep": [0.25, 0.5], "decode_tokens": 8, "rounds": 1, "calib": (16, 256)}
-FULL = {"eval": (16, 256), "heal_windows": 256, "heal_steps": 30, "batch": 8, "seq": 128,
-        "sweep": [0.125, 0.25, 0.375, 0.5], "decode_tokens": 32, "rounds": 2,
-        "calib": (32, 256)}  # the refit needs ~10x the 704 FFN width in tokens (8 x 256: none)
-HEAD_FRACTION, FFN_FRACTION = 0.25, 0.27  # 2 of 8 heads, 190 of 704 channels: 25.4%
-HEAL_LR = 3e-4  # 1e-3 un-did the refit (KL 0.99 -> 0.96 in 68 steps; 3e-4: 0.70 in 38)
+         "sweep": [0.25, 0.5], "allocation": [0.0, 0.25], "decode_tokens": 8, "rounds": 1,
+         "calib": (16, 256)}
+FULL = {"eval": (16, 256), "heal_windows": 512, "heal_steps": 30, "batch": 8, "seq": 256,
+        "sweep": [0.125, 0.25, 0.375, 0.5], "allocation": [0.0, 0.25, 0.5], "decode_tokens": 32,
+        "rounds": 2, "calib": (128, 256)}  # refit perplexity 26.2 / 24.2 / 21.6 / 21.1 with
+#                                            32 / 64 / 128 / 256 calibration windows
+SHIPPED = "labkit-tiny-pruned"  # `labkit prune` with the defaults, healed for long
 
 
 def _decoder_params(model) -> int:
@@ -65,24 +71,79 @@ def _engine_matches(model, prompt: list[int], n: int = 16) -> bool:
     return out[0].outputs[0].token_ids == generate(model, prompt, n, ignore_eos=True)
 
 
-def heal(student, teacher, train_stream, heldout, s: dict, masks=None, progress=True):
-    """A short distillation from the dense model (masks re-applied after every step)."""
-    from labkit.compress.distill import DistillConfig, distill
-    from labkit.compress.prune import apply_masks
-    from labkit.train.trainer import TrainConfig
+def _short_recipe(s: dict, importance: str = "activation"):
+    from labkit.compress.recipe import PruneRecipe
 
-    cfg = TrainConfig(seq_len=s["seq"], batch_size=s["batch"], max_steps=s["heal_steps"],
-                      lr=HEAL_LR, warmup_steps=max(1, s["heal_steps"] // 10),
-                      eval_every=10**6, eval_max_tokens=2048, weight_decay=0.0)
-    after = None if masks is None else (lambda m: apply_masks(m, masks))
-    student, log = distill(student, teacher, cfg, DistillConfig(), train_stream, heldout,
-                           progress=progress, after_step=after)
-    return student.eval(), log
+    return PruneRecipe(importance=importance, calib_windows=s["calib"][0],
+                       calib_len=s["calib"][1], heal_steps=s["heal_steps"], batch_size=s["batch"],
+                       seq_len=s["seq"], warmup_steps=max(1, s["heal_steps"] // 10))
+
+
+def _allocation(dense, calib, s: dict, metrics) -> list[dict]:
+    """25% of the decoder's linear weights split between heads and FFN channels in different
+    ways: one-shot and refit perplexity (activation importance)."""
+    from labkit.compress.prune import ffn_fraction_for, importance, prune_structured, reconstruct
+
+    scores = importance(copy.deepcopy(dense), calib[:32], "activation")
+    rows = []
+    for hf in s["allocation"]:
+        pm = prune_structured(dense, scores, hf, ffn_fraction_for(dense.config, 0.25, hf))
+        one = metrics(pm)
+        refit = metrics(reconstruct(pm, dense, calib))
+        rows.append({"head_fraction": hf, "query_heads": pm.config.num_attention_heads,
+                     "ffn_channels": pm.config.intermediate_size,
+                     "sparsity": 1 - _decoder_params(pm) / _decoder_params(dense),
+                     "perplexity": one["perplexity"], "kl": one["kl"],
+                     "perplexity_refit": refit["perplexity"], "kl_refit": refit["kl"]})
+    return rows
+
+
+def _sweep(dense, calib, s: dict, metrics) -> list[dict]:
+    """Structured sparsity 12.5..50% (1 head per KV group + FFN channels), one-shot and refit."""
+    from labkit.compress.prune import ffn_fraction_for, importance, prune_structured, reconstruct
+
+    scores = importance(copy.deepcopy(dense), calib[:32], "activation")
+    out = []
+    for target in s["sweep"]:
+        pm = prune_structured(dense, scores, 0.25, ffn_fraction_for(dense.config, target, 0.25))
+        row = {"target_sparsity": target,
+               "sparsity": 1 - _decoder_params(pm) / _decoder_params(dense), **metrics(pm)}
+        refit = metrics(reconstruct(pm, dense, calib))
+        out.append({**row, "perplexity_refit": refit["perplexity"], "kl_refit": refit["kl"]})
+    return out
+
+
+def _shipped_row(dense, metrics) -> tuple[dict, dict, object] | None:
+    """The long-healed shipped model, measured here; its curve and command from its log."""
+    import json
+
+    from labkit.model.loader import CheckpointError, load_pretrained, resolve_model_path
+
+    try:
+        path = resolve_model_path(SHIPPED)
+    except CheckpointError:
+        return None
+    log = json.loads((path / "prune_log.json").read_text())
+    model, _ = load_pretrained(path)
+    last = log["curve"][-1]
+    row = {"method": "structured_activation_long_heal", "pattern": "structured",
+           "importance": log["recipe"]["importance"],
+           "sparsity": 1 - _decoder_params(model) / _decoder_params(dense), **metrics(model),
+           "perplexity_before_heal": log["one_shot"]["perplexity"],
+           "kl_before_heal": log["one_shot"]["kl"],
+           "perplexity_refit": log["refit"]["perplexity"], "kl_refit": log["refit"]["kl"],
+           "heal_steps": last["step"], "heal_tokens": last["tokens"],
+           "seconds": log["wall_time_s"]}
+    keep = ("command", "recipe", "counts", "dense", "one_shot", "refit", "curve",
+            "target_perplexity", "target_reached", "extrapolated_tokens_to_target",
+            "wall_time_s", "torch_threads")
+    return row, {k: log.get(k) for k in keep}, model
 
 
 def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
     from labkit.bench.quant_speed import compare_decode
-    from labkit.compress.prune import importance, prune_masked, prune_structured, reconstruct
+    from labkit.compress.prune import apply_masks, prune_masked
+    from labkit.compress.recipe import heal, prune_and_refit
     from labkit.model.loader import load_pretrained
     from labkit.quant.calib import corpus_windows
     from labkit.quant.evaluate import log_probs, mean_kl, perplexity_from_logprobs
@@ -94,7 +155,6 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
     calib = corpus_windows(tok, "train", *s["calib"], seed=1)
     train_stream = corpus_windows(tok, "train", s["heal_windows"], s["seq"] + 1,
                                   seed=2).flatten()
-    heldout = eval_tokens.flatten()
     ref_lp = log_probs(dense, eval_tokens)
 
     def metrics(m) -> dict[str, float]:
@@ -104,38 +164,38 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
     dec = _decoder_params(dense)
     rows, models = [], {"dense": dense}
     rows.append({"method": "dense", "pattern": "dense", **metrics(dense), "sparsity": 0.0})
-    scores = {m: importance(copy.deepcopy(dense), calib, m)
-              for m in ("magnitude", "activation", "gradient")}
-    sweep = []
-    for frac in s["sweep"]:
-        pm = prune_structured(dense, scores["activation"], frac, frac)
-        row = {"fraction": frac, "sparsity": 1 - _decoder_params(pm) / dec, **metrics(pm)}
-        refit = metrics(reconstruct(pm, dense, calib))
-        sweep.append({**row, "perplexity_refit": refit["perplexity"], "kl_refit": refit["kl"]})
-    todo = [(f"structured_{m}", "structured", m) for m in scores] + \
+    allocation = _allocation(dense, calib, s, metrics)
+    sweep = _sweep(dense, calib, s, metrics)
+    todo = [(f"structured_{m}", "structured", m) for m in ("magnitude", "activation",
+                                                            "gradient")] + \
         [("unstructured_magnitude", "magnitude", None), ("2:4", "2:4", None)]
     for name, pattern, imp in todo:
         t0 = time.perf_counter()
-        masks, refit = None, {}
+        masks, refit, recipe = None, {}, _short_recipe(s, imp or "activation")
         if pattern == "structured":
-            pm = prune_structured(dense, scores[imp], HEAD_FRACTION, FFN_FRACTION)
-            before = metrics(pm)
-            refit = metrics(reconstruct(pm, dense, calib))
+            pm, counts = prune_and_refit(dense, calib, recipe)
+            before, refit = metrics(counts["one_shot"]), metrics(pm)
             refit = {"perplexity_refit": refit["perplexity"], "kl_refit": refit["kl"]}
         else:
             pm, masks = prune_masked(dense, pattern, 0.5)
             before = metrics(pm)
-        pm, log = heal(pm, dense, train_stream, heldout, s, masks, progress)
-        after = metrics(pm)
+        after_step = None if masks is None else (lambda m, masks=masks: apply_masks(m, masks))
+        pm, curve = heal(pm, dense, train_stream, recipe, metrics, eval_every=10**6,
+                         progress=progress, after_step=after_step)
+        after = curve[-1]
         models[name] = pm
         kept = _decoder_params(pm) if pattern == "structured" else _nonzero(pm)
         rows.append({"method": name, "pattern": pattern, "importance": imp,
-                     "sparsity": 1 - kept / dec, **after,
-                     "perplexity_before_heal": before["perplexity"],
-                     "kl_before_heal": before["kl"], **refit, "heal_steps": log["steps"],
-                     "heal_tokens": log["tokens_seen"], "seconds": time.perf_counter() - t0})
+                     "sparsity": 1 - kept / dec, "perplexity": after["perplexity"],
+                     "kl": after["kl"], "perplexity_before_heal": before["perplexity"],
+                     "kl_before_heal": before["kl"], **refit, "heal_steps": after["step"],
+                     "heal_tokens": after["tokens"], "seconds": time.perf_counter() - t0})
         print(f"{name}: ppl {before['perplexity']:.3f} -> healed {after['perplexity']:.3f}",
               flush=True)
+    shipped = None if quick else _shipped_row(dense, metrics)
+    if shipped is not None:
+        rows.append(shipped[0])
+        models[shipped[0]["method"]] = shipped[2]
     prompt = eval_tokens[0, :16].tolist()
     speeds = compare_decode(models, prompt, s["decode_tokens"], s["rounds"])
     for r in rows:
@@ -150,16 +210,48 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
                  engine_matches_reference=_engine_matches(m, prompt)
                  if pat in ("dense", "structured") else None)
     base = rows[0]["perplexity"]
-    best = min((r for r in rows if r["pattern"] == "structured"), key=lambda r: r["perplexity"])
-    reached = best["sparsity"] >= 0.25 and best["perplexity"] <= 1.05 * base
+    reached = any(r["sparsity"] >= 0.25 and r["perplexity"] <= 1.05 * base
+                  for r in rows if r["pattern"] == "structured")
     return {"model": "labkit-tiny", "quick": quick, "results": rows, "sweep": sweep,
+            "allocation": allocation, "healing": None if shipped is None else shipped[1],
             "targets": {"structured_25pct_healed_within_5pct_ppl": reached,
                         "engine_equals_reference": all(
                             r["engine_matches_reference"] for r in rows
                             if r["engine_matches_reference"] is not None)},
-            "settings": {**s, "head_fraction": HEAD_FRACTION, "ffn_fraction": FFN_FRACTION,
-                         "heal": f"forward KL, T=1, lr {HEAL_LR:g}, AdamW, cosine"},
+            "settings": {**s, "recipe": asdict(_short_recipe(s)),
+                         "heal": "forward KL from the dense model, T=1, AdamW, warm-up, "
+                                 "cosine"},
             "environment": environment()}
+
+
+def chart(payload: dict, path) -> None:
+    """Two panels: perplexity against structured sparsity (one-shot, refit, healed) and the
+    long healing curve of the shipped pruned model."""
+    from plotly.subplots import make_subplots
+
+    dense = payload["results"][0]["perplexity"]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=(
+        "structured sparsity (activation importance)", "healing labkit-tiny-pruned (25%)"))
+    sw = payload["sweep"]
+    for key, name in (("perplexity", "one-shot"), ("perplexity_refit", "least-squares refit")):
+        fig.add_scatter(x=[r["sparsity"] for r in sw], y=[r[key] for r in sw], name=name,
+                        mode="lines+markers", row=1, col=1)
+    healed = [r for r in payload["results"] if r["pattern"] == "structured"]
+    fig.add_scatter(x=[r["sparsity"] for r in healed], y=[r["perplexity"] for r in healed],
+                    text=[r["method"] for r in healed], mode="markers", name="healed",
+                    row=1, col=1)
+    if payload.get("healing"):
+        c = payload["healing"]["curve"]
+        fig.add_scatter(x=[max(r["tokens"], 1) for r in c], y=[r["perplexity"] for r in c],
+                        mode="lines+markers", name="healing (labkit prune)", row=1, col=2)
+        fig.update_xaxes(type="log", title_text="healing tokens", row=1, col=2)
+    for col in (1, 2):
+        fig.add_hline(y=dense, line_dash="dot", row=1, col=col)
+        fig.add_hline(y=1.05 * dense, line_dash="dash", row=1, col=col)
+    fig.update_xaxes(title_text="decoder linear weights removed", row=1, col=1)
+    fig.update_yaxes(title_text="held-out perplexity (dotted: dense, dashed: +5%)", type="log")
+    fig.update_layout(title="Pruning labkit-tiny", height=440, width=1000)
+    fig.write_html(str(path), include_plotlyjs="directory")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,10 +265,13 @@ def main(argv: list[str] | None = None) -> int:
                                  "perplexity_refit", "perplexity",
                                  "kl", "parameters", "sparse_format_bytes", "speedup_vs_dense",
                                  "engine_matches_reference"])
+    print("25% split between heads and FFN channels (activation importance):")
+    print_table(out["allocation"], ["head_fraction", "query_heads", "ffn_channels", "sparsity",
+                                    "perplexity", "perplexity_refit", "kl_refit"])
     print("structured sweep (activation importance; one-shot, then least-squares refit):")
-    print_table(out["sweep"], ["fraction", "sparsity", "perplexity", "kl", "perplexity_refit",
-                               "kl_refit"])
+    print_table(out["sweep"], ["target_sparsity", "sparsity", "perplexity", "kl",
+                               "perplexity_refit", "kl_refit"])
     for k, ok in out["targets"].items():
         print(f"target {k}: {'PASS' if ok else 'FAIL'}")
-    write_json(args.json, out)
+    write_results(args.json, out, chart)
     return 0
