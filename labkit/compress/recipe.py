@@ -48,12 +48,15 @@ class PruneRecipe:
     seed: int = 0
 
 
-def prune_and_refit(dense: nn.Module, calib: torch.Tensor, recipe: PruneRecipe
-                    ) -> tuple[nn.Module, dict]:
-    """The pruned, refit model and what was removed (counts and the sparsity they make)."""
+def prune_and_refit(dense: nn.Module, calib: torch.Tensor, recipe: PruneRecipe,
+                    scores: dict | None = None) -> tuple[nn.Module, dict]:
+    """The pruned, refit model and what was removed (counts, the sparsity they make and the
+    model before the refit, ``"one_shot"``). ``scores``: importance already computed with
+    ``recipe.importance`` on ``calib[:32]`` (the first 32 windows are plenty for a ranking)."""
     cfg = dense.config
     ffn = ffn_fraction_for(cfg, recipe.sparsity, recipe.head_fraction)
-    scores = importance(copy.deepcopy(dense), calib[:32], recipe.importance)
+    if scores is None:
+        scores = importance(copy.deepcopy(dense), calib[:32], recipe.importance)
     pruned = prune_structured(dense, scores, recipe.head_fraction, ffn)
     one_shot = copy.deepcopy(pruned)
     reconstruct(pruned, dense, calib)
