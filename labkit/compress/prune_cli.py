@@ -6,9 +6,9 @@ Hugging Face-style with its healing curve.
 Perplexity and KL from the dense model are measured on the held-out windows ``labkit bench
 compress`` uses (16 x 256 tokens), right after pruning, after the refit, and every
 ``--eval-every`` healing steps; at each of those the model so far is exported to ``--out``
-(a checkpoint: stop the run any time and keep the last one). ``prune_log.json`` beside it holds
-the command, the counts, the curve and a power-law extrapolation of the tokens the 5% target
-needs; ``--chart`` writes the curve as HTML.
+(a checkpoint: stop the run any time, then ``labkit prune --out DIR --finish``).
+``prune_log.json`` beside it holds the command, the counts, the curve and a power-law
+extrapolation of the tokens the 5% target needs; ``--chart`` writes the curve as HTML.
 """
 
 from __future__ import annotations
@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chart", metavar="HTML", help="write the healing curve")
+    p.add_argument("--finish", action="store_true",
+                   help="only complete --out's log, card and chart from its last checkpoint "
+                        "(after stopping a run)")
     return p
 
 
@@ -116,7 +119,10 @@ def write_prune_card(out: Path, log: dict, name: str | None = None) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    from labkit.compress.recipe import heal, power_law_tokens, prune_and_refit
+    if args.finish:
+        finish(args.out, args.chart)
+        return 0
+    from labkit.compress.recipe import heal, prune_and_refit
     from labkit.model.loader import load_pretrained, resolve_model_path
     from labkit.quant.calib import corpus_windows
     from labkit.quant.evaluate import log_probs, mean_kl, perplexity_from_logprobs
@@ -160,19 +166,28 @@ def main(argv: list[str] | None = None) -> int:
     log["curve"] = []
     pruned, curve = heal(pruned, dense, data.train, recipe, metrics, args.time_budget,
                          args.eval_every, on_eval=checkpoint)
-    log["healed"] = curve[-1]
-    target = TARGET * log["dense"]["perplexity"]
-    log["target_perplexity"] = target
-    log["target_reached"] = curve[-1]["perplexity"] <= target
-    log["extrapolated_tokens_to_target"] = power_law_tokens(curve, target,
-                                                            log["dense"]["perplexity"])
     _write_log(args.out, log, t0)
-    write_prune_card(args.out, log)
-    if args.chart:
-        healing_chart(log).write_html(args.chart, include_plotlyjs="cdn")
-    print(json.dumps({"out": str(args.out), "healed": log["healed"],
-                      "target_reached": log["target_reached"]}))
+    finish(args.out, args.chart)
     return 0
+
+
+def finish(out: Path, chart: str | None = None) -> dict:
+    """Complete ``out/prune_log.json`` (target, extrapolation), its card and chart from the
+    last checkpoint: the end of a run, or ``labkit prune --finish DIR`` after stopping one."""
+    from labkit.compress.recipe import power_law_tokens
+
+    log = json.loads((out / "prune_log.json").read_text())
+    curve, dense = log["curve"], log["dense"]["perplexity"]
+    log.update(healed=curve[-1], target_perplexity=TARGET * dense,
+               target_reached=curve[-1]["perplexity"] <= TARGET * dense,
+               extrapolated_tokens_to_target=power_law_tokens(curve, TARGET * dense, dense))
+    (out / "prune_log.json").write_text(json.dumps(log, indent=1) + "\n")
+    write_prune_card(out, log)
+    if chart:
+        healing_chart(log).write_html(chart, include_plotlyjs="cdn")
+    print(json.dumps({"out": str(out), "healed": log["healed"],
+                      "target_reached": log["target_reached"]}))
+    return log
 
 
 def _write_log(out: Path, log: dict, t0: float) -> None:

@@ -80,4 +80,9 @@ def test_prune_cli_writes_a_smaller_model_that_loads_and_runs(tmp_path):
     got = LLM(model).generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
         temperature=0.0, max_tokens=12, ignore_eos=True, detokenize=False))
     assert got[0].outputs[0].token_ids == generate(model, prompt, 12, ignore_eos=True)
+    # a run stopped after its first checkpoint: --finish completes the log and card from it
+    (out / "prune_log.json").write_text(json.dumps({**log, "curve": log["curve"][:2]}))
+    assert main(["prune", "--out", str(out), "--finish"]) == 0
+    stopped = json.loads((out / "prune_log.json").read_text())
+    assert stopped["healed"] == log["curve"][1] and "| 1 | 64 |" in (out / "README.md").read_text()
     assert not math.isnan(log["wall_time_s"]) and log["command"].startswith("labkit prune")
