@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-budget", type=float, default=None, help="stop healing after SECONDS")
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--eval-windows", type=int, default=16, help="held-out windows of 256")
+    p.add_argument("--device", default="cpu", help="where healing runs (cpu, cuda)")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chart", metavar="HTML", help="write the healing curve")
@@ -164,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         _write_log(args.out, log, t0)
 
     log["curve"] = []
-    pruned, curve = heal(pruned, dense, data.train, recipe, metrics, args.time_budget,
-                         args.eval_every, on_eval=checkpoint)
+    pruned, curve = heal(pruned, dense, data.train.to(args.device), recipe, metrics,
+                         args.time_budget,
+                         args.eval_every, on_eval=checkpoint, device=args.device)
     _write_log(args.out, log, t0)
     finish(args.out, args.chart)
     return 0

@@ -72,8 +72,8 @@ def prune_and_refit(dense: nn.Module, calib: torch.Tensor, recipe: PruneRecipe,
 def heal(student: nn.Module, teacher: nn.Module, train_ids: torch.Tensor, recipe: PruneRecipe,
          metrics: Callable[[nn.Module], dict], time_budget_s: float | None = None,
          eval_every: int = 25, on_eval: Callable[[dict], None] | None = None,
-         progress: bool = True, after_step: Callable[[nn.Module], None] | None = None
-         ) -> tuple[nn.Module, list[dict]]:
+         progress: bool = True, after_step: Callable[[nn.Module], None] | None = None,
+         device: str = "cpu") -> tuple[nn.Module, list[dict]]:
     """Distill ``teacher`` into ``student`` for ``recipe.heal_steps``; every ``eval_every`` steps
     ``metrics(student)`` (e.g. held-out perplexity and KL) joins the curve and ``on_eval`` sees
     the row (a checkpoint hook); ``after_step`` runs after every optimizer step (masked patterns
@@ -82,7 +82,7 @@ def heal(student: nn.Module, teacher: nn.Module, train_ids: torch.Tensor, recipe
                       max_steps=recipe.heal_steps, time_budget_s=time_budget_s, lr=recipe.lr,
                       warmup_steps=recipe.warmup_steps, eval_every=eval_every,
                       eval_max_tokens=recipe.seq_len, weight_decay=0.0, seed=recipe.seed,
-                      log_every=max(1, min(eval_every, 10)))
+                      log_every=max(1, min(eval_every, 10)), device=device)
     curve: list[dict] = []
 
     def record(row: dict) -> None:
