@@ -166,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
 
     log["curve"] = []
     pruned, curve = heal(pruned, dense, data.train.to(args.device), recipe, metrics,
-                         args.time_budget,
-                         args.eval_every, on_eval=checkpoint, device=args.device)
+                         args.time_budget, args.eval_every, on_eval=checkpoint,
+                         device=args.device)
     _write_log(args.out, log, t0)
     finish(args.out, args.chart)
     return 0
