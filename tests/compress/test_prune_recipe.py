@@ -5,6 +5,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from labkit.compress.prune import decoder_linear_params, ffn_fraction_for
 from labkit.compress.recipe import power_law_tokens
@@ -86,3 +87,30 @@ def test_prune_cli_writes_a_smaller_model_that_loads_and_runs(tmp_path):
     stopped = json.loads((out / "prune_log.json").read_text())
     assert stopped["healed"] == log["curve"][1] and "| 1 | 64 |" in (out / "README.md").read_text()
     assert not math.isnan(log["wall_time_s"]) and log["command"].startswith("labkit prune")
+
+
+def test_shipped_pruned_model_loads_and_decodes_like_the_reference_and_transformers():
+    from pathlib import Path
+
+    from labkit import LLM, SamplingParams
+    from labkit.model.generate import generate
+    from labkit.model.loader import load_pretrained
+
+    path = Path(__file__).resolve().parents[2] / "datasets" / "models" / "labkit-tiny-pruned"
+    if not (path / "model.safetensors").is_file():
+        pytest.skip("labkit-tiny-pruned is not shipped")
+    model, tok = load_pretrained("labkit-tiny-pruned")
+    cfg, log = model.config, json.loads((path / "prune_log.json").read_text())
+    assert (cfg.num_attention_heads, cfg.intermediate_size) == (6, 517)
+    assert decoder_linear_params(cfg) / decoder_linear_params(_tiny_cfg()) == pytest.approx(
+        1 - log["counts"]["decoder_sparsity"]) and log["counts"]["decoder_sparsity"] >= 0.25
+    ids = tok.encode("def fibonacci(n):\n")
+    ref = generate(model, ids, 16, ignore_eos=True)
+    out = LLM(model).generate(prompt_token_ids=[ids], sampling_params=SamplingParams(
+        temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False))
+    assert out[0].outputs[0].token_ids == ref
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x), rtol=1e-4, atol=1e-4)
