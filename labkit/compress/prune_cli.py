@@ -101,13 +101,15 @@ def write_prune_card(out: Path, log: dict, name: str | None = None) -> str:
         f"{log['one_shot']['perplexity']:.2f}; refit {log['refit']['perplexity']:.2f}; healed "
         f"**{last['perplexity']:.2f}** (KL from dense {last['kl']:.3f}) |",
         f"| healing | {last['step']} steps × {r['batch_size']} × {r['seq_len']} tokens = "
-        f"{last['tokens']:,} tokens, AdamW lr {r['lr']:g} (warm-up {r['warmup_steps']}, cosine), "
+        f"{last['tokens']:,} tokens, AdamW lr {r['lr']:g} (warm-up {r['warmup_steps']}, cosine "
+        f"over {r['heal_steps']} steps{'' if last['step'] >= r['heal_steps'] else ', stopped'}), "
         f"{log['wall_time_s'] / 60:.0f} min on a shared 2-core CPU, "
         f"{log['torch_threads']} torch thread |",
         f"| target (healed ≤ dense + 5% = {log['target_perplexity']:.2f}) | "
         f"{'reached' if log['target_reached'] else 'not reached'}"
-        + (f"; a power law fitted to the curve's second half reaches it after ~{extra:,.0f} "
-           "tokens" if extra else "") + " |",
+        + (f"; a power law fitted to the curve's second half reaches it after "
+           f"~{extra / 1e6:.1f} M tokens (optimistic if the curve flattens)" if extra else "")
+        + " |",
         "", "Command:", "", "```", log["command"], "```", "",
         "| step | tokens | perplexity | KL |", "|---|---|---|---|"]
     lines += [f"| {e['step']} | {e['tokens']:,} | {e['perplexity']:.2f} | {e['kl']:.3f} |"
