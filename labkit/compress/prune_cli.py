@@ -93,7 +93,9 @@ def write_prune_card(out: Path, log: dict, name: str | None = None) -> str:
         f"every layer, chosen by {r['importance']} importance; then a least-squares refit of "
         f"every o_proj / down_proj on {r['calib_windows']} × {r['calib_len']} train tokens, then "
         "healing by distillation (forward KL, T = 1) from the dense model. A smaller dense Llama: "
-        "it loads with `load_pretrained` and transformers and runs in the engine.", "",
+        "it loads with `load_pretrained` and runs in the engine"
+        + ("; transformers 5 refuses its config (hidden size not heads × head_dim)"
+           if log["counts"].get("hf_incompatible") else " and in transformers") + ".", "",
         "| | |", "|---|---|",
         f"| parameters | {c['parameters'][1]:,} ({c['parameters'][0]:,} dense, "
         f"−{c['parameter_reduction']:.1%} with the embedding) |",

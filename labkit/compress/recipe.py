@@ -66,6 +66,8 @@ def prune_and_refit(dense: nn.Module, calib: torch.Tensor, recipe: PruneRecipe,
             "decoder_sparsity": 1 - decoder_linear_params(pc) / decoder_linear_params(cfg),
             "parameters": [sum(p.numel() for p in m.parameters()) for m in (dense, pruned)]}
     info["parameter_reduction"] = 1 - info["parameters"][1] / info["parameters"][0]
+    # transformers' LlamaConfig insists on hidden_size == heads x head_dim (labkit does not)
+    info["hf_incompatible"] = pc.hidden_size != pc.num_attention_heads * pc.head_dim
     return pruned, {**info, "one_shot": one_shot}
 
 
