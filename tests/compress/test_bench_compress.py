@@ -69,3 +69,20 @@ def test_committed_compress_results():
     assert long["sparsity"] >= 0.25 and long["engine_matches_reference"]
     assert d["targets"]["structured_25pct_healed_within_5pct_ppl"] is (
         long["perplexity"] <= 1.05 * rows[0]["perplexity"])
+
+
+@pytest.mark.slow
+def test_shipped_only_remeasures_the_long_healed_row(tmp_path):
+    from labkit.bench.compress import refresh_shipped
+
+    if not RESULT.is_file() or not json.loads(RESULT.read_text()).get("healing"):
+        pytest.skip("no committed long-healed row")
+    path = tmp_path / "c.json"
+    old = json.loads(RESULT.read_text())
+    path.write_text(json.dumps({**old, "results": old["results"][:-1], "healing": None}))
+    new = refresh_shipped(str(path))
+    was, now = old["results"][-1], new["results"][-1]
+    assert now["method"] == was["method"] == "structured_activation_long_heal"
+    assert now["perplexity"] == pytest.approx(was["perplexity"], rel=1e-9)  # deterministic
+    assert new["healing"]["curve"] == old["healing"]["curve"]
+    assert [r["method"] for r in new["results"]] == [r["method"] for r in old["results"]]
