@@ -172,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("rest", nargs=argparse.REMAINDER)
     d.set_defaults(func=lambda a: _delegate("labkit.compress.cli", a.rest))
 
+    pr = sub.add_parser("prune", help="prune + refit + heal a model", add_help=False)
+    pr.add_argument("rest", nargs=argparse.REMAINDER)
+    pr.set_defaults(func=lambda a: _delegate("labkit.compress.prune_cli", a.rest))
+
     b = sub.add_parser("bench", help=f"run a benchmark: {', '.join(BENCHMARKS)}")
     b.add_argument("name", metavar="NAME", help=f"one of: {', '.join(BENCHMARKS)}")
     b.add_argument("rest", nargs=argparse.REMAINDER,
@@ -207,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 _PASSTHROUGH = {"train": "labkit.train.cli", "drill": "labkit.exercises.drills",
                 "serve": "labkit.serve.launcher", "router": "labkit.router.proxy",
-                "distill": "labkit.compress.cli", "cluster": "labkit.router.cluster"}
+                "distill": "labkit.compress.cli", "prune": "labkit.compress.prune_cli",
+                "cluster": "labkit.router.cluster"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

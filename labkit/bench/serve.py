@@ -15,6 +15,8 @@ process it starts and stops itself. In one run:
 5. **noisy neighbour** (own servers only): a light tenant alone, then under a heavy tenant that
    sends 10x its load, on a server with ``--policy fcfs`` and one with ``--policy fair``;
    ``fairness = {fcfs,fair}_light_p99_ttft_ratio`` = light p99 TTFT with the neighbour / alone.
+   The heavy rate is ``overload`` (2) x the capacity the fcfs server measured in this run, so
+   the heavy tenant saturates the server on a fast machine as on a slow or loaded one.
 
 Absolute numbers are for this machine only; the ratios are the result.
 """
@@ -35,12 +37,12 @@ from labkit.bench.serve_client import BenchRequest, run_load, summarize
 from labkit.bench.serve_knee import fit_step_time, knee_report, simulate_rate
 from labkit.sim.workloads import prompt_texts
 
-QUICK = {"num_requests": 24, "max_tokens": 32, "rates": (4.0, 8.0, math.inf),
-         "concurrency": 16, "c1_requests": 6, "light_n": 8, "light_rate": 2.0,
-         "heavy_mult": 10, "fair_max_num_seqs": 4, "fair_max_tokens": 16}
+QUICK = {"num_requests": 24, "max_tokens": 64, "rates": (4.0, 8.0, math.inf),
+         "concurrency": 16, "conc_requests": 64, "c1_requests": 6, "light_n": 16,
+         "heavy_mult": 10, "overload": 2.0, "fair_max_num_seqs": 4, "fair_max_tokens": 16}
 FULL = {"num_requests": 96, "max_tokens": 64, "rates": (2.0, 4.0, 8.0, 16.0, math.inf),
-        "concurrency": 16, "c1_requests": 16, "light_n": 24, "light_rate": 2.0,
-        "heavy_mult": 10, "fair_max_num_seqs": 4, "fair_max_tokens": 24}
+        "concurrency": 16, "conc_requests": 192, "c1_requests": 16, "light_n": 40,
+        "heavy_mult": 10, "overload": 2.0, "fair_max_num_seqs": 4, "fair_max_tokens": 24}
 SERVER_ARGS = ["--max-num-seqs", "16", "--num-blocks", "512", "--dtype", "float32"]
 
 
@@ -91,41 +93,63 @@ def in_process(model_path: str, reqs: list[BenchRequest], max_num_seqs: int) -> 
             "vocab_size": eng.vocab_size}
 
 
+async def _two_tenants(url: str, light: list, heavy: list, rate: float, k: float,
+                       bar: Any) -> tuple:
+    """Both tenants' Poisson arrivals at once: light at ``rate``, heavy at ``k * rate``."""
+    return await asyncio.gather(
+        run_load(url, "labkit-tiny", light, rate, seed=1, progress=bar,
+                 extra={"ignore_eos": True}),
+        run_load(url, "labkit-tiny", heavy, rate * k, seed=2, progress=bar,
+                 extra={"ignore_eos": True}))
+
+
 def fairness(model_path: str, cfg: dict[str, Any], bar: Any) -> dict[str, Any]:
-    """Light tenant p99 TTFT alone and beside a 10x heavy tenant, under fcfs and fair."""
+    """Light tenant p99 TTFT alone and beside a 10x heavy tenant, under fcfs and fair.
+
+    The rates are calibrated, not fixed: a fixed heavy rate overloads a slow machine and
+    idles a fast one (then fcfs shows no starvation, as nothing queues). So the fcfs server
+    first measures its own capacity for these requests (a burst of ``8 * max_num_seqs``),
+    the heavy tenant then offers ``overload`` x that capacity (Poisson), the light tenant a
+    tenth of the heavy rate, for as long as ``light_n`` light requests take. The heavy backlog
+    grows for the whole run on any machine; fcfs queues the light tenant behind it, fair
+    should not."""
     from labkit.serve.process import ServerProcess
 
-    n, rate, k = cfg["light_n"], cfg["light_rate"], cfg["heavy_mult"]
-    light = make_requests(n, cfg["fair_max_tokens"], api_key="k-light", tag="light")
-    heavy = make_requests(n * k, cfg["fair_max_tokens"], api_key="k-heavy", tag="heavy",
-                          offset=7)
+    n, k, mt = cfg["light_n"], cfg["heavy_mult"], cfg["fair_max_tokens"]
+    light = make_requests(n, mt, api_key="k-light", tag="light")
+    heavy = make_requests(n * k, mt, api_key="k-heavy", tag="heavy", offset=7)
+    probe = make_requests(8 * cfg["fair_max_num_seqs"], mt, api_key="k-heavy", offset=7)
     out: dict[str, Any] = {}
+    rate = 0.0
     for policy in ("fcfs", "fair"):
         args = ["--policy", policy, "--max-num-seqs", str(cfg["fair_max_num_seqs"]),
                 "--num-blocks", "512", "--dtype", "float32", "--api-key", "k-light:light",
                 "--api-key", "k-heavy:heavy"]
         with ServerProcess(model_path, args) as srv:
             _load(srv.url, "labkit-tiny", [light[0], heavy[0]], None)  # warm-up, both tenants
+            if not rate:  # requests/s this server finishes when it is never idle
+                res, dur = _load(srv.url, "labkit-tiny", probe, bar)
+                out["capacity_req_s"] = sum(r.ok for r in res) / dur
+                rate = out["capacity_req_s"] * cfg["overload"] / k  # the light tenant's
 
-            async def both() -> tuple:
-                return await asyncio.gather(
-                    run_load(srv.url, "labkit-tiny", light, rate, seed=1, progress=bar,
-                             extra={"ignore_eos": True}),
-                    run_load(srv.url, "labkit-tiny", heavy, rate * k, seed=2, progress=bar,
-                             extra={"ignore_eos": True}))
             # mixed first: a solo run before it would leave the light tenant's counter ahead of
             # the heavy one's, a head start for the heavy tenant that is not the steady state
-            (mixed, d_mixed), (hv, d_hv) = asyncio.run(both())
+            (mixed, d_mixed), (hv, d_hv) = asyncio.run(_two_tenants(srv.url, light, heavy,
+                                                                    rate, k, bar))
             solo, d_solo = _load(srv.url, "labkit-tiny", light, bar, rate=rate, seed=1)
         s_solo, s_mixed = summarize(solo, d_solo), summarize(mixed, d_mixed)
         s_heavy = summarize(hv, d_hv)
         out[policy] = {"light_solo_p99_ttft_ms": s_solo["p99_ttft_ms"],
                        "light_mixed_p99_ttft_ms": s_mixed["p99_ttft_ms"],
+                       "light_solo_p50_ttft_ms": s_solo["p50_ttft_ms"],
+                       "light_mixed_p50_ttft_ms": s_mixed["p50_ttft_ms"],
                        "heavy_p99_ttft_ms": s_heavy["p99_ttft_ms"],
                        "heavy_output_throughput": s_heavy["output_throughput"],
+                       "heavy_request_throughput": s_heavy["request_throughput"],
                        "failed": s_solo["failed"] + s_mixed["failed"] + s_heavy["failed"]}
         out[f"{policy}_light_p99_ttft_ratio"] = (s_mixed["p99_ttft_ms"] /
                                                  s_solo["p99_ttft_ms"])
+    out["light_rate_req_s"], out["heavy_rate_req_s"] = rate, rate * k
     return out
 
 
@@ -200,10 +224,15 @@ def run(args: Any) -> dict[str, Any]:
         cfg["num_requests"] = args.num_requests
     if args.rates:
         cfg["rates"] = tuple(float(r) for r in args.rates.split(","))
-    reqs = make_requests(cfg["num_requests"], cfg["max_tokens"], args.dataset)
+    # the concurrency run has its own, longer list (a few seconds of full batches, so the
+    # ratio is not the ramp-up and the tail); the sweep's requests are its first ones
+    conc_reqs = make_requests(max(cfg["conc_requests"], cfg["num_requests"]),
+                              cfg["max_tokens"], args.dataset)
+    reqs = conc_reqs[:cfg["num_requests"]]
     own = args.base_url is None
-    total = (cfg["num_requests"] * (len(cfg["rates"]) + 1) + cfg["c1_requests"]
-             + (2 * cfg["light_n"] * (2 + cfg["heavy_mult"]) if own and args.fairness else 0))
+    total = (cfg["num_requests"] * len(cfg["rates"]) + len(conc_reqs) + cfg["c1_requests"]
+             + (8 * cfg["fair_max_num_seqs"] + 2 * cfg["light_n"] * (2 + cfg["heavy_mult"])
+                if own and args.fairness else 0))
     bar = tqdm(total=total, desc="bench serve", unit="req")
     slo = {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms}
     srv = ServerProcess(args.model_path, SERVER_ARGS).start() if own else None
@@ -215,7 +244,7 @@ def run(args: Any) -> dict[str, Any]:
             res, dur = _load(url, args.model, reqs, bar, rate=rate,
                              burstiness=args.burstiness, seed=args.seed)
             sweep.append({"request_rate": rate, **summarize(res, dur, slo)})
-        res, dur = _load(url, args.model, reqs, bar, max_concurrency=cfg["concurrency"])
+        res, dur = _load(url, args.model, conc_reqs, bar, max_concurrency=cfg["concurrency"])
         conc = summarize(res, dur, slo)
         http_texts = [r.text for r in res]
         res1, dur1 = _load(url, args.model, reqs[:cfg["c1_requests"]], bar, max_concurrency=1)
@@ -228,13 +257,14 @@ def run(args: Any) -> dict[str, Any]:
                                "max_concurrency": cfg["concurrency"], **conc,
                                "slo_ms": slo, "concurrency_1": c1, "sweep": sweep}
     if own or args.in_process:
-        ip = in_process(args.model_path, reqs, 16)
+        ip = in_process(args.model_path, conc_reqs, 16)
         payload["in_process_output_throughput"] = ip["output_throughput"]
         payload["http_over_in_process"] = conc["output_throughput"] / ip["output_throughput"]
         payload["in_process_median_ttft_ms"] = ip["median_ttft_ms"]
         payload["c1_ttft_overhead_ms"] = c1["median_ttft_ms"] - ip["median_ttft_ms"]
         payload["greedy_text_matches"] = sum(a == b for a, b in zip(http_texts, ip["texts"]))
-        sim = [simulate_rate(ip["step_fit"], ip["prompt_ids"], [r.max_tokens for r in reqs],
+        sim = [simulate_rate(ip["step_fit"], ip["prompt_ids"][:len(reqs)],
+                             [r.max_tokens for r in reqs],
                              rate, args.burstiness, args.seed, vocab_size=ip["vocab_size"])
                for rate in cfg["rates"]]
         payload["simulated_sweep"] = sim
@@ -284,8 +314,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{k['measured_over_simulated']:.2f}x")
     if "fairness" in payload:
         f = payload["fairness"]
-        print(f"noisy neighbour, light tenant p99 TTFT with / without: "
-              f"fcfs {f['fcfs_light_p99_ttft_ratio']:.2f}x, fair "
+        print(f"noisy neighbour (heavy tenant at {f['heavy_rate_req_s']:.1f} req/s = "
+              f"{payload['config']['overload']:g}x the measured capacity "
+              f"{f['capacity_req_s']:.1f} req/s, light at a tenth of that), light tenant p99 "
+              f"TTFT with / without: fcfs {f['fcfs_light_p99_ttft_ratio']:.2f}x, fair "
               f"{f['fair_light_p99_ttft_ratio']:.2f}x")
     write_json(args.json, payload)
     if args.json:

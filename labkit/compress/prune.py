@@ -154,6 +154,35 @@ def prune_structured(model: nn.Module, scores: dict[str, torch.Tensor], head_fra
     return new.eval()
 
 
+def decoder_linear_params(cfg) -> int:
+    """Weights of the decoder's linear layers (q, k, v, o, gate, up, down in every layer): what
+    "sparsity" counts here, as in SparseGPT / Wanda (embeddings, lm_head and norms excluded)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    attn = 2 * h * d * (cfg.num_attention_heads + cfg.num_key_value_heads)
+    return cfg.num_hidden_layers * (attn + 3 * h * cfg.intermediate_size)
+
+
+def ffn_fraction_for(cfg, sparsity: float, head_fraction: float) -> float:
+    """The FFN fraction that, with ``head_fraction`` of the query heads, removes ``sparsity`` of
+    the decoder's linear weights (rounded to whole channels).
+
+    Heads first, the rest from the FFN: Minitron (Muralidharan et al. 2024) finds width pruning
+    of FFN neurons and heads best, and on labkit-tiny 1 head of 4 per KV group + FFN channels
+    beats FFN alone and 2 heads per group at equal sparsity (see ``labkit bench compress``)."""
+    if not 0 <= sparsity < 1:
+        raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+    rep = cfg.num_attention_heads // cfg.num_key_value_heads
+    heads = cfg.num_key_value_heads * int(round(head_fraction * rep))
+    per_layer = sparsity * decoder_linear_params(cfg) / cfg.num_hidden_layers
+    rest = per_layer - heads * 2 * cfg.hidden_size * cfg.head_dim
+    channels = round(rest / (3 * cfg.hidden_size))
+    if rest < 0 or channels >= cfg.intermediate_size:
+        raise ValueError(f"head_fraction {head_fraction} with sparsity {sparsity} needs "
+                         f"{channels} of {cfg.intermediate_size} FFN channels: choose fewer "
+                         "heads or a lower sparsity")
+    return channels / cfg.intermediate_size
+
+
 # ---- one-shot repair: refit the output projections by least squares ------------------------
 def _projections(model: nn.Module) -> list[nn.Linear]:
     return [m for layer in model.model.layers for m in (layer.self_attn.o_proj,

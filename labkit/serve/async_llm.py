@@ -7,9 +7,19 @@ releases the GIL inside its kernels) and keeps the engine object inspectable fro
 
 The engine is not thread-safe, so only the engine thread touches it. The event loop talks to it
 through a command queue (add, abort, call) that the thread drains *before every step*; outputs go
-back with ``loop.call_soon_threadsafe``. Hence "cancel = abort within one step": an abort queued
-while a step runs is applied right after that step, before the next one is scheduled, and the
-request's KV blocks are free from then on.
+back with ``loop.call_soon_threadsafe``, one call per step for all its requests (each call
+writes the loop's self-pipe, a syscall that lets the loop thread take the GIL; one per request
+per step made the engine thread queue for the GIL that many times a step). Hence "cancel =
+abort within one step": an abort queued while a step runs is applied right after that step,
+before the next one is scheduled, and the request's KV blocks are free from then on.
+
+The GIL: the engine thread runs Python (scheduler, model code between PyTorch kernels) most of
+a step. A loop thread woken by a socket or an output then waits for the GIL until the engine
+thread blocks or CPython forces a switch after ``sys.getswitchinterval()`` (5 ms by default),
+and that wait lands on every TTFT, every accepted request and every chunk. While it runs,
+AsyncLLM lowers the interval to ``switch_interval`` (0.5 ms; restored at shutdown): the loop's
+work is small and bounded, so handing it the GIL sooner costs the engine little. vLLM avoids
+the question by running the engine in another process.
 
 Only the engine's public API is used: ``add_request``, ``step``, ``abort``,
 ``has_unfinished_requests``, ``forget_finished``, ``stats`` (plus ``StepOutput`` /
@@ -26,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +46,8 @@ from typing import Any
 from labkit.engine.errors import EngineStepError
 from labkit.engine.outputs import StepOutput
 from labkit.engine.sampling_params import SamplingParams
+
+SWITCH_INTERVAL = 0.0005  # s; CPython's default is 0.005 (sys.getswitchinterval)
 
 
 class EngineDeadError(RuntimeError):
@@ -71,7 +84,8 @@ class RequestStream:
 
     async def get(self, timeout: float | None = None) -> StreamItem:
         """The next item; raises TimeoutError after ``timeout`` seconds without one."""
-        item = await asyncio.wait_for(self.queue.get(), timeout)
+        item = await (self.queue.get() if timeout is None else  # no timer task per token
+                      asyncio.wait_for(self.queue.get(), timeout))
         if item.finished or item.error is not None:
             self.finished = True
         return item
@@ -90,6 +104,12 @@ class RequestStream:
             self.llm.abort(self.request_id)
 
 
+def _deliver(deliveries: list[tuple[RequestStream, StreamItem]]) -> None:
+    """On the event loop: hand one step's items to their streams."""
+    for stream, item in deliveries:
+        stream._put(item)
+
+
 class AsyncLLM:
     """``await llm.add_request(...)`` returns a RequestStream; the engine steps in a thread.
 
@@ -98,8 +118,11 @@ class AsyncLLM:
 
     def __init__(self, engine: Any, *, idle_wait: float = 0.05,
                  on_step: Callable[[dict, list[StepOutput]], None] | None = None,
-                 forget_finished: bool = True) -> None:
+                 forget_finished: bool = True,
+                 switch_interval: float | None = SWITCH_INTERVAL) -> None:
         self.engine = engine
+        self.switch_interval = switch_interval
+        self._saved_interval: float | None = None
         self.forget_finished = forget_finished
         self.idle_wait = idle_wait
         self.on_step = on_step
@@ -118,6 +141,9 @@ class AsyncLLM:
         """Bind to the running event loop and start the engine thread."""
         if self._thread is None:
             self._loop = asyncio.get_running_loop()
+            if self.switch_interval and self.switch_interval < sys.getswitchinterval():
+                self._saved_interval = sys.getswitchinterval()
+                sys.setswitchinterval(self.switch_interval)
             self._thread = threading.Thread(target=self._run, name="labkit-engine", daemon=True)
             self._thread.start()
         return self
@@ -132,6 +158,9 @@ class AsyncLLM:
         self._cmds.put(("wake",))
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
         self._thread = None
+        if self._saved_interval is not None:
+            sys.setswitchinterval(self._saved_interval)
+            self._saved_interval = None
 
     @property
     def is_running(self) -> bool:
@@ -261,7 +290,7 @@ class AsyncLLM:
         by_req: dict[str, list[StepOutput]] = {}
         for o in outputs:
             by_req.setdefault(o.request_id, []).append(o)
-        done_ids = []
+        done_ids, deliveries = [], []
         for rid, outs in by_req.items():
             stream = self._streams.get(rid)
             if stream is None:
@@ -273,7 +302,9 @@ class AsyncLLM:
             if done:
                 del self._streams[rid]
                 done_ids.append(rid)
-            self._post(stream._put, StreamItem(outs, finished=done, step_start=t0))
+            deliveries.append((stream, StreamItem(outs, finished=done, step_start=t0)))
+        if deliveries:  # one wake-up of the event loop per step, not one per request
+            self._post(_deliver, deliveries)
         self._forget(done_ids)
         self.stats = dict(eng.stats())
         if self.on_step is not None:

@@ -69,14 +69,22 @@ class Call:
         return protocol.usage(sum(self.prompt_lens), self.completion_tokens)
 
 
+async def _next(call: Call, s: RequestStream, first: bool) -> StreamItem:
+    """The stream's next item, or Timeout when the call's deadline comes first."""
+    wait, kind = _deadline(call, first)
+    try:
+        return await s.get(wait)
+    except (TimeoutError, asyncio.TimeoutError):
+        raise Timeout(kind, getattr(call, f"{kind}_timeout")) from None
+
+
 async def _pump(call: Call, i: int, s: RequestStream, out: asyncio.Queue) -> None:
     first = True
     while True:
-        wait, kind = _deadline(call, first)
         try:
-            item = await s.get(wait)
-        except (TimeoutError, asyncio.TimeoutError):
-            await out.put((i, Timeout(kind, getattr(call, f"{kind}_timeout"))))
+            item = await _next(call, s, first)
+        except Timeout as t:
+            await out.put((i, t))
             return
         first = False
         await out.put((i, item))
@@ -98,23 +106,40 @@ def _deadline(call: Call, first: bool) -> tuple[float | None, str]:
 
 async def merged(call: Call) -> AsyncIterator[tuple[int, StreamItem]]:
     """(prompt index, item) from every stream of the call, in the order the engine made
-    them; raises Timeout or the step error; aborts everything still running on exit."""
-    out: asyncio.Queue = asyncio.Queue()
-    tasks = [asyncio.create_task(_pump(call, i, s, out)) for i, s in enumerate(call.streams)]
-    live = len(tasks)
+    them; raises Timeout or the step error; aborts everything still running on exit.
+
+    One stream (one prompt, the common case) is read directly: a pump task and a second queue
+    per stream cost two more task wake-ups per token on the event loop, which shares the GIL
+    with the engine thread (every wake-up there is time taken from the step)."""
     try:
-        while live:
-            i, item = await out.get()
-            if isinstance(item, Timeout):
-                raise item
-            if item.error is not None:
-                raise item.error
-            if item.finished:
-                live -= 1
-            yield i, item
+        if len(call.streams) == 1:
+            first = True
+            while True:
+                item = await _next(call, call.streams[0], first)
+                first = False
+                if item.error is not None:
+                    raise item.error
+                yield 0, item
+                if item.finished:
+                    return
+        out: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(_pump(call, i, s, out))
+                 for i, s in enumerate(call.streams)]
+        live = len(tasks)
+        try:
+            while live:
+                i, item = await out.get()
+                if isinstance(item, Timeout):
+                    raise item
+                if item.error is not None:
+                    raise item.error
+                if item.finished:
+                    live -= 1
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
     finally:
-        for t in tasks:
-            t.cancel()
         call.abort_all()
 
 

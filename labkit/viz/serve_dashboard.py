@@ -42,19 +42,38 @@ class PollingDashboard:
 
 
 class ServeDashboard(PollingDashboard):
+    """The series over time in a FigureView (a plotly mime bundle per redraw: the figure's
+    JSON, not a FigureWidget's plotly.js copy), above a table of the latest values."""
+
     def __init__(self, base_url: str, width: int = 820, height: int = 320) -> None:
         import ipywidgets as w
-        import plotly.graph_objects as go
+
+        from labkit.viz.figure_view import FigureView
 
         self.url = base_url.rstrip("/") + "/metrics"
         self.t0 = time.monotonic()
-        self.fig = go.FigureWidget(layout={"width": width, "height": height,
-                                           "xaxis_title": "seconds", "margin": {"t": 30}})
-        for _, label in SERIES:
-            self.fig.add_scatter(x=[], y=[], mode="lines", name=label)
+        self.size = {"width": width, "height": height}
+        self.view = FigureView("labkit-serve-dashboard")
         self.table = w.HTML()
-        self.widget = w.VBox([self.table, self.fig])
+        self.widget = w.VBox([self.table, self.view])
         self.history: list[dict[str, float]] = []
+        self.view.show(self.figure())
+
+    @property
+    def fig(self) -> Any:
+        """The figure last drawn."""
+        return self.view.figure
+
+    def figure(self) -> Any:
+        """The series of ``history`` as a plotly figure."""
+        import plotly.graph_objects as go
+
+        t = [h["t"] for h in self.history]
+        fig = go.Figure(layout={**self.size, "xaxis_title": "seconds", "margin": {"t": 30}})
+        for name, label in SERIES:
+            fig.add_scatter(x=t, y=[h.get(name, 0.0) for h in self.history], mode="lines",
+                            name=label)
+        return fig
 
     def snapshot(self) -> dict[str, float]:
         return parse_metrics(httpx.get(self.url, timeout=5).text)
@@ -63,10 +82,7 @@ class ServeDashboard(PollingDashboard):
         m = self.snapshot()
         m["t"] = time.monotonic() - self.t0
         self.history.append(m)
-        with self.fig.batch_update():
-            for trace, (name, _) in zip(self.fig.data, SERIES):
-                trace.x = [h["t"] for h in self.history]
-                trace.y = [h.get(name, 0.0) for h in self.history]
+        self.view.show(self.figure())
         n = m.get("labkit:time_to_first_token_seconds_count", 0.0)
         ttft = m.get("labkit:time_to_first_token_seconds_sum", 0.0) / n if n else 0.0
         cells = {"running": m.get("labkit:num_requests_running", 0),

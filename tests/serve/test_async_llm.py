@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 
@@ -57,6 +58,55 @@ def test_concurrent_streams_equal_reference_and_free_everything(tiny_model):
     got = asyncio.run(main())
     for p, toks in zip(prompts, got):
         assert toks[0] == generate(tiny_model, p, 12)
+
+
+def test_one_event_loop_wake_up_per_step_not_per_request(tiny_model):
+    """Outputs of a step reach the loop in one call_soon_threadsafe: each such call writes the
+    loop's self-pipe (a syscall that hands the GIL to the loop thread), so one per request per
+    step made the engine thread wait for the GIL that many times a step."""
+    prompts = [[1, 2, 3], [5, 6, 7, 8], [11] * 5, [3, 1]]
+    steps_with_outputs, posted = [], []
+
+    async def main():
+        llm = AsyncLLM(_engine(tiny_model))
+        llm.on_step = lambda stats, outs: steps_with_outputs.append(len(outs)) if outs else None
+        real = llm._post
+        llm._post = lambda fn, *a: (posted.append(fn.__name__), real(fn, *a))
+        llm.start()
+        try:
+            streams = [await llm.add_request(f"r{i}", p, SamplingParams(
+                temperature=0, max_tokens=8, ignore_eos=True)) for i, p in enumerate(prompts)]
+            got = await asyncio.gather(*(_collect(s) for s in streams))
+            await llm.call(assert_no_leaks)
+            return got
+        finally:
+            await llm.shutdown()
+
+    got = asyncio.run(main())
+    for p, toks in zip(prompts, got):
+        assert toks[0] == generate(tiny_model, p, 8)
+    assert posted.count("_deliver") == len(steps_with_outputs)
+    assert sum(steps_with_outputs) == 4 * 8 > len(steps_with_outputs)  # batched: fewer posts
+
+
+def test_switch_interval_lowered_while_running_and_restored(tiny_model):
+    """While the engine thread runs, a loop thread waiting for the GIL gets it within
+    switch_interval, not CPython's 5 ms (which lands on every TTFT); restored at shutdown."""
+    before = sys.getswitchinterval()
+
+    async def main():
+        llm = AsyncLLM(_engine(tiny_model), switch_interval=before / 10).start()
+        try:
+            during = sys.getswitchinterval()
+            s = await llm.add_request("a", [1, 2], SamplingParams(temperature=0, max_tokens=3))
+            toks = await _collect(s)
+        finally:
+            await llm.shutdown()
+        return during, toks
+
+    during, toks = asyncio.run(main())
+    assert during == pytest.approx(before / 10) and sys.getswitchinterval() == before
+    assert toks[0] == generate(tiny_model, [1, 2], 3)
 
 
 def test_cancel_aborts_within_one_step_and_frees_blocks(tiny_model):

@@ -214,3 +214,27 @@ def test_disconnect_while_waiting_non_streaming(server):
     while server.state.counts["aborted"] == before and time.monotonic() < deadline:
         time.sleep(0.02)
     assert server.state.counts["aborted"] == before + 1
+
+
+def test_dashboard_draws_what_metrics_says_as_a_small_figure_view(server, client):
+    """ServeDashboard polls /metrics and draws the series as a plotly bundle in a FigureView
+    (the figure's JSON only: no FigureWidget carrying plotly.js in its state)."""
+    from labkit.serve.metrics import parse_metrics
+    from labkit.viz.figure_view import PLOTLY_MIME, FigureView
+    from labkit.viz.serve_dashboard import SERIES, ServeDashboard
+
+    dash = ServeDashboard(server.url)
+    client.completions.create(model=NAME, prompt="def f(x):", max_tokens=4, temperature=0)
+    idle(server)
+    m = dash.update()
+    assert m == dash.history[-1]
+    truth = parse_metrics(httpx.get(server.url + "/metrics").text)
+    assert m["labkit:request_success_total"] == truth["labkit:request_success_total"] >= 1
+    assert isinstance(dash.view, FigureView) and dash.fig is dash.view.figure
+    (out,) = dash.view.outputs
+    traces = out["data"][PLOTLY_MIME]["data"]
+    assert [t["name"] for t in traces] == [label for _, label in SERIES]
+    for t, (name, _) in zip(traces, SERIES):
+        assert list(t["y"]) == [h.get(name, 0.0) for h in dash.history]
+    assert ">finished<" in dash.table.value
+    assert len(json.dumps(dash.view.get_state(), default=str)) < 64 * 1024
