@@ -49,9 +49,10 @@ def hit_tokens(c: Cluster) -> tuple[float, float]:
             sum(m["labkit:prefix_cache_queries_total"] for m in ms))
 
 
-def late_stop(text: str, size: int = 4) -> tuple[str, int]:
-    """A stop string whose first occurrence is past 60% of ``text``, and where it starts."""
-    for i in range(int(0.6 * len(text)), len(text) - size):
+def late_stop(text: str, frac: float = 0.6, size: int = 4) -> tuple[str, int]:
+    """A stop string whose first occurrence is past ``frac`` of ``text``, and where it starts
+    (late enough that the replica is killed before it)."""
+    for i in range(int(frac * len(text)), len(text) - size):
         s = text[i:i + size]
         if text.find(s) == i and s.strip():
             return s, i
@@ -153,12 +154,13 @@ def test_replica_killed_mid_stream_every_stream_continues_identically(cluster, r
     # stop strings (cut-back resume), n = 2 and two prompts (per-choice resume), and two
     # non-streamed requests (retried whole): what each choice must read, from the reference
     fib, q = (run(tok.encode(x), n_new)[1] for x in ("def fib(n):", "class Queue:"))
-    chat_want = run(tok.encode(chatml(msgs[1:])), n_new)[1]
+    rc_msgs = [{"role": "user", "content": "def read_config(path):"}]
+    rc = run(tok.encode(chatml(rc_msgs)), n_new)[1]  # "<> A: B-> A: B-> ... A-> A->"
     two = [run(tok.encode(x), n_new)[1] for x in ("def main():", "x = 1\n")]
-    (s1, at1), (s2, at2) = late_stop(fib), late_stop(chat_want)
+    (s1, at1), (s2, at2) = late_stop(fib), late_stop(rc, 0.4)
     more = [("/v1/completions", {"prompt": "def fib(n):", "stop": [s1, "@@@@@@"]},
              {0: fib[:at1]}),
-            ("/v1/chat/completions", {"messages": msgs[1:], "stop": s2}, {0: chat_want[:at2]}),
+            ("/v1/chat/completions", {"messages": rc_msgs, "stop": s2}, {0: rc[:at2]}),
             ("/v1/completions", {"prompt": "class Queue:", "n": 2}, {0: q, 1: q}),
             ("/v1/completions", {"prompt": ["def main():", "x = 1\n"]}, {0: two[0], 1: two[1]})]
     whole = [("/v1/completions", {"prompt": "def fib(n):", **common}),
@@ -180,10 +182,11 @@ def test_replica_killed_mid_stream_every_stream_continues_identically(cluster, r
         for r in (res, first):
             assert r["done"] and not r["errors"] and r["choices"] == want, (body, r)
         assert ("stop" in body) == (res["reasons"][-1] == "stop")
-    assert [w["texts"] for w in fo["whole_records"]] == [[fib], [chat_want]]
+    assert [w["texts"] for w in fo["whole_records"]] == [[fib], [wants[3][1]]]
     assert {w["replica"] for w in fo["whole_records"]} == {cluster.names[1]}
-    assert sum(bool(f.get("whole")) for f in fo["failovers"]) == len(whole)
-    assert len(fo["failovers"]) == len(cases) + len(more) + len(whole)
+    # labkit serve sends a non-streamed answer's headers with its body, so those two were
+    # retried as failures before the first byte (a cut after the headers: test_proxy.py)
+    assert len([f for f in fo["failovers"] if not f.get("whole")]) == len(cases) + len(more)
     for (path, body, prompt), (want_ids, want), res, first in zip(cases, wants, fo["records"],
                                                                   fo["reference"]):
         for r in (res, first):  # the killed run and the uninterrupted one
