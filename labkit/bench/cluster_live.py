@@ -2,8 +2,9 @@
 ``labkit router`` on loopback (``labkit.router.cluster.Cluster``).
 
 1. **Prefix-affinity vs round-robin**: a shared-system-prompt workload (``prompts`` system
-   prompts of ~110 tokens, more than one replica's cache holds (``REPLICA_ARGS``), ``per_prompt`` short questions under each, shuffled with a seed, sent
-   by ``concurrency`` clients) under each policy, on fresh system prompts per policy so one run
+   prompts of ~110 tokens, more than one replica's cache holds (``REPLICA_ARGS``), with
+   ``per_prompt`` short questions under each, shuffled with a seed, sent by ``concurrency``
+   clients) under each policy, on fresh system prompts per policy so one run
    cannot warm the other's cache. Prefix-affinity runs twice: with ``min_load`` (the headline:
    the bound applies once a replica holds that many) and with the strict bound alone. Hit rate
    = the replicas' own prefix-cache counters (``labkit:prefix_cache_hits`` / ``queries``,
