@@ -95,7 +95,8 @@ class SeasonalForecast:
         counts = np.histogram(np.asarray(arrivals, float) % day_s, edges)[0].astype(float)
         # a running median over `smooth` bins (the day wraps): a burst shorter than half of
         # it does not move the curve, as a fit of the raw counts would
-        pad = np.concatenate([counts[-(smooth // 2):], counts, counts[:smooth // 2]])
+        h = smooth // 2
+        pad = np.concatenate([counts[bins - h:], counts, counts[:h]])
         counts = np.median(np.lib.stride_tricks.sliding_window_view(pad, smooth), axis=1)
         mid = (edges[:-1] + edges[1:]) / 2
         self.coef = np.linalg.lstsq(self._basis(mid), counts / (day_s / bins), rcond=None)[0]
