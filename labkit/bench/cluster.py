@@ -155,7 +155,7 @@ def run_day(day_s: float, peak_rate: float, token_scale: int, seed: int = 0,
                                  4 * a["max_replicas"])
     return {"trace": tr.meta, "requests": len(tr.specs), "cold_start_s": cold,
             "storage": STORAGE, "autoscaler_config": cfg, "ttft_slo_s": slo_s,
-            "forecast": {"kind": "seasonal: yesterday's counts, 2 harmonics",
+            "forecast": {"kind": "yesterday's shape (2 harmonics) x today's level",
                          "yesterday_seed": seed + 1, "harmonics": forecast.harmonics},
             "autoscaled": a, "reactive": fleets["reactive"].summary(slo_s),
             "static": [v for _, v in sorted(statics.items())],

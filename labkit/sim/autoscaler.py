@@ -22,14 +22,19 @@ Three damping rules keep it from flapping, as the HPA's do:
 **Forecast** (``rps`` with a :class:`SeasonalForecast`): a replica asked for now serves only one
 cold start later, so a purely reactive rule is always a cold start (plus half its window) behind
 a rising load; it has to keep that much headroom all day, or miss the SLO on every morning ramp.
-Daily traffic repeats, so deployments scale ahead of it: with a forecast the metric is
-``max(observed rate, forecast rate lead_s ahead)`` (AWS predictive scaling takes the same max of
-its forecast and its reactive policy; SageServe, Jaiswal et al. 2025, forecasts LLM traffic for
-the same reason). The forecast here is yesterday: its per-bin arrival counts fitted by a few
-Fourier harmonics of the day, which keeps the daily shape and smooths away yesterday's bursts
-and noise. The observed side then only has to catch surprises, and a ``window_s`` longer than a
-cold start makes it ignore bursts that end before a new replica could be up (the queue has to
-absorb those anyway; launching for them only bills replicas that arrive too late).
+Daily traffic repeats, so deployments scale ahead of it (AWS predictive scaling; SageServe,
+Jaiswal et al. 2025, forecasts LLM traffic for the same reason). The forecast here is
+yesterday's *shape*: its per-bin arrival counts fitted by a few Fourier harmonics of the day,
+which keeps the daily curve and smooths away yesterday's bursts and noise. Today's *level*
+comes from the router's own count: the metric is
+
+    rps = forecast(now + lead_s) * observed(last window_s) / forecast averaged over that window
+
+so a day 20% busier than yesterday scales 20% higher, with no lag on the daily ramps (the
+observed rate alone lags ``window_s / 2`` behind them, on the way up and down). A ``window_s``
+longer than a cold start keeps a burst that ends before a new replica could be up from
+launching one (the queue has to absorb those anyway; launching for them only bills replicas that
+arrive too late).
 
 ``current`` counts replicas still starting, so a cold start in progress is not launched twice.
 Which replicas start or stop, and what a cold start costs, is the fleet's business
@@ -108,6 +113,16 @@ class SeasonalForecast:
 
     def rate(self, t: float) -> float:
         return max(0.0, float((self._basis(np.array([t])) @ self.coef)[0]))
+
+    def mean(self, t0: float, t1: float, points: int = 16) -> float:
+        """The forecast's average rate over [t0, t1] (midpoint rule)."""
+        ts = t0 + (t1 - t0) * (np.arange(points) + 0.5) / points
+        return float(np.maximum(self._basis(ts) @ self.coef, 0.0).mean())
+
+    def scaled(self, t: float, lead_s: float, observed: float, window_s: float) -> float:
+        """The rate ``lead_s`` after ``t``: yesterday's shape at today's level (module doc)."""
+        past = self.mean(max(0.0, t - window_s), max(t, 1e-9))
+        return self.rate(t + lead_s) * (observed / past if past > 0 else 1.0)
 
 
 class Autoscaler:

@@ -11,9 +11,9 @@ the router's own classes (``labkit.router.policies``), passed in by the caller b
 simulator sits below the router in the layering.
 
 With an autoscaler (``labkit.sim.autoscaler``), every ``interval_s`` the fleet reads the metric
-from the ready replicas (for ``rps``, the router's arrival count, maxed with a ``forecast`` of
-the rate ``lead_s`` ahead when one is given) and starts or drains replicas. A started replica is
-billed from launch but takes traffic only after its cold start
+from the ready replicas (for ``rps``, the router's arrival count, or a ``forecast`` of the
+rate ``lead_s`` ahead at today's level when one is given) and starts or drains replicas. A
+started replica is billed from launch but takes traffic only after its cold start
 (``labkit.sim.presets.cold_start_s``); a drained one leaves rotation at once and is billed
 until its last request finishes. Replica-seconds are billed up to the end of the trace (or the
 last finish, if later) for every fleet alike.
@@ -173,8 +173,8 @@ class Fleet:
             while self._arrivals and self._arrivals[0] < now - a.config.window_s:
                 self._arrivals.popleft()
             rps = len(self._arrivals) / min(a.config.window_s, max(now, self.interval_s))
-            if self.forecast is not None:  # scale ahead of the daily curve (autoscaler doc)
-                rps = max(rps, self.forecast.rate(now + a.config.lead_s))
+            if self.forecast is not None and now > 0:  # ahead of the day (autoscaler doc)
+                rps = self.forecast.scaled(now, a.config.lead_s, rps, a.config.window_s)
             values = [rps / len(ready)] * len(ready)
         else:
             values = [r.metric(metric) for r in ready]

@@ -98,6 +98,11 @@ def test_seasonal_forecast_learns_the_day_and_not_yesterdays_burst():
     assert abs(moved) < 0.01 * peak < 0.04 * peak < raw
     with pytest.raises(ValueError, match="odd smooth"):
         SeasonalForecast(base, day, smooth=4)
+    # today 20% busier than yesterday over the last 30 s: the forecast 13 s ahead scales with it
+    seen = 1.2 * f.mean(70.0, 100.0)
+    assert f.scaled(100.0, 13.0, seen, 30.0) == pytest.approx(1.2 * f.rate(113.0))
+    assert f.mean(70.0, 100.0) == pytest.approx(np.mean([f.rate(t) for t in
+                                                         np.linspace(70, 100, 301)]), rel=1e-3)
 
 
 class _Step:
@@ -108,6 +113,9 @@ class _Step:
 
     def rate(self, t: float) -> float:
         return self.high if t >= self.at else 2.0
+
+    def scaled(self, t: float, lead_s: float, observed: float, window_s: float) -> float:
+        return self.rate(t + lead_s)  # today's level is yesterday's
 
 
 def test_a_forecast_read_one_cold_start_ahead_has_replicas_ready_when_the_load_comes():
