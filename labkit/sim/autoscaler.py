@@ -28,7 +28,7 @@ yesterday's *shape*: its per-bin arrival counts fitted by a few Fourier harmonic
 which keeps the daily curve and smooths away yesterday's bursts and noise. Today's *level*
 comes from the router's own count: the metric is
 
-    rps = forecast(now + lead_s) * observed(last window_s) / forecast averaged over that window
+    rps = forecast(now + lead_s) * median over the last window_s seconds of (arrivals / forecast)
 
 so a day 20% busier than yesterday scales 20% higher, with no lag on the daily ramps (the
 observed rate alone lags ``window_s / 2`` behind them, on the way up and down). A ``window_s``
@@ -114,15 +114,23 @@ class SeasonalForecast:
     def rate(self, t: float) -> float:
         return max(0.0, float((self._basis(np.array([t])) @ self.coef)[0]))
 
-    def mean(self, t0: float, t1: float, points: int = 16) -> float:
-        """The forecast's average rate over [t0, t1] (midpoint rule)."""
-        ts = t0 + (t1 - t0) * (np.arange(points) + 0.5) / points
-        return float(np.maximum(self._basis(ts) @ self.coef, 0.0).mean())
+    def level(self, t: float, arrivals: Sequence[float], window_s: float) -> float:
+        """Today's level against yesterday over the last ``window_s`` before ``t``: the median
+        over its whole seconds of (arrivals / forecast arrivals). A median, so that a burst
+        covering under half the window (which scaling could not serve anyway) leaves it
+        alone; 1.0 before there is a whole second to compare."""
+        n = int(min(window_s, t))
+        if n < 1:
+            return 1.0
+        edges = t - np.arange(n, -1, -1, dtype=float)
+        seen = np.histogram(np.asarray(arrivals, float), edges)[0]
+        want = np.maximum(self._basis((edges[:-1] + edges[1:]) / 2) @ self.coef, 1e-9)
+        return float(np.median(seen / want))
 
-    def scaled(self, t: float, lead_s: float, observed: float, window_s: float) -> float:
+    def scaled(self, t: float, lead_s: float, arrivals: Sequence[float],
+               window_s: float) -> float:
         """The rate ``lead_s`` after ``t``: yesterday's shape at today's level (module doc)."""
-        past = self.mean(max(0.0, t - window_s), max(t, 1e-9))
-        return self.rate(t + lead_s) * (observed / past if past > 0 else 1.0)
+        return self.rate(t + lead_s) * self.level(t, arrivals, window_s)
 
 
 class Autoscaler:

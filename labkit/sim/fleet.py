@@ -173,8 +173,9 @@ class Fleet:
             while self._arrivals and self._arrivals[0] < now - a.config.window_s:
                 self._arrivals.popleft()
             rps = len(self._arrivals) / min(a.config.window_s, max(now, self.interval_s))
-            if self.forecast is not None and now > 0:  # ahead of the day (autoscaler doc)
-                rps = self.forecast.scaled(now, a.config.lead_s, rps, a.config.window_s)
+            if self.forecast is not None:  # ahead of the day, at today's level
+                rps = self.forecast.scaled(now, a.config.lead_s, self._arrivals,
+                                           a.config.window_s)
             values = [rps / len(ready)] * len(ready)
         else:
             values = [r.metric(metric) for r in ready]

@@ -32,6 +32,9 @@ def test_cluster_bench_fields(tmp_path, monkeypatch):
     assert n == 1 or (below and below[0]["slo_attainment"] < 0.99)  # the smallest that meets
     assert p["replica_hours_saving"] == pytest.approx(
         1 - p["autoscaler_replica_hours"] / p["static_replica_hours"])
+    assert p["reactive_replica_hours"] == day["reactive"]["replica_hours"]
+    assert day["autoscaler_config"]["lead_s"] == pytest.approx(p["cold_start_s"] + 1.0)
+    assert len(day["rate_curve"][0]) == 3 and len(day["reactive_timeline"]) > 0
     rows = [r for r in p["sweep"] if r["replicas"] == 4]
     assert {r["policy"] for r in rows} == set(cluster.SWEEP_POLICIES)
     assert (tmp_path / "cluster.html").exists()
@@ -69,6 +72,9 @@ def test_readme_quotes_the_committed_result():
          p["static_replicas"], round(abs(100 * p["replica_hours_saving"]), 1)])
     assert ("more" in _readme_row("replica-hours: autoscaled vs static")) == \
         (p["replica_hours_saving"] < 0)
+    assert nums("without the forecast (reactive): within the SLO (%), replica-hours") == \
+        pytest.approx([round(100 * p["reactive_slo_attainment"], 2),
+                       round(p["reactive_replica_hours"], 3)])
 
 
 def test_readme_quotes_the_committed_real_replica_result():

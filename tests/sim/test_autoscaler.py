@@ -98,11 +98,13 @@ def test_seasonal_forecast_learns_the_day_and_not_yesterdays_burst():
     assert abs(moved) < 0.01 * peak < 0.04 * peak < raw
     with pytest.raises(ValueError, match="odd smooth"):
         SeasonalForecast(base, day, smooth=4)
-    # today 20% busier than yesterday over the last 30 s: the forecast 13 s ahead scales with it
-    seen = 1.2 * f.mean(70.0, 100.0)
-    assert f.scaled(100.0, 13.0, seen, 30.0) == pytest.approx(1.2 * f.rate(113.0))
-    assert f.mean(70.0, 100.0) == pytest.approx(np.mean([f.rate(t) for t in
-                                                         np.linspace(70, 100, 301)]), rel=1e-3)
+    # today 20% busier than yesterday: the forecast 13 s ahead scales with it, and a burst in
+    # the last 30 s (+60% for 4 s) does not (a mean over the window would move by ~8%)
+    today = thinning(lambda t: 1.2 * rate(t), 1.2 * peak, day, rng)
+    assert f.scaled(100.0, 13.0, today, 30.0) / f.rate(113.0) == pytest.approx(1.2, rel=0.03)
+    hot = np.concatenate([today, rng.uniform(95.0, 99.0, int(4 * 0.6 * 1.2 * rate(97.0)))])
+    assert f.level(100.0, hot, 30.0) == pytest.approx(1.2, rel=0.03)
+    assert f.level(0.5, today, 30.0) == 1.0  # nothing to compare yet
 
 
 class _Step:
@@ -114,7 +116,7 @@ class _Step:
     def rate(self, t: float) -> float:
         return self.high if t >= self.at else 2.0
 
-    def scaled(self, t: float, lead_s: float, observed: float, window_s: float) -> float:
+    def scaled(self, t: float, lead_s: float, arrivals, window_s: float) -> float:
         return self.rate(t + lead_s)  # today's level is yesterday's
 
 
