@@ -98,3 +98,12 @@ def test_readme_quotes_the_committed_real_replica_result():
     assert ("byte-identical" in _readme_row("real: a replica SIGKILLed under 6 greedy streams")
             ) == p["failover_identical"] is True
     assert p["failover_streams"] == 6 and p["real_replicas"] == 3
+    runs = p["canary"]["runs"]
+    row = "real: canary rolled back after (candidate requests), healthy one rolled back"
+    assert nums(row) == pytest.approx([p["canary_bad_rolled_back_after"], 1,
+                                       runs["slow"]["rolled_back_after"], 50,
+                                       runs["erroring"]["rolled_back_after"]])
+    assert p["canary_bad_rolled_back_after"] == max(runs["slow"]["rolled_back_after"],
+                                                    runs["erroring"]["rolled_back_after"])
+    assert _readme_row(row).split("|")[2].strip().endswith(
+        "yes" if p["canary_good_rolled_back"] else "no")
