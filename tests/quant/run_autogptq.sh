@@ -11,6 +11,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   BUILD_CUDA_EXT=0 "$VENV/bin/pip" install -q transformers==4.51.3 auto-gptq==0.7.1 \
     peft==0.10.0 pytest scipy safetensors tokenizers tqdm numpy
 fi
+# --deps-only: .ci/run builds the venv while the main suite runs, before labkit is installed
+[ "${1:-}" = "--deps-only" ] && exit 0
 "$VENV/bin/pip" install -q --no-deps -e .
 [ "${1:-}" = "--install-only" ] && exit 0
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}

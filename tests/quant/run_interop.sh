@@ -14,6 +14,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/pip" install -q gptqmodel==7.6.0
   "$VENV/bin/pip" install -q autoawq==0.2.9  # archived upstream; quantizes on CPU
 fi
+# --deps-only: .ci/run builds the venv while the main suite runs, before labkit is installed
+[ "${1:-}" = "--deps-only" ] && exit 0
 "$VENV/bin/pip" install -q --no-deps -e .
 [ "${1:-}" = "--install-only" ] && exit 0
 export GPTQMODEL_CPU_WORKERS=${GPTQMODEL_CPU_WORKERS:-2} OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}

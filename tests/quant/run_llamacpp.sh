@@ -57,7 +57,7 @@ then
   WHEEL=$(ls "$WHEELS"/llama_cpp_python-*.whl | head -1)
   "$VENV/bin/pip" install -q "$WHEEL[server]"
 fi
-[ "${1:-}" = "--install-only" ] && exit 0
+case "${1:-}" in --install-only|--deps-only) exit 0;; esac
 export LABKIT_LLAMACPP_PYTHON="$VENV/bin/python" OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 exec "$LABKIT_PY" -m pytest tests/quant/test_gguf_llamacpp.py tests/quant/test_serve_llamacpp.py \
   -m interop -q -rs -p no:xdist "$@"
