@@ -110,7 +110,8 @@ class StreamResume:
         self.body, self.chat = body, chat
         self.want_ids = bool(body.get("return_token_ids"))
         self.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        self.n = body.get("n") or 1
+        n = body.get("n")  # a bad n is the replica's to reject (400), not ours to crash on
+        self.n = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 64 else 1
         self.hold = max((len(s) for s in _stops(body)), default=1) - 1
         k = _num_prompts(body, chat)
         self.choices = {i: _Choice(i, i // self.n) for i in range(k * self.n)}

@@ -159,3 +159,9 @@ def test_several_choices_continue_as_one_completion_mapped_back_by_index():
     c = cmpl("y", [24])
     c["choices"][0]["index"] = 2  # the client's choice 3
     assert json.loads(s.on_event(ev(c))[6:])["choices"][0]["index"] == 3
+
+
+def test_a_bad_n_is_left_to_the_replica_to_reject():
+    for n in ("2", None, 0, True, 10**9):
+        s = StreamResume({"prompt": "x", "stream": True, "n": n}, chat=False)
+        assert list(s.choices) == [0]
