@@ -98,7 +98,7 @@ def _generate_tp(args: argparse.Namespace) -> int:
     from labkit.model.loader import CheckpointError
 
     try:
-        llm = LLM(args.model, tensor_parallel_size=args.tp, dtype=args.dtype)
+        llm = LLM(args.model, tensor_parallel_size=args.tp, dtype=args.dtype, device=args.device)
     except (CheckpointError, ValueError) as e:
         args.parser.error(str(e))
     try:

@@ -224,12 +224,22 @@ class SpeculativeConfig:
 class ParallelConfig:
     """Devices sharing the model: ``tensor_parallel_size`` worker processes each hold a shard
     (labkit.parallel); whether the model's head counts divide is checked against the model
-    when the executor is built."""
+    when the executor is built. ``distributed_executor_backend="mp"`` (vLLM's name) runs the
+    model in worker processes even at size 1: one GPU proves the NCCL path that way."""
 
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None: "mp" when size > 1, else in-process
 
     def __post_init__(self) -> None:
         check_int("tensor_parallel_size", self.tensor_parallel_size)
+        if self.distributed_executor_backend not in (None, "mp"):
+            raise EngineConfigError(f"distributed_executor_backend must be None or 'mp', got "
+                                    f"{self.distributed_executor_backend!r}")
+
+    @property
+    def uses_workers(self) -> bool:
+        """Whether the model runs in worker processes (labkit.parallel) or in this one."""
+        return self.tensor_parallel_size > 1 or self.distributed_executor_backend == "mp"
 
 
 _PARTS = {"model": ModelSettings, "cache": CacheConfig, "scheduler": SchedulerConfig,

@@ -40,8 +40,9 @@ class LLM:
             from labkit.model.loader import load_pretrained, open_checkpoint
 
             name = str(model)
-            if engine_settings.get("tensor_parallel_size", 1) != 1:  # ranks read their slices
-                model, tok = open_checkpoint(model, dtype)
+            if (engine_settings.get("tensor_parallel_size", 1) != 1 or  # ranks read slices
+                    engine_settings.get("distributed_executor_backend") == "mp"):
+                model, tok = open_checkpoint(model, dtype, device)
             else:
                 model, tok = load_pretrained(model, dtype=dtype, device=device)
             tokenizer = tokenizer or tok

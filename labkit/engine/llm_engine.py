@@ -88,7 +88,7 @@ class LLMEngine:
                                        c.num_key_value_heads, c.head_dim, model.dtype,
                                        cache.kv_cache_dtype)
         cache.resolve_num_blocks(per_block, config.scheduler.max_num_seqs, config.max_model_len)
-        if config.parallel.tensor_parallel_size > 1:  # N worker processes, one shard each
+        if config.parallel.uses_workers:  # N worker processes, one shard each
             executor: Executor = executor_factory("tensor_parallel")(model, config)
         else:
             backend = get_attention_backend(config.model.attention_backend)

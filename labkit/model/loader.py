@@ -178,15 +178,18 @@ class CheckpointHandle:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
-def open_checkpoint(path_or_name: str | os.PathLike, dtype: torch.dtype | None = None
+def open_checkpoint(path_or_name: str | os.PathLike, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None
                     ) -> tuple[CheckpointHandle, Tokenizer]:
-    """Config and tokenizer of a checkpoint, and a handle to its weights (not read here)."""
+    """Config and tokenizer of a checkpoint, and a handle to its weights (not read here);
+    ``device`` is where the ranks will put them (cpu: gloo, cuda: NCCL)."""
     path = resolve_model_path(path_or_name)
     config = load_config(path)
     _weight_files(path)  # fail now if there are none
     eos = config.eos_token_ids
     tok = Tokenizer.from_dir(path, config.bos_token_id, eos[0] if eos else None)
-    return CheckpointHandle(config, path, dtype or torch.float32), tok
+    return CheckpointHandle(config, path, dtype or torch.float32,
+                            torch.device(device or "cpu")), tok
 
 
 def load_pretrained(path_or_name: str | os.PathLike, dtype: torch.dtype | str | None = None,

@@ -40,25 +40,30 @@ class CollectiveLog:
 class TPGroup:
     """This process's place in the tensor-parallel group, and its collectives.
 
-    ``world == 1`` needs no process group: the collectives are identities (still counted), so a
-    single process runs the exact sharded code path.
+    Outside a process group (``distributed=False``, the default for ``world == 1``) the
+    collectives are identities (still counted), so a single process runs the exact sharded code
+    path. A worker process is always ``distributed``: even at world size 1 its collectives go
+    through torch.distributed, which is how one GPU proves the NCCL path.
     """
 
-    def __init__(self, rank: int = 0, world: int = 1) -> None:
+    def __init__(self, rank: int = 0, world: int = 1, distributed: bool | None = None) -> None:
         self.rank, self.world = rank, world
+        self.distributed = world > 1 if distributed is None else distributed
+        if world > 1 and not self.distributed:
+            raise ValueError("a tensor-parallel group of several ranks needs torch.distributed")
         self.log = CollectiveLog()
 
     def all_reduce(self, x: torch.Tensor, site: str = "") -> torch.Tensor:
         """Sum ``x`` over ranks, in place."""
         self.log.add("all_reduce", x, site)
-        if self.world > 1:
+        if self.distributed:
             dist.all_reduce(x)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor, site: str = "") -> torch.Tensor:
         """Concatenate every rank's ``x`` along the last dimension (rank order)."""
         self.log.add("all_gather", x, site)
-        if self.world == 1:
+        if not self.distributed:
             return x
         parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x.contiguous())

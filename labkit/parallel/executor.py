@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from labkit.config import CacheConfig, EngineConfig
 from labkit.engine.executor import ModelRunnerOutput
@@ -41,12 +42,14 @@ class RankRecipe:
     dtype: torch.dtype = torch.float32
     folder: str | None = None                       # load my slices from here ...
     state: dict[str, torch.Tensor] | None = field(default=None, repr=False)  # ... or from this
+    device: str = "cpu"                             # "cuda": rank r on GPU r (NCCL)
 
     def __call__(self, group: TPGroup) -> RankWorker:
         plan = make_plan(self.config, group.world, group.rank)
         source = SafetensorsSource(Path(self.folder)) if self.folder else \
             StateDictSource(self.state or {})
-        model = build_shard(self.config, plan, source, group, self.dtype)
+        device = f"cuda:{group.rank}" if self.device == "cuda" else self.device
+        model = build_shard(self.config, plan, source, group, self.dtype, device)
         backend = get_attention_backend(self.attention_backend)
         c = self.cache
         runner = ModelRunner.for_model(model, c.block_size, c.num_blocks, c.num_cpu_blocks,
@@ -64,7 +67,9 @@ class RankWorker:
         logits = self.runner.forward(chunks, rows)
         calls = list(self.group.log.calls)
         log = self.group.log.reset()
-        return (logits, log, calls) if self.group.rank == 0 else None  # one copy is enough
+        if self.group.rank:
+            return None  # every rank holds the same logits: one copy is enough
+        return logits.cpu(), log, calls  # the driver samples on the CPU (no CUDA IPC)
 
     def apply_block_ops(self, ops: BlockOps) -> None:
         kv = self.runner.kv_cache
@@ -74,6 +79,12 @@ class RankWorker:
 
     def kv_heads(self) -> int:
         return self.runner.kv_cache.k_caches[0].shape[2]
+
+    def describe(self) -> dict[str, Any]:
+        """Where this rank runs: its collective backend and device (the GPU check records it)."""
+        return {"rank": self.group.rank, "world": self.group.world,
+                "backend": dist.get_backend() if dist.is_initialized() else None,
+                "device": str(self.runner.device), "kv_heads": self.kv_heads()}
 
     def fail(self, message: str) -> None:
         raise RuntimeError(message)  # the failure tests use it
@@ -86,7 +97,7 @@ class TPRunner:
 
     def __init__(self, workers: WorkerGroup, model: CheckpointHandle, block_size: int) -> None:
         self.workers, self.model, self.block_size = workers, model, block_size
-        self.device = model.device
+        self.device = torch.device("cpu")  # where the logits arrive and sampling runs
         self.last_collectives: dict[str, dict[str, int]] = {}
         #: (site, kind, bytes) of each collective of the last forward, in order
         self.last_calls: list[tuple[str, str, int]] = []
@@ -118,21 +129,34 @@ class TPExecutor(ModelExecutor):
         self.runner.workers.shutdown()
 
 
+def distributed_backend(device: torch.device | str, world: int) -> str:
+    """"gloo" for CPU ranks, "nccl" for GPU ranks (rank r on GPU r: there must be ``world``)."""
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return "gloo"
+    if kind != "cuda":
+        raise TensorParallelError(f"tensor parallelism runs on cpu (gloo) or cuda (NCCL), "
+                                  f"not {kind}")
+    if torch.cuda.device_count() < world:
+        raise TensorParallelError(f"tensor_parallel_size {world} needs {world} GPUs (rank r "
+                                  f"on GPU r); this machine has {torch.cuda.device_count()}")
+    return "nccl"
+
+
 def build_tp_executor(model: Any, config: EngineConfig) -> TPExecutor:
     """The registered ``"tensor_parallel"`` executor factory: ``model`` is a
     ``CheckpointHandle`` (each rank reads only its slices of the folder) or a loaded model (its
-    tensors are sent to the ranks, which keep their slices)."""
+    tensors are sent to the ranks, which keep their slices). The model's device picks the
+    backend: gloo on CPU, NCCL on CUDA."""
     world = config.parallel.tensor_parallel_size
     make_plan(model.config, world, 0)  # fail here, with the count to fix, before spawning
+    backend = distributed_backend(model.device, world)
+    recipe = RankRecipe(model.config, config.cache, config.model.attention_backend, model.dtype,
+                        device=model.device.type)
     if isinstance(model, CheckpointHandle):
-        recipe = RankRecipe(model.config, config.cache, config.model.attention_backend,
-                            model.dtype, folder=str(model.folder))
-    else:
-        if model.device.type != "cpu":
-            raise TensorParallelError("tensor parallelism over gloo runs on CPU; pass the "
-                                      "checkpoint folder so each rank loads its own slices")
-        state = {k: v.detach() for k, v in model.state_dict().items()}
-        recipe = RankRecipe(model.config, config.cache, config.model.attention_backend,
-                            model.dtype, state=state)
+        recipe.folder = str(model.folder)
+    else:  # pickled through the pipe: CPU copies (a CUDA tensor would need IPC handles)
+        recipe.state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     handle = CheckpointHandle(model.config, Path(), model.dtype)
-    return TPExecutor(TPRunner(WorkerGroup(world, recipe), handle, config.cache.block_size))
+    workers = WorkerGroup(world, recipe, backend=backend)
+    return TPExecutor(TPRunner(workers, handle, config.cache.block_size))

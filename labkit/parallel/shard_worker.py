@@ -66,6 +66,12 @@ class ShardWorker:
         """Raise inside the worker (the failure-handling tests use it)."""
         raise RuntimeError(message)
 
+    def wait(self, seconds: float) -> None:
+        """Block like a long forward (the interrupt tests use it)."""
+        import time
+
+        time.sleep(seconds)
+
     def crash(self) -> None:
         """Exit the process abruptly, as a segfault or OOM kill would."""
         import os

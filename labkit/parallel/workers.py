@@ -7,15 +7,20 @@ workers.
 
 Failure handling is the part that matters in practice. A rank that raises answers with its
 traceback; a rank that dies is noticed by polling; either way the driver stops every worker and
-raises ``WorkerError``. Workers watch their parent: if the driver is killed (Ctrl-C, SIGKILL),
-they exit on their own instead of lingering as orphans. Every wait is bounded.
+raises ``WorkerError``. Workers watch their parent from a thread: if the driver is killed
+(SIGKILL), they exit within a fraction of a second whatever they were doing (starting, waiting
+in a collective) instead of lingering as orphans. Ctrl-C in a terminal reaches the driver and
+the workers together: the workers ignore it (the driver decides), the driver's exit stops them.
+Every wait is bounded.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
+import threading
 import time
 import traceback
 import weakref
@@ -39,25 +44,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _exit_with_parent(parent_pid: int) -> None:
+    """Runs in a daemon thread: end this worker as soon as the driver is gone, whatever the
+    main thread is blocked in (start-up, a collective waiting for a dead peer, a forward)."""
+    while os.getppid() == parent_pid:
+        time.sleep(0.25)
+    os._exit(1)
+
+
 def _worker_main(rank: int, world: int, port: int, factory: Callable[[TPGroup], Any],
-                 conn: Any, parent_pid: int, timeout_s: float) -> None:
+                 conn: Any, parent_pid: int, timeout_s: float, backend: str) -> None:
     torch.set_num_threads(1)  # N ranks share the cores; one thread each avoids oversubscription
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)  # rank r drives GPU r; NCCL needs it set before init
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        target = factory(TPGroup(rank, world))
+        target = factory(TPGroup(rank, world, distributed=True))
         conn.send(("ok", None))
     except BaseException:  # noqa: BLE001 - reported to the driver, which raises WorkerError
         conn.send(("err", traceback.format_exc()))
         return
     try:
         while True:
-            if not conn.poll(0.5):
-                if os.getppid() != parent_pid:  # the driver is gone: do not linger
-                    return
-                continue
-            method, args = conn.recv()
+            method, args = conn.recv()  # the watchdog thread ends us if the driver dies
             if method == "__stop__":
                 conn.send(("ok", None))
                 return
@@ -65,7 +78,7 @@ def _worker_main(rank: int, world: int, port: int, factory: Callable[[TPGroup], 
                 conn.send(("ok", getattr(target, method)(*args)))
             except BaseException:  # noqa: BLE001
                 conn.send(("err", traceback.format_exc()))
-    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+    except (EOFError, BrokenPipeError):  # the driver closed the pipe
         return
     finally:
         if dist.is_initialized():
@@ -78,11 +91,15 @@ class WorkerGroup:
     ``call(method, *args)`` runs the method on every rank and returns the per-rank results.
     ``factory`` must be picklable (a module-level function or a functools.partial of one):
     workers are started with the ``spawn`` method, never ``fork``, so no lock or thread state
-    of the driver is copied into them.
+    of the driver is copied into them (nor a CUDA context, which cannot survive a fork).
+    ``backend``: "gloo" (CPU tensors) or "nccl" (rank r on GPU r).
     """
 
     def __init__(self, world: int, factory: Callable[[TPGroup], Any],
-                 timeout_s: float = 120.0, start_timeout_s: float = 300.0) -> None:
+                 timeout_s: float = 120.0, start_timeout_s: float = 300.0,
+                 backend: str = "gloo") -> None:
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         ctx = mp.get_context("spawn")
         self.world, self.timeout_s = world, timeout_s
         port = _free_port()
@@ -90,20 +107,31 @@ class WorkerGroup:
         for rank in range(world):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker_main, name=f"labkit-tp-{rank}", daemon=True,
-                            args=(rank, world, port, factory, child, os.getpid(), timeout_s))
+                            args=(rank, world, port, factory, child, os.getpid(), timeout_s,
+                                  backend))
             p.start()
             child.close()
             self._conns.append(parent)
             self._procs.append(p)
         self._finalizer = weakref.finalize(self, _stop_all, self._procs, self._conns)
-        self._gather("start", start_timeout_s)  # importing torch N times is slow on a busy box
+        self._call("start", start_timeout_s)  # importing torch N times is slow on a busy box
 
     def call(self, method: str, *args: Any) -> list[Any]:
         if not self._finalizer.alive:
-            raise WorkerError("the worker group was shut down")
+            raise WorkerError("the worker group was shut down (by shutdown(), a failed rank or "
+                              "an interrupted call); build a new LLM to start new workers")
         for c in self._conns:
             c.send((method, args))
-        return self._gather(method, self.timeout_s)
+        return self._call(method, self.timeout_s)
+
+    def _call(self, what: str, timeout_s: float) -> list[Any]:
+        try:
+            return self._gather(what, timeout_s)
+        except BaseException:
+            # Ctrl-C (or any error) mid-call leaves this call's answers in the pipes, where the
+            # next call would read them as its own: stop the group rather than reuse it.
+            self.shutdown()
+            raise
 
     def _gather(self, what: str, timeout_s: float) -> list[Any]:
         results: list[Any] = [None] * self.world

@@ -72,7 +72,7 @@ def build_engine(model: str, *, tokenizer: Any = None, dtype: str | None = None,
 
     kw = {k: v for k, v in engine_kw.items() if v is not None}
     if kw.get("tensor_parallel_size", 1) > 1:  # the worker processes read their own slices
-        m, tok = open_checkpoint(model, getattr(torch, dtype) if dtype else None)
+        m, tok = open_checkpoint(model, getattr(torch, dtype) if dtype else None, device)
     else:
         m, tok = load_pretrained(model, dtype=dtype, device=device)
         m.eval()

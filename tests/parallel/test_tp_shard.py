@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tp_fixtures import ARCHS, BASE
+from tp_fixtures import ARCHS, BASE, ManyShards
 
 from labkit.model.config import ModelConfig
 from labkit.model.generate import generate
 from labkit.parallel.comm import TPGroup
 from labkit.parallel.plan import TensorParallelError, make_plan, shard_config
 from labkit.parallel.shard import SafetensorsSource, StateDictSource, build_shard, slice_spec
-from labkit.parallel.shard_worker import ShardFactory
 from labkit.parallel.workers import WorkerGroup
 
 
@@ -87,25 +86,124 @@ def test_state_dict_source_matches_checkpoint(checkpoints):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(ARCHS))
-def test_two_ranks_match_the_whole_model(checkpoints, name):
-    folder, model = checkpoints[name]
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=g)
-    prompt = torch.randint(0, model.config.vocab_size, (7,), generator=g).tolist()
-    workers = WorkerGroup(2, ShardFactory(model.config, folder=str(folder)), timeout_s=60)
+def test_two_ranks_match_the_whole_model(checkpoints):
+    """Every architecture on 2 gloo processes (one start serves all four: see ManyShards):
+    logits within float32 tolerance, greedy tokens equal, collectives as the formula says."""
+    models = {n: (model.config, str(folder)) for n, (folder, model) in checkpoints.items()}
+    workers = WorkerGroup(2, ManyShards(models), timeout_s=60)
     try:
-        logits = workers.call("forward", ids)
-        with torch.inference_mode():
-            want = model(ids)
-        for got in logits:
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        assert torch.equal(logits[0], logits[1])  # both ranks hold the same full logits
-        log = workers.call("collectives")[0]
-        L, h, per = model.config.num_hidden_layers, model.config.hidden_size, 51
-        assert log["all_reduce"] == {"count": 2 * L + 1, "bytes": (2 * L + 1) * 2 * 11 * h * 4}
-        assert log["all_gather"] == {"count": 1, "bytes": 2 * 11 * per * 4}
-        assert workers.call("generate", prompt, 12) == [generate(model, prompt, 12)] * 2
+        for name in ARCHS:
+            _two_ranks_match(workers, name, checkpoints[name][1])
     finally:
         workers.shutdown()
     assert not any(p.is_alive() for p in workers._procs)
+
+
+def _two_ranks_match(workers: WorkerGroup, name: str, model) -> None:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=g)
+    prompt = torch.randint(0, model.config.vocab_size, (7,), generator=g).tolist()
+    logits = workers.call("call", name, "forward", ids)
+    with torch.inference_mode():
+        want = model(ids)
+    for got in logits:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+    assert torch.equal(logits[0], logits[1]), name  # both ranks hold the same full logits
+    log = workers.call("call", name, "collectives")[0]
+    L, h, per = model.config.num_hidden_layers, model.config.hidden_size, 51
+    assert log["all_reduce"] == {"count": 2 * L + 1, "bytes": (2 * L + 1) * 2 * 11 * h * 4}
+    assert log["all_gather"] == {"count": 1, "bytes": 2 * 11 * per * 4}
+    assert workers.call("call", name, "generate", prompt, 12) == [generate(model, prompt, 12)] * 2
+    kv = workers.call("call", name, "kv_heads")  # split, or copied when fewer than ranks
+    assert kv == [max(1, model.config.num_key_value_heads // 2)] * 2, name
+
+class _RecordingOpen:
+    """``safe_open`` that records every read: (name, "tensor" | "slice", bytes copied out)."""
+
+    def __init__(self, log: list) -> None:
+        from safetensors import safe_open
+
+        self.real, self.log = safe_open, log
+
+    def __call__(self, path, framework="pt"):
+        real, log = self.real(path, framework=framework), self.log
+
+        class Handle:
+            def __enter__(self):
+                real.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return real.__exit__(*exc)
+
+            def keys(self):
+                return real.keys()
+
+            def get_tensor(self, name):
+                t = real.get_tensor(name)
+                log.append((name, "tensor", t.numel() * t.element_size()))
+                return t
+
+            def get_slice(self, name):
+                sl = real.get_slice(name)
+
+                class Slice:
+                    def __getitem__(self, index):
+                        t = sl[index]
+                        log.append((name, "slice", t.numel() * t.element_size()))
+                        return t
+                return Slice()
+        return Handle()
+
+
+@pytest.mark.parametrize("name", ["llama_mqa", "qwen2_bias"])
+def test_each_rank_reads_only_its_slices(checkpoints, name, monkeypatch):
+    """Every split tensor is read with get_slice (a view of the memory-mapped file: only the
+    copied range is paged in), never get_tensor; the only whole reads are the norms; the two
+    ranks' slices of a tensor add up to it exactly once (a replicated KV head twice)."""
+    import labkit.parallel.shard as shard_mod
+
+    folder, model = checkpoints[name]
+    full = {n: t.numel() * t.element_size() for n, t in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        full.pop("lm_head.weight")
+    logs: list[list] = []
+    for rank in range(2):
+        logs.append([])
+        monkeypatch.setattr(shard_mod, "safe_open", _RecordingOpen(logs[-1]))
+        build_shard(model.config, make_plan(model.config, 2, rank), SafetensorsSource(folder),
+                    TPGroup(rank, 1))
+    whole = {n for n, how, _ in logs[0] if how == "tensor"}
+    assert whole == {n for n in full if n.endswith(("norm.weight", "o_proj.bias"))}
+    replicas = 2 if model.config.num_key_value_heads < 2 else 1
+    tied = model.config.tie_word_embeddings
+    for n, nbytes in full.items():
+        if n in whole:
+            continue
+        got = [sum(b for m, how, b in log if m == n and how == "slice") for log in logs]
+        if n in ("model.embed_tokens.weight", "lm_head.weight"):  # 101 rows: 51 + 50
+            reads = 2 if tied and n == "model.embed_tokens.weight" else 1  # tied head: again
+            assert got == [51 * nbytes // 101 * reads, 50 * nbytes // 101 * reads], n
+        else:  # an even split; an MQA model's one KV head is each rank's whole slice
+            copies = replicas if n.split(".")[-2] in ("k_proj", "v_proj") else 1
+            assert got == [nbytes * copies // 2] * 2, (n, got, nbytes)
+
+
+def test_backend_follows_the_device(monkeypatch):
+    from labkit.config import ParallelConfig
+    from labkit.errors import EngineConfigError
+    from labkit.parallel.executor import distributed_backend
+
+    assert distributed_backend("cpu", 4) == "gloo"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert distributed_backend(torch.device("cuda"), 2) == "nccl"
+    with pytest.raises(TensorParallelError, match="tensor_parallel_size 4 needs 4 GPUs"):
+        distributed_backend("cuda", 4)
+    with pytest.raises(TensorParallelError, match="not meta"):
+        distributed_backend("meta", 1)
+    with pytest.raises(ValueError, match="needs torch.distributed"):
+        TPGroup(0, 2, distributed=False)
+    assert ParallelConfig(distributed_executor_backend="mp").uses_workers
+    assert not ParallelConfig().uses_workers and ParallelConfig(tensor_parallel_size=2).uses_workers
+    with pytest.raises(EngineConfigError, match="distributed_executor_backend"):
+        ParallelConfig(distributed_executor_backend="ray")

@@ -30,9 +30,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _group(checkpoints) -> WorkerGroup:
+def _group(checkpoints, world: int = 2) -> WorkerGroup:
     folder, model = checkpoints["llama_gqa"]
-    return WorkerGroup(2, ShardFactory(model.config, folder=str(folder)), timeout_s=30)
+    return WorkerGroup(world, ShardFactory(model.config, folder=str(folder)), timeout_s=30)
 
 
 def test_a_rank_that_raises_stops_all(checkpoints):
@@ -86,3 +86,60 @@ def test_workers_exit_when_the_driver_is_killed(checkpoints):
         if driver.poll() is None:
             driver.kill()
             driver.wait(5)
+
+
+def test_an_interrupted_call_stops_the_workers(checkpoints):
+    """Ctrl-C in a notebook interrupts the driver mid-call: that call's answers would still be
+    in the pipes for the next call to misread, so the group stops its workers and says so."""
+    import _thread
+    import threading
+
+    g = _group(checkpoints, world=1)  # one worker shows it (and starts in half the time)
+    timer = threading.Timer(0.3, _thread.interrupt_main)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            g.call("wait", 2.0)
+    finally:
+        timer.cancel()
+    assert not any(p.is_alive() for p in g._procs)
+    with pytest.raises(WorkerError, match="build a new LLM"):
+        g.call("kv_heads")
+
+
+def test_ctrl_c_in_a_terminal_leaves_no_process(checkpoints, tmp_path):
+    """Ctrl-C in a terminal sends SIGINT to the driver and its workers together (one process
+    group), here in the middle of LLM.generate: the driver exits, and so does every worker."""
+    folder, _ = checkpoints["llama_gqa"]
+    script = textwrap.dedent(f"""
+        import json
+        from pathlib import Path
+        from labkit import LLM, SamplingParams
+        from labkit.model.loader import CheckpointHandle, load_config
+        handle = CheckpointHandle(load_config(Path({str(folder)!r})), Path({str(folder)!r}))
+        llm = LLM((handle, None), tensor_parallel_size=2)
+        print(json.dumps(llm.llm_engine.executor.runner.workers.pids), flush=True)
+        while True:
+            llm.generate(prompt_token_ids=[[1, 2, 3] * 10],
+                         sampling_params=SamplingParams(temperature=0, max_tokens=50))
+    """)
+    err = open(tmp_path / "stderr", "w+")
+    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                              stderr=err, text=True, start_new_session=True)
+    try:
+        pids = [int(p) for p in driver.stdout.readline().strip("[]\n").split(",")]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        time.sleep(0.5)  # inside generate
+        os.killpg(driver.pid, signal.SIGINT)
+        assert driver.wait(30) != 0
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in pids), "workers outlived Ctrl-C"
+        err.seek(0)
+        assert "KeyboardInterrupt" in err.read()
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait(5)
+        err.close()

@@ -65,3 +65,27 @@ def test_bad_layouts_are_named():
         plan("llama-2-7b", "a100", tp=3)
     with pytest.raises(ValueError, match=">= 1"):
         plan("llama-2-7b", "a100", tp=0)
+
+
+def test_70b_on_four_gpus_tp_pp_and_both():
+    m = get_model_preset("llama-2-70b")
+    tp4, both, pp4 = compare("llama-2-70b", "h100", [(4, 1), (2, 2), (1, 4)], batch=64,
+                             context=2048)
+    for p in (tp4, both, pp4):  # the same 4 GPUs hold the same bytes, however they are split
+        assert p.gpus == 4 and p.weights_per_gpu == pytest.approx(m.weight_bytes / 4)
+        # TP4: 2 KV heads x 80 layers; TP2xPP2: 4 x 40; PP4: 8 x 20
+        assert p.kv_per_token_per_gpu == 2 * 160 * 128 * 2 and p.max_batch == tp4.max_batch
+    assert tp4.tpot_s < both.tpot_s < pp4.tpot_s and tp4.ttft_s < both.ttft_s < pp4.ttft_s
+    assert tp4.tokens_per_s > both.tokens_per_s > pp4.tokens_per_s > 0
+    tp8 = plan(m, "h100", tp=8, batch=64, context=2048)
+    assert tp8.max_batch > 2 * tp4.max_batch  # half the weights per GPU frees more than half
+
+
+def test_pipeline_microbatches_and_slow_links():
+    starved, full = (plan("llama-2-70b", "h100", 1, 4, microbatches=k) for k in (1, 4))
+    assert starved.idle == 0.75 and full.idle == 0.0
+    assert full.tokens_per_s > starved.tokens_per_s
+    # across two nodes over InfiniBand: TP=16 puts every all-reduce on the slow link
+    tp16 = plan("llama-2-70b", "h100", 16, 1, link="ib-ndr")
+    tp8pp2 = plan("llama-2-70b", "h100", 8, 2, link="nvlink4", pp_link="ib-ndr")
+    assert tp8pp2.tpot_s < tp16.tpot_s / 2 and tp16.allreduce_s > 10 * tp8pp2.allreduce_s
