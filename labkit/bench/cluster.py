@@ -9,12 +9,15 @@ router's own policy classes (``labkit.router.policies``):
    replica prefill every tenant's system prompt; prefix-affinity sends a tenant to the replica
    that has it cached (bounded load keeps hot tenants from melting one replica). Reported: the
    fleet's prefix hit rate (hit tokens / prompt tokens) and TTFT p50/p99.
-2. **Autoscaling a bursty day** (Llama-3-8B on H100): a diurnal day compressed into ``day_s``
-   seconds with bursts on top; an HPA-style autoscaler on in-flight requests per replica, cold
-   starts charged from the weight bytes over NVMe plus start-up (``labkit.sim.presets``). Against
-   it, static provisioning: the smallest fixed fleet that meets the same TTFT SLO on the same
-   trace (searched down from the autoscaler's peak). Reported: SLO attainment and replica-hours
-   of each, and the saving.
+2. **Autoscaling a bursty day** (Llama-3-8B on H100): a diurnal day (raised cosine, trough 20%
+   of the peak at 04:00, peak at 16:00) compressed into ``day_s`` seconds, with four 1.5x bursts
+   of 2% of the day in its busy part. An HPA-style autoscaler on requests/s per replica, cold
+   starts charged from the weight bytes over NVMe plus start-up (``labkit.sim.presets``), and a
+   forecast of the daily curve from *yesterday* (the same day shape drawn with another seed: its
+   own bursts and noise; ``labkit.sim.autoscaler.SeasonalForecast``) read one cold start ahead.
+   The same autoscaler without the forecast (``reactive``) runs beside it. Against them, static
+   provisioning: the smallest fixed fleet that meets the same SLO on the same trace. Reported:
+   SLO attainment and replica-hours of each, and the saving.
 
 3. **Real replicas** (``labkit.bench.cluster_live``, skipped with ``--sim-only``): 3
    ``labkit serve`` processes of labkit-tiny behind ``labkit router`` on loopback: prefix hit
@@ -30,6 +33,7 @@ router's own policy classes (``labkit.router.policies``):
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -40,24 +44,28 @@ from tqdm.auto import tqdm
 from labkit.bench.common import bench_parser, environment, print_table, write_json
 from labkit.router.canary_demo import default_canary, run_canary, start_replicas
 from labkit.router.policies import get_policy
-from labkit.sim.autoscaler import Autoscaler, AutoscalerConfig
+from labkit.sim.autoscaler import Autoscaler, AutoscalerConfig, SeasonalForecast
 from labkit.sim.fleet import Fleet, FleetConfig
 from labkit.sim.presets import cold_start_s
 from labkit.sim.traces import bursty_day, poisson_trace
 
 MODEL, GPU, STORAGE = "llama-3-8b", "h100-sxm", "nvme-gen4"
 QUICK = {"sizes": (4, 16, 64), "sweep_rate": 80.0, "sweep_s": 6.0, "sweep_scale": 4,
-         "day_s": 240.0, "peak_rate": 108.0, "day_scale": 16}
+         "day_s": 240.0, "peak_rate": 216.0, "day_scale": 16}
 FULL = {"sizes": (4, 8, 16, 32, 64), "sweep_rate": 120.0, "sweep_s": 15.0, "sweep_scale": 4,
-        "day_s": 480.0, "peak_rate": 144.0, "day_scale": 16}
+        "day_s": 480.0, "peak_rate": 288.0, "day_scale": 16}
 SWEEP_POLICIES = ("round-robin", "least-outstanding", "prefix-affinity")
 TTFT_SLO_S = 2.0
 # The day's requests: chat with long answers, so one H100 saturates near ~25 requests/s and
 # a day stays a few thousand requests (the simulator's cost is per token: labkit.sim.coarse).
 DAY_REQUESTS = {"user_mean": 200, "output_mean": 600, "max_len": 4096}
 DAY_EPS = 0.1
-AUTOSCALER = {"metric": "rps", "target": 16.0, "interval_s": 1.0, "cooldown_s": 15.0,
-              "window_s": 10.0, "min_replicas": 2, "max_replicas": 32}
+# target: ~90% of what one replica sustains within the SLO on this workload (its TTFT cliff is
+# near 20 requests/s: 256 sequence slots fill); window_s: longer than a cold start, so a burst
+# that ends before a new replica could be up does not launch one; lead_s (set at run time): one
+# cold start plus one tick, how far ahead the forecast is read.
+AUTOSCALER = {"metric": "rps", "target": 18.0, "interval_s": 1.0, "cooldown_s": 15.0,
+              "window_s": 30.0, "min_replicas": 2, "max_replicas": 48}
 
 
 def run_sweep(sizes: tuple[int, ...], rate: float, duration: float, token_scale: int,
@@ -76,12 +84,13 @@ def run_sweep(sizes: tuple[int, ...], rate: float, duration: float, token_scale:
     return rows
 
 
-def _day_fleet(n: int, token_scale: int, autoscaler: Autoscaler | None, cold: float) -> Fleet:
+def _day_fleet(n: int, token_scale: int, autoscaler: Autoscaler | None, cold: float,
+               forecast: SeasonalForecast | None = None) -> Fleet:
     # a tight load bound: under an autoscaler the fleet runs hot, and the busiest replica, not
     # the average one, hits the knee first
     return Fleet(get_policy("prefix-affinity", eps=DAY_EPS), n,
                  FleetConfig(MODEL, GPU, token_scale), autoscaler, cold_start_s=cold,
-                 interval_s=AUTOSCALER["interval_s"])
+                 interval_s=AUTOSCALER["interval_s"], forecast=forecast)
 
 
 def run_static(tr: Any, n: int, token_scale: int, slo_s: float,
@@ -102,35 +111,60 @@ def run_static(tr: Any, n: int, token_scale: int, slo_s: float,
             "hit_rate": res.hit_rate}
 
 
+def smallest_static(tr: Any, guess: int, token_scale: int, slo_s: float,
+                    limit: int) -> tuple[int, dict[int, dict[str, Any]]]:
+    """The smallest static fleet meeting the SLO for >= 99% of requests, walking from
+    ``guess`` (more replicas never serve worse); every size tried, by size."""
+    runs: dict[int, dict[str, Any]] = {}
+
+    def ok(n: int) -> bool:
+        if n not in runs:
+            runs[n] = run_static(tr, n, token_scale, slo_s)
+        return runs[n]["slo_attainment"] >= 0.99
+
+    n = max(1, min(guess, limit))
+    if ok(n):
+        while n > 1 and ok(n - 1):
+            n -= 1
+    else:
+        while not ok(n) and n < limit:
+            n += 1
+    return n, runs
+
+
 def run_day(day_s: float, peak_rate: float, token_scale: int, seed: int = 0,
             slo_s: float = TTFT_SLO_S) -> dict[str, Any]:
-    """The autoscaled fleet over the whole day, then the smallest static fleet that meets the
-    SLO for >= 99% of requests (bisection between 0 and the autoscaler's peak size)."""
+    """The day through the forecast-driven autoscaler and the reactive one, then the smallest
+    static fleet that meets the SLO for >= 99% of requests."""
     tr = bursty_day(day_s, peak_rate, seed=seed, **DAY_REQUESTS)
+    yesterday = bursty_day(day_s, peak_rate, seed=seed + 1)
+    forecast = SeasonalForecast([x.arrival_time for x in yesterday.specs], day_s)
     cold = cold_start_s(MODEL, GPU, STORAGE)
+    cfg = {**AUTOSCALER, "lead_s": cold + AUTOSCALER["interval_s"]}
+    # the day starts where yesterday ended: a fleet sized for midnight's load, not a cold one
+    n0 = max(cfg["min_replicas"], math.ceil(tr.rate(0.0) / cfg["target"]))
     t0 = time.perf_counter()
-    auto = _day_fleet(AUTOSCALER["min_replicas"], token_scale,
-                      Autoscaler(AutoscalerConfig(**AUTOSCALER)), cold).run(tr.specs, day_s)
-    a = auto.summary(slo_s)
-    statics: dict[int, dict[str, Any]] = {}
-
-    def static(n: int) -> dict[str, Any]:
-        if n not in statics:
-            statics[n] = run_static(tr, n, token_scale, slo_s)
-        return statics[n]
-
-    lo, hi = 0, a["max_replicas"]  # bisect: lo fails (or is 0), hi meets the SLO
-    while static(hi)["slo_attainment"] < 0.99 and hi < 4 * a["max_replicas"]:
-        lo, hi = hi, 2 * hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if static(mid)["slo_attainment"] >= 0.99 else (mid, hi)
+    fleets = {}
+    for name, fc in tqdm([("forecast", forecast), ("reactive", None)], desc="autoscaled day",
+                         leave=False):
+        fleets[name] = _day_fleet(n0, token_scale,
+                                  Autoscaler(AutoscalerConfig(**cfg)), cold, fc
+                                  ).run(tr.specs, day_s)
+    a = fleets["forecast"].summary(slo_s)
+    n, statics = smallest_static(tr, math.ceil(peak_rate / cfg["target"]), token_scale, slo_s,
+                                 4 * a["max_replicas"])
     return {"trace": tr.meta, "requests": len(tr.specs), "cold_start_s": cold,
-            "storage": STORAGE, "autoscaler_config": AUTOSCALER, "ttft_slo_s": slo_s,
-            "autoscaled": a, "static": [v for _, v in sorted(statics.items())],
-            "static_replicas": hi, "static_summary": static(hi),
-            "timeline": auto.timeline, "wall_s": time.perf_counter() - t0,
-            "rate_curve": [(t, tr.rate(t)) for t in [i * day_s / 480 for i in range(481)]]}
+            "storage": STORAGE, "autoscaler_config": cfg, "ttft_slo_s": slo_s,
+            "forecast": {"kind": "yesterday's shape (2 harmonics) x today's level",
+                         "yesterday_seed": seed + 1, "harmonics": forecast.harmonics},
+            "autoscaled": a, "reactive": fleets["reactive"].summary(slo_s),
+            "static": [v for _, v in sorted(statics.items())],
+            "static_replicas": n, "static_summary": statics[n],
+            "timeline": fleets["forecast"].timeline,
+            "reactive_timeline": fleets["reactive"].timeline,
+            "wall_s": time.perf_counter() - t0,
+            "rate_curve": [(t, tr.rate(t), forecast.rate(t))
+                           for t in [i * day_s / 480 for i in range(481)]]}
 
 
 CANARY_QUICK = {"bad_requests": 300, "good_requests": 160, "delay_s": 1.0, "error_rate": 0.5,
@@ -203,6 +237,8 @@ def run(quick: bool = True, seed: int = 0, sizes: dict[str, Any] | None = None,
         "static_slo_attainment": s["slo_attainment"],
         "static_replicas": day["static_replicas"],
         "replica_hours_saving": 1 - a["replica_hours"] / s["replica_hours"],
+        "reactive_slo_attainment": day["reactive"]["slo_attainment"],
+        "reactive_replica_hours": day["reactive"]["replica_hours"],
         "ttft_slo_s": day["ttft_slo_s"], "cold_start_s": day["cold_start_s"],
         "sweep": sweep, "day": day,
         "wall_s": {"sweep": sweep_wall, "day": day["wall_s"]}, "environment": environment(),
@@ -230,11 +266,18 @@ def write_chart(payload: dict[str, Any], path: Path) -> None:
     fig.add_scatter(x=t, y=[p["ready"] for p in tl], name="ready replicas", row=2, col=1)
     fig.add_scatter(x=t, y=[p["ready"] + p["starting"] for p in tl], name="ready + starting",
                     row=2, col=1)
+    rt = day.get("reactive_timeline") or []
+    fig.add_scatter(x=[p["t"] for p in rt], y=[p["ready"] + p["starting"] for p in rt],
+                    name="reactive: ready + starting", line={"dash": "dashdot"}, row=2, col=1)
     fig.add_scatter(x=t, y=[day["static_replicas"]] * len(t), name="static provisioning",
                     line={"dash": "dash"}, row=2, col=1)
     curve = day["rate_curve"]
     fig.add_scatter(x=[c[0] for c in curve], y=[c[1] for c in curve], name="arrivals/s",
                     line={"dash": "dot"}, row=2, col=1, secondary_y=True)
+    if curve and len(curve[0]) > 2:
+        fig.add_scatter(x=[c[0] for c in curve], y=[c[2] for c in curve],
+                        name="forecast (yesterday)", line={"dash": "dot"}, row=2, col=1,
+                        secondary_y=True)
     fig.update_xaxes(type="log", row=1, col=1)
     fig.update_xaxes(type="log", row=1, col=2)
     fig.update_layout(title=f"Simulated fleet: {payload['model']} on {payload['gpu']}, "
@@ -266,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     day = payload["day"]
     print(f"\na bursty day compressed into {day['trace']['day_s']:.0f} s, {day['requests']} "
           f"requests, TTFT SLO {day['ttft_slo_s']} s, cold start {day['cold_start_s']:.1f} s")
-    print_table([{"fleet": "autoscaled", **_brief(day["autoscaled"])}]
+    print_table([{"fleet": "autoscaled", **_brief(day["autoscaled"])},
+                 {"fleet": "reactive", **_brief(day["reactive"])}]
                 + [{"fleet": f"static {r['replicas']}", **_brief(r)} for r in day["static"]])
     print(f"\nautoscaler: {payload['autoscaler_slo_attainment']:.2%} of requests within the SLO "
           f"on {payload['autoscaler_replica_hours']:.3f} replica-hours; static "

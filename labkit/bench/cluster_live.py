@@ -2,8 +2,9 @@
 ``labkit router`` on loopback (``labkit.router.cluster.Cluster``).
 
 1. **Prefix-affinity vs round-robin**: a shared-system-prompt workload (``prompts`` system
-   prompts of ~110 tokens, ``per_prompt`` short questions under each, shuffled with a seed, sent
-   by ``concurrency`` clients) under each policy, on fresh system prompts per policy so one run
+   prompts of ~110 tokens, more than one replica's cache holds (``REPLICA_ARGS``), with
+   ``per_prompt`` short questions under each, shuffled with a seed, sent by ``concurrency``
+   clients) under each policy, on fresh system prompts per policy so one run
    cannot warm the other's cache. Prefix-affinity runs twice: with ``min_load`` (the headline:
    the bound applies once a replica holds that many) and with the strict bound alone. Hit rate
    = the replicas' own prefix-cache counters (``labkit:prefix_cache_hits`` / ``queries``,
@@ -61,7 +62,8 @@ def stream_one(url: str, path: str, body: dict[str, Any],
     """One streamed request; the client's view: text, first-chunk time, events, outcome."""
     body = {k: v for k, v in body.items() if k != "group"}
     rec: dict[str, Any] = {"text": "", "ids": [], "reasons": [], "usage": None, "events": [],
-                           "done": False, "errors": [], "id": None, "start": time.time()}
+                           "done": False, "errors": [], "id": None, "start": time.time(),
+                           "choices": {}}  # choice index -> its text (n > 1, several prompts)
     try:
         with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=120) as r:
             rec["status"], rec["replica"] = r.status_code, r.headers.get("x-labkit-replica")
@@ -78,7 +80,10 @@ def stream_one(url: str, path: str, body: dict[str, Any],
                 rec["id"] = rec["id"] or d.get("id")
                 rec["usage"] = d.get("usage") or rec["usage"]
                 for ch in d.get("choices", []):
-                    rec["text"] += ch.get("text", (ch.get("delta") or {}).get("content") or "")
+                    text = ch.get("text", (ch.get("delta") or {}).get("content") or "")
+                    rec["text"] += text
+                    i = ch.get("index", 0)
+                    rec["choices"][i] = rec["choices"].get(i, "") + text
                     rec["ids"] += ch.get("token_ids", [])
                     rec["reasons"].append(ch.get("finish_reason"))
                 t = time.time()
@@ -89,6 +94,26 @@ def stream_one(url: str, path: str, body: dict[str, Any],
         rec["errors"].append(f"{type(e).__name__}: {e}")
     rec["ttft"] = rec["events"][0] - rec["start"] if rec["events"] else None
     return rec
+
+
+def post_one(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One non-streamed request: status, serving replica, each choice's text."""
+    try:
+        r = httpx.post(url + path, json={**body, "stream": False}, timeout=120)
+    except httpx.HTTPError as e:
+        return {"status": None, "error": f"{type(e).__name__}: {e}", "texts": None}
+    d = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+    texts = [ch.get("text", (ch.get("message") or {}).get("content")) for ch in
+             d.get("choices", [])] if r.status_code == 200 else None
+    return {"status": r.status_code, "replica": r.headers.get("x-labkit-replica"),
+            "texts": texts, "error": None if r.status_code == 200 else r.text}
+
+
+def _threads(fns: Sequence[Callable[[], Any]]) -> list[threading.Thread]:
+    threads = [threading.Thread(target=f) for f in fns]
+    for t in threads:
+        t.start()
+    return threads
 
 
 def run_load(url: str, bodies: Sequence[dict[str, Any]], concurrency: int = 4,
@@ -142,30 +167,47 @@ def policy_run(c: Cluster, policy: str, bodies: Sequence[dict[str, Any]],
 
 
 def failover_run(c: Cluster, cases: Sequence[tuple[str, dict[str, Any]]], min_events: int = 3,
-                 restore: bool = True, victim: int | None = None) -> dict[str, Any]:
-    """``cases`` = (path, body) of greedy streams. Runs them uninterrupted, then again with a
-    replica killed mid-stream; compares. ``restore`` restarts the victim afterwards."""
-    ref = [None] * len(cases)
-    threads = [threading.Thread(target=lambda k=k: ref.__setitem__(
-        k, stream_one(c.url, *cases[k]))) for k in range(len(cases))]
-    for t in threads:
-        t.start()
-    for t in threads:
+                 restore: bool = True, victim: int | None = None,
+                 whole: Sequence[tuple[str, dict[str, Any]]] = (),
+                 before_kill: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """``cases`` = (path, body) of greedy streams, ``whole`` of non-streamed requests (sent
+    once every stream has output). Runs them uninterrupted, then again with a replica killed
+    mid-stream (``victim``, default the one holding the most; ``before_kill`` runs just
+    before); compares every choice's text. ``restore`` restarts the victim afterwards."""
+    ref: list[Any] = [None] * len(cases)
+    ref_whole: list[Any] = [None] * len(whole)
+    for t in _threads([lambda k=k: ref.__setitem__(k, stream_one(c.url, *cases[k]))
+                       for k in range(len(cases))] +
+                      [lambda k=k: ref_whole.__setitem__(k, post_one(c.url, *whole[k]))
+                       for k in range(len(whole))]):
         t.join()
     counts = [0] * len(cases)
     recs: list[Any] = [None] * len(cases)
+    got_whole: list[Any] = [None] * len(whole)
 
     def go(k: int) -> None:
         recs[k] = stream_one(c.url, *cases[k], on_event=lambda t: counts.__setitem__(
             k, counts[k] + 1))
 
-    threads = [threading.Thread(target=go, args=(k,)) for k in range(len(cases))]
-    for t in threads:
-        t.start()
+    threads = _threads([lambda k=k: go(k) for k in range(len(cases))])
     deadline = time.monotonic() + 120
-    while min(counts) < min_events and time.monotonic() < deadline and \
-            any(t.is_alive() for t in threads):
-        time.sleep(0.005)
+
+    def wait_for(n: int) -> None:
+        while min(counts) < n and time.monotonic() < deadline and \
+                any(t.is_alive() for t in threads):
+            time.sleep(0.005)
+
+    wait_for(1)
+    if whole:  # sent now, and routed before the kill
+        streaming = sum(t.is_alive() for t in threads)
+        threads += _threads([lambda k=k: got_whole.__setitem__(k, post_one(c.url, *whole[k]))
+                             for k in range(len(whole))])
+        while sum(s["outstanding"] for s in c.replica_states()) < streaming + len(whole) and \
+                time.monotonic() < deadline:
+            time.sleep(0.01)
+    wait_for(min_events)
+    if before_kill is not None:
+        before_kill()
     states = c.replica_states()
     if victim is None:
         victim = max(range(len(states)), key=lambda i: states[i]["outstanding"])
@@ -175,12 +217,16 @@ def failover_run(c: Cluster, cases: Sequence[tuple[str, dict[str, Any]]], min_ev
         t.join()
     moved = [f for f in c.failovers() if f["time"] >= kill_time - 1
              and f["from"] == c.names[victim]]
-    lost = sum(not r["done"] or bool(r["errors"]) for r in recs)
-    out = {"streams": len(cases), "victim": c.names[victim], "held_at_kill": held,
-           "kill_time": kill_time, "failover_requests": len(moved), "failover_lost": lost,
-           "failover_identical": all(r["text"] == w["text"] and w["done"] for r, w in
-                                     zip(recs, ref)),
-           "failovers": moved, "records": recs, "reference": ref}
+    lost = sum(not r["done"] or bool(r["errors"]) for r in recs) + \
+        sum(w["status"] != 200 for w in got_whole)
+    out = {"streams": len(cases), "whole": len(whole), "victim": c.names[victim],
+           "held_at_kill": held, "kill_time": kill_time, "failover_requests": len(moved),
+           "failover_lost": lost,
+           "failover_identical": all(r["choices"] == w["choices"] and w["done"] for r, w in
+                                     zip(recs, ref)) and
+           all(g["texts"] == w["texts"] is not None for g, w in zip(got_whole, ref_whole)),
+           "failovers": moved, "records": recs, "reference": ref,
+           "whole_records": got_whole, "whole_reference": ref_whole}
     if restore:
         out["restart_s"] = c.restart(victim)
     return out
@@ -200,11 +246,16 @@ def failover_cases(streams: int, max_tokens: int = 64) -> list[tuple[str, dict[s
     return cases
 
 
-# Each replica's KV pool (64 blocks of 16 tokens) holds ~8 of the 12 system prompts (7 blocks
-# each): round-robin makes every replica cache all 12 (LRU thrash), affinity gives each ~4.
-# That is the fleet-level point of affinity: the caches add up instead of holding copies.
+# The fleet-level point of affinity is that the replicas' caches add up instead of holding
+# copies, so the workload has more system prompts than one replica's cache holds but fewer than
+# the fleet's: 16 prompts x 7 blocks = 112 blocks against 64-block pools (less the blocks of
+# requests in flight). Round-robin makes every replica cache all 16 (LRU thrash); affinity gives
+# each ~5 (~37 blocks). With 12 prompts (84 blocks) the pools hold most of them even under
+# round-robin, and the ratio is mostly the first-touch misses: a prompt's 4 requests land on
+# ~2.3-2.7 replicas, so round-robin hits 1.3-1.7 of 4 where affinity hits 3 (1.8-2.4x,
+# depending on the shuffle).
 REPLICA_ARGS = ("--num-blocks", "64", "--max-num-seqs", "16")
-QUICK = {"replicas": 3, "prompts": 12, "per_prompt": 4, "concurrency": 4, "streams": 6,
+QUICK = {"replicas": 3, "prompts": 16, "per_prompt": 4, "concurrency": 4, "streams": 6,
          "max_tokens": 64, "min_load": 4}
 FULL = {"replicas": 3, "prompts": 24, "per_prompt": 8, "concurrency": 6, "streams": 12,
         "max_tokens": 128, "min_load": 4}

@@ -3,10 +3,10 @@
 A stream that breaks after the first byte cannot simply be retried: the client has already shown
 part of the answer. What the router can do is what a replica does after a recompute preemption:
 re-prefill. It asks the next replica for a *completion* whose prompt is the original prompt's
-token ids followed by every token already sent, with ``max_tokens`` reduced by as many, and
-relays the new tokens as if nothing had happened (same ``id``, ``created`` and chunk shape).
-The cost is one prefill of prompt + sent tokens on the new replica (its prefix cache may hold
-part of it); the client sees one longer inter-token gap.
+token ids followed by the tokens already sent, and relays the new tokens as if nothing had
+happened (same ``id``, ``created``, choice ``index`` and chunk shape). The cost is one prefill of
+prompt + sent tokens on the new replica (its prefix cache may hold part of it); the client sees
+one longer inter-token gap.
 
 To know those token ids the router asks every replica for them (``return_token_ids``, vLLM's
 extension; ``labkit serve`` then also sends ``prompt_token_ids`` on a choice's first chunk) and
@@ -18,16 +18,28 @@ picks the same next token from the same prefix on any replica of the same model;
 replica's detokenizer starts at the cut, and for a byte-level BPE tokenizer ``decode(a + b) ==
 decode(a) + decode(b)`` whenever the cut is not inside a multi-byte UTF-8 character.
 
-What is supported (``not_resumable`` says why a request is not):
+**Several choices** (``n > 1``, several prompts): every unfinished choice continues, as one
+completion with one token-id prompt per choice (``n = 1`` each) whose choice ``i`` the router
+maps back to the client's index. One request has one ``max_tokens``: it asks for the largest
+budget left and ends each choice itself (``finish_reason: length``) when its own budget is spent.
 
-- ``/v1/completions`` with one prompt (text or token ids) and ``n = 1``;
-- ``/v1/chat/completions`` with ``n = 1``: the replica sends the *rendered* chat prompt's ids, so
-  the continuation is a completion over them, translated back into chat chunks (``delta``);
-- greedy requests continue exactly; sampled ones continue with a valid sample conditioned on
-  what was sent (a ``seed`` does not reproduce the uninterrupted run: the RNG restarts);
-- not resumable: ``n > 1`` or several prompts, and ``stop`` strings (the dead replica may have
-  held back text that could start a stop string; the router cannot recover it without the
-  tokenizer). Those streams end with an error event when their replica dies.
+**Stop strings**: a replica holds back the last ``len(longest stop) - 1`` characters of a
+sequence (``labkit.engine.llm_engine.update_text``: they could start a stop string), so when it
+dies the router has the ids of tokens whose text the client never got, and no tokenizer to
+decode them. It cuts back instead: after each event the replica's decoded length is exactly
+``characters shown + hold`` (once something was shown), so the router knows token counts whose
+text the client has seen *entirely*. The continuation starts at the last such count (the stop
+list goes with it); the router drops the regenerated ids and characters the client already has
+and relays the rest. Stop matching stays consistent because no stop string can begin before the
+characters shown (the replica would have held that text back), so any match lies wholly in the
+continuation's own output, where the new replica finds it. Greedy streams come out identical;
+a sampled one may regenerate the cut-back tokens differently, which the router detects (the
+dropped text must equal what it sent) and reports as an error event rather than show
+inconsistent text.
+
+Sampled requests otherwise continue with a valid sample conditioned on what was sent (a ``seed``
+does not reproduce the uninterrupted run: the RNG restarts). ``not_resumable`` says which
+requests are not resumed (their streams end with an error event when their replica dies).
 """
 
 from __future__ import annotations
@@ -52,19 +64,42 @@ class SSEBuffer:
         return [e for e in events if e]
 
 
+def _stops(body: dict[str, Any]) -> list[str]:
+    s = body.get("stop") or []
+    return [s] if isinstance(s, str) else [x for x in s if isinstance(x, str)]
+
+
+def _num_prompts(body: dict[str, Any], chat: bool) -> int:
+    p = body.get("prompt")
+    if chat or not isinstance(p, list) or not p or all(isinstance(t, int) for t in p):
+        return 1
+    return len(p)
+
+
 def not_resumable(body: dict[str, Any], chat: bool) -> str | None:
-    """Why this request's stream cannot be resumed on another replica (None: it can)."""
+    """Why this streamed request cannot be resumed on another replica (None: it can)."""
     if not body.get("stream"):
-        return "not a stream (a failed non-streamed request is retried only before headers)"
-    if body.get("n") not in (None, 1):
-        return "n > 1"
-    if body.get("stop"):
-        return "stop strings (held-back text is lost with the replica)"
-    if not chat:
-        p = body.get("prompt")
-        if isinstance(p, list) and p and not all(isinstance(t, int) for t in p) and len(p) > 1:
-            return "several prompts in one request"
+        return "not a stream (the router buffers a non-streamed answer and retries it whole)"
+    several = body.get("n") not in (None, 1) or _num_prompts(body, chat) > 1
+    if _stops(body) and several:
+        return ("stop strings with n > 1 or several prompts (each choice's cut-back "
+                "continuation would need its own max_tokens)")
     return None
+
+
+class _Choice:
+    """One choice of the client's stream: what it was sent, and the current upstream's offset."""
+
+    def __init__(self, index: int, prompt: int) -> None:
+        self.index, self.prompt = index, prompt
+        self.ids: list[int] = []  # token ids the client's stream has covered
+        self.text = ""  # text the client was sent
+        self.reason: str | None = None
+        self.marks: list[tuple[int, int]] = [(0, 0)]  # (ids, chars) decoded exactly (doc)
+        self.base = (0, 0)  # (ids, chars) where the current upstream's output starts
+        self.up_ids = self.up_chars = 0  # the current upstream's output so far
+        self.skip_ids = 0  # regenerated ids the client already has
+        self.verify = ""  # regenerated text the client already has: dropped, but checked
 
 
 class StreamResume:
@@ -75,60 +110,101 @@ class StreamResume:
         self.body, self.chat = body, chat
         self.want_ids = bool(body.get("return_token_ids"))
         self.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        self.prompt_ids: list[int] | None = None
-        self.sent_ids: list[int] = []
-        self.text: list[str] = []
-        self.finish_reason: str | None = None
+        n = body.get("n")  # a bad n is the replica's to reject (400), not ours to crash on
+        self.n = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 64 else 1
+        self.hold = max((len(s) for s in _stops(body)), default=1) - 1
+        k = _num_prompts(body, chat)
+        self.choices = {i: _Choice(i, i // self.n) for i in range(k * self.n)}
+        self.prompts: dict[int, list[int]] = {}  # prompt index -> its token ids
+        self.order: list[int] | None = None  # the continuation's choice i -> the client's
         self.done = False  # [DONE] relayed
         self.errored = False  # the replica reported an error event (relayed, not resumed)
         self.head: dict[str, Any] | None = None  # id, created, model of the client's stream
-        self.resumed = False  # the current upstream is a continuation
         self.forwarded = False  # the client has been sent something
 
     @property
     def kind(self) -> str:
         return "chat" if self.chat else "completion"
 
+    @property
+    def resumed(self) -> bool:
+        return self.order is not None
+
+    @property
+    def prompt_ids(self) -> list[int] | None:
+        return self.prompts.get(0)
+
+    @property
+    def sent_ids(self) -> list[int]:
+        """The token ids sent on choice 0 (the only one unless ``n > 1`` or several prompts)."""
+        return self.choices[0].ids
+
     def upstream_body(self) -> bytes:
         return json.dumps({**self.body, "return_token_ids": True}).encode()
 
-    def max_tokens(self, max_model_len: int | None) -> int | None:
-        """The client's budget of new tokens (chat without one: the rest of the context)."""
+    def path(self, original: str) -> str:
+        """Where the next upstream request goes: a continuation is always a completion."""
+        return "/v1/completions" if self.resumed else original
+
+    def max_tokens(self, max_model_len: int | None, prompt: int = 0) -> int | None:
+        """A choice's budget of new tokens (chat without one: the rest of the context)."""
         b = self.body
         mt = (b.get("max_completion_tokens") or b.get("max_tokens")) if self.chat else \
             b.get("max_tokens", 16)
-        if mt is None and max_model_len is not None and self.prompt_ids is not None:
-            mt = max_model_len - len(self.prompt_ids)
+        if mt is None and max_model_len is not None and prompt in self.prompts:
+            mt = max_model_len - len(self.prompts[prompt])
         return mt
 
+    def remaining(self, max_model_len: int | None = None, c: _Choice | None = None) -> int | None:
+        c = c or self.choices[0]
+        mt = self.max_tokens(max_model_len, c.prompt)
+        return None if mt is None else mt - len(c.ids)
+
+    def _open(self, max_model_len: int | None) -> list[_Choice]:
+        def owed(c: _Choice) -> bool:  # held-back text is owed even with no tokens left
+            r = self.remaining(max_model_len, c)
+            return bool(self.hold) or r is None or r > 0
+
+        return [c for c in self.choices.values() if c.reason is None and owed(c)]
+
+    def _cut(self, c: _Choice) -> tuple[int, int]:
+        """(ids, chars) where the continuation of ``c`` starts (module doc: stop strings)."""
+        if not self.hold:
+            return len(c.ids), len(c.text)
+        return max(m for m in c.marks if m[1] <= len(c.text) and m[0] <= len(c.ids))
+
     def resume_body(self, max_model_len: int | None = None) -> bytes:
-        """The continuation: a completion over prompt + sent tokens (before any chunk arrived,
-        the original request again)."""
-        if self.prompt_ids is None:
-            self.resumed = False
+        """The continuation: one completion over prompt + kept tokens per unfinished choice
+        (before any prompt's ids arrived, the original request again)."""
+        todo = self._open(max_model_len)
+        if not todo or any(c.prompt not in self.prompts for c in todo):
+            self.order = None
             return self.upstream_body()
-        drop = ("messages", "prompt", "max_tokens", "max_completion_tokens")
+        drop = ("messages", "prompt", "max_tokens", "max_completion_tokens", "n")
         b = {k: v for k, v in self.body.items() if k not in drop}
-        b.update(prompt=self.prompt_ids + self.sent_ids, return_token_ids=True)
-        mt = self.max_tokens(max_model_len)
-        if mt is not None:
-            b["max_tokens"] = mt - len(self.sent_ids)
-        self.resumed = True
+        prompts, need = [], []
+        for c in todo:
+            cut_ids, cut_chars = self._cut(c)
+            c.base, c.up_ids, c.up_chars = (cut_ids, cut_chars), 0, 0
+            c.skip_ids, c.verify = len(c.ids) - cut_ids, c.text[cut_chars:]
+            prompts.append(self.prompts[c.prompt] + c.ids[:cut_ids])
+            mt = self.max_tokens(max_model_len, c.prompt)
+            need.append(None if mt is None else mt - cut_ids)
+        b.update(prompt=prompts[0] if len(prompts) == 1 else prompts, return_token_ids=True)
+        if None not in need:
+            b["max_tokens"] = max(need)
+        self.order = [c.index for c in todo]
         return json.dumps(b).encode()
 
     def cannot_resume(self) -> str | None:
         """Why the stream cannot continue elsewhere now (None: it can). Output was sent but the
         replica never said the prompt's ids (not a labkit server?): a retry would repeat it."""
-        if self.prompt_ids is None and self.forwarded:
+        if self.forwarded and any(c.prompt not in self.prompts for c in self._open(None)):
             return "the replica sent output but no prompt_token_ids"
         return None
 
     def needs_max_model_len(self) -> bool:
         return self.chat and self.max_tokens(None) is None
-
-    def remaining(self, max_model_len: int | None = None) -> int | None:
-        mt = self.max_tokens(max_model_len)
-        return None if mt is None else mt - len(self.sent_ids)
 
     # ---- events ----------------------------------------------------------------------------
     def on_event(self, raw: bytes) -> bytes | None:
@@ -154,20 +230,61 @@ class StreamResume:
         if self.head is None:
             self.head = {"id": d.get("id"), "created": d.get("created"), "model": d.get("model")}
         if not d["choices"] and "usage" in d:
-            return self._usage_event(d) if self.resumed else self._plain(raw, d)
-        ch = d["choices"][0]
-        pids = ch.get("prompt_token_ids")
-        if pids is not None and not self.resumed:
-            self.prompt_ids = list(pids)
-        toks = list(ch.get("token_ids") or [])
-        self.sent_ids += toks
-        text = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
-        self.text.append(text or "")
-        if ch.get("finish_reason"):
-            self.finish_reason = ch["finish_reason"]
+            return self._usage_event() if self.resumed else self._plain(raw, d)
         if not self.resumed:
+            for ch in d["choices"]:
+                self._account(ch)
             return self._plain(raw, d)
-        return self._translated(text or "", toks, ch.get("finish_reason"), "usage" in d)
+        out = b"".join(self._continued(ch, "usage" in d) or b"" for ch in d["choices"])
+        return out or None
+
+    def _account(self, ch: dict[str, Any]) -> None:
+        """An original replica's choice chunk: record ids, text, finish, exact-length marks."""
+        c = self.choices.get(ch.get("index", 0))
+        if c is None:
+            return
+        pids = ch.get("prompt_token_ids")
+        if pids is not None:
+            self.prompts[c.prompt] = list(pids)
+        self._add(c, list(ch.get("token_ids") or []), _text(ch), ch.get("finish_reason"))
+
+    def _add(self, c: _Choice, toks: list[int], text: str, reason: str | None) -> None:
+        c.ids += toks
+        c.text += text
+        c.up_ids += len(toks)
+        c.up_chars += len(text)
+        c.reason = reason or c.reason
+        if self.hold and c.up_chars and c.reason is None:  # decoded = shown + hold (doc)
+            c.marks.append((c.base[0] + c.up_ids, c.base[1] + c.up_chars + self.hold))
+
+    def _continued(self, ch: dict[str, Any], with_usage: bool) -> bytes | None:
+        """A continuation's choice chunk: drop what the client has, end a spent budget, and
+        send the rest in the shape and identity of the client's stream."""
+        i = ch.get("index", 0)
+        if self.order is None or not 0 <= i < len(self.order):
+            return None
+        c = self.choices[self.order[i]]
+        if c.reason is not None:
+            return None  # ended by the router (its budget) while the replica went on
+        toks, text, reason = list(ch.get("token_ids") or []), _text(ch), ch.get("finish_reason")
+        k = min(len(toks), c.skip_ids)
+        c.skip_ids -= k
+        c.up_ids += k
+        toks = toks[k:]
+        m = min(len(text), len(c.verify))
+        if text[:m] != c.verify[:m]:
+            return self.error_tail(f"choice {c.index} regenerated differently after the "
+                                   "cut-back (a sampled stream with stop strings)")
+        c.verify, c.up_chars, text = c.verify[m:], c.up_chars + m, text[m:]
+        room = self.remaining(None, c)
+        if room is not None and len(toks) >= room and reason is None:
+            if len(toks) > room and text:
+                return self.error_tail(f"choice {c.index}: a chunk crossed its token budget")
+            toks, reason = toks[:room], "length"
+        self._add(c, toks, text, reason)
+        if not text and reason is None and not (self.want_ids and toks):
+            return None
+        return self._chunk(c, text, toks, reason, with_usage)
 
     def _plain(self, raw: bytes, d: dict[str, Any]) -> bytes | None:
         """An event of the original replica: as it came, less the ids the router added."""
@@ -183,38 +300,34 @@ class StreamResume:
                 return None  # only ids: the replica would not have sent it without them
         return protocol.sse(d)
 
-    def _translated(self, text: str, toks: list[int], reason: str | None,
-                    with_usage: bool) -> bytes | None:
-        """A continuation's chunk, in the shape and identity of the client's stream."""
-        if not text and reason is None and not (self.want_ids and toks):
-            return None
-        h = self.head
-        ch = protocol.chunk(self.kind, h["id"], h["model"], h["created"], 0, text, reason,
-                            with_usage=with_usage)
+    def _chunk(self, c: _Choice, text: str, toks: list[int], reason: str | None,
+               with_usage: bool) -> bytes:
+        h = self.head or {}
+        ch = protocol.chunk(self.kind, h.get("id"), h.get("model"), h.get("created"), c.index,
+                            text, reason, with_usage=with_usage)
         if self.want_ids:
             ch["choices"][0]["token_ids"] = toks
         return protocol.sse(ch)
 
-    def _usage(self) -> dict[str, int]:
-        return protocol.usage(len(self.prompt_ids or []), len(self.sent_ids))
-
-    def _usage_event(self, d: dict[str, Any]) -> bytes:
-        h = self.head
-        return protocol.sse(protocol.usage_chunk(self.kind, h["id"], h["model"], h["created"],
-                                                 self._usage()))
+    def _usage_event(self) -> bytes:
+        h = self.head or {}
+        use = protocol.usage(sum(len(p) for p in self.prompts.values()),
+                             sum(len(c.ids) for c in self.choices.values()))
+        return protocol.sse(protocol.usage_chunk(self.kind, h.get("id"), h.get("model"),
+                                                 h.get("created"), use))
 
     def tail_if_finished(self, max_model_len: int | None = None) -> bytes | None:
-        """The replica died after the last token: finish the stream here (finish chunk if it
-        was not sent, usage if asked, [DONE]) instead of resuming. None: not finished."""
-        rem = self.remaining(max_model_len)
-        if self.finish_reason is None and (rem is None or rem > 0):
+        """The replica died after the last token: finish the stream here (finish chunks not
+        sent yet, usage if asked, [DONE]) instead of resuming. None: not finished."""
+        if self._open(max_model_len) or self.head is None:
             return None
         out = b""
-        if self.finish_reason is None and self.head is not None:
-            self.finish_reason = "length"
-            out += self._translated("", [], "length", self.include_usage)
-        if self.include_usage and self.head is not None:
-            out += self._usage_event({})
+        for c in self.choices.values():
+            if c.reason is None:
+                c.reason = "length"
+                out += self._chunk(c, "", [], "length", self.include_usage)
+        if self.include_usage:
+            out += self._usage_event()
         self.done = True
         return out + DONE
 
@@ -223,3 +336,7 @@ class StreamResume:
         self.done = True
         err = protocol.APIError(502, message, "server_error", None, "upstream_failed")
         return protocol.sse(err.body()) + DONE
+
+
+def _text(ch: dict[str, Any]) -> str:
+    return (ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")) or ""

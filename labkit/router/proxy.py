@@ -13,8 +13,9 @@ after an exponential backoff with full jitter, and counted against the replica's
 the first byte, a stream whose replica dies (connection cut, or the body ends without
 ``[DONE]``) is **resumed on another replica** by re-prefilling the prompt + the tokens already
 sent (``labkit.router.failover``: what is supported, and why greedy streams come out
-byte-identical). Non-streamed requests are relayed as one body; one whose replica dies after the
-headers fails (its client sees a cut connection).
+byte-identical). A non-streamed answer is read whole before the client gets a byte, so one whose
+replica dies after the headers is simply sent again to another replica; while it is read the
+router watches the client, and closes the upstream (the replica aborts) if the client leaves.
 
 Health: the breakers are fed by what real requests see (passive) and, with
 ``probe_interval_s``, by ``GET /health`` probes of every replica (active), so a dead or draining
@@ -237,6 +238,8 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() in ("authorization", "content-type", "x-request-id")}
         chat = path.endswith("/chat/completions")
+        if not body.get("stream"):
+            return await _buffered(request, path, raw, key, headers, pool, arm, t0)
         state = None if not_resumable(body, chat) else StreamResume(body, chat)
         got = await connect(path, raw if state is None else state.upstream_body(), key,
                             headers, set(), pool)
@@ -256,6 +259,57 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
             body_iter = canary.watch(body_iter, arm, t0, status)
         return StreamingResponse(body_iter, status_code=status, media_type=media,
                                  headers=out_headers)
+
+    async def _buffered(request: Request, path: str, raw: bytes, key: RouteKey,
+                        headers: dict[str, str], pool: Sequence[Upstream], arm: str | None,
+                        t0: float) -> Response:
+        """A non-streamed request: read the whole answer, and if the replica dies before the
+        end of it, send the request again elsewhere (nothing reached the client yet)."""
+        tried: set[str] = set()
+        retried: list[dict[str, Any]] = []  # failover records, completed once one succeeds
+        for _ in range(max_failovers + 1):
+            got = await connect(path, raw, key, headers, tried, pool)
+            if isinstance(got, Response):
+                break
+            resp, up = got
+            try:
+                content = await _read_unless_gone(request, resp)
+            except httpx.TransportError as exc:
+                _failed(up)
+                metrics.failovers.labels(up.name).inc()
+                tried.add(up.name)
+                retried.append({"time": time.time(), "id": None, "from": up.name,
+                                "tokens_sent": 0, "whole": True,
+                                "error": f"{type(exc).__name__}: {exc}"})
+                got = _error(502, f"{up.name} failed while answering ({exc}); tried "
+                             f"{len(tried)} replica(s)", "upstream_failed")
+                continue
+            finally:
+                await resp.aclose()
+                _done(up)
+            if content is None:
+                return Response(status_code=499)  # nobody to answer: the client left
+            failovers.extend({**f, "to": up.name} for f in retried)
+            got = Response(content, status_code=resp.status_code,
+                           media_type=resp.headers.get("content-type", "application/json"),
+                           headers={"x-labkit-replica": up.name,
+                                    **({"x-labkit-canary": arm} if arm else {})})
+            break
+        if arm is not None:
+            canary.record(arm, got.status_code < 500, time.monotonic() - t0)
+        return got
+
+    async def _read_unless_gone(request: Request, resp: httpx.Response) -> bytes | None:
+        """The whole body, or None if the client disconnects first (the caller then closes
+        the upstream, so the replica sees its own client leave and aborts)."""
+        read = asyncio.ensure_future(resp.aread())
+        try:
+            while not (await asyncio.wait({read}, timeout=0.25))[0]:
+                if await request.is_disconnected():
+                    return None
+            return read.result()
+        finally:
+            read.cancel()
 
     async def _relay(resp: httpx.Response, up: Upstream) -> AsyncIterator[bytes]:
         try:
@@ -278,6 +332,10 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
                         out = state.on_event(ev)
                         if out:
                             yield out
+                        if state.done:
+                            break
+                    if state.done:
+                        break
                 if not state.done:
                     err = "the stream ended without [DONE]"
             except httpx.TransportError as exc:
@@ -301,9 +359,9 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
                     f"the stream failed on {max_failovers + 1} replicas; giving up"))
                 return
             t0, dead, sent = time.monotonic(), up.name, len(state.sent_ids)
-            got = await connect("/v1/completions" if state.prompt_ids is not None else
-                                ("/v1/chat/completions" if state.chat else "/v1/completions"),
-                                state.resume_body(mml), key, headers, {dead}, pool)
+            cont = state.resume_body(mml)
+            got = await connect(state.path("/v1/chat/completions" if state.chat else
+                                           "/v1/completions"), cont, key, headers, {dead}, pool)
             if isinstance(got, Response):
                 yield state.error_tail(f"{dead} failed mid-stream ({err}) and no replica could "
                                        f"continue it: {json.loads(got.body)['error']['message']}")

@@ -11,10 +11,12 @@ the router's own classes (``labkit.router.policies``), passed in by the caller b
 simulator sits below the router in the layering.
 
 With an autoscaler (``labkit.sim.autoscaler``), every ``interval_s`` the fleet reads the metric
-from the ready replicas and starts or drains replicas. A started replica is billed from launch but
-takes traffic only after its cold start (``labkit.sim.presets.cold_start_s``); a drained one
-leaves rotation at once and is billed until its last request finishes. Replica-seconds are
-billed up to the end of the trace (or the last finish, if later) for every fleet alike.
+from the ready replicas (for ``rps``, the router's arrival count, or a ``forecast`` of the
+rate ``lead_s`` ahead at today's level when one is given) and starts or drains replicas. A
+started replica is billed from launch but takes traffic only after its cold start
+(``labkit.sim.presets.cold_start_s``); a drained one leaves rotation at once and is billed
+until its last request finishes. Replica-seconds are billed up to the end of the trace (or the
+last finish, if later) for every fleet alike.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from labkit.engine.llm_engine import LLMEngine
-from labkit.sim.autoscaler import Autoscaler
+from labkit.sim.autoscaler import Autoscaler, SeasonalForecast
 from labkit.sim.coarse import add_coarse_request, coarse_engine
 from labkit.sim.workloads import RequestSpec
 
@@ -125,13 +127,14 @@ class FleetResult:
 class Fleet:
     def __init__(self, policy: Any, num_replicas: int, config: FleetConfig | None = None,
                  autoscaler: Autoscaler | None = None, cold_start_s: float = 0.0,
-                 interval_s: float | None = None) -> None:
+                 interval_s: float | None = None,
+                 forecast: SeasonalForecast | None = None) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
         if cold_start_s < 0:
             raise ValueError(f"cold_start_s must be >= 0, got {cold_start_s}")
         self.policy, self.config, self.autoscaler = policy, config or FleetConfig(), autoscaler
-        self.cold_start_s = cold_start_s
+        self.cold_start_s, self.forecast = cold_start_s, forecast
         self.interval_s = interval_s or (autoscaler.config.interval_s if autoscaler else 1.0)
         self.replicas: list[SimReplica] = []
         self.timeline: list[dict[str, Any]] = []
@@ -170,6 +173,9 @@ class Fleet:
             while self._arrivals and self._arrivals[0] < now - a.config.window_s:
                 self._arrivals.popleft()
             rps = len(self._arrivals) / min(a.config.window_s, max(now, self.interval_s))
+            if self.forecast is not None:  # ahead of the day, at today's level
+                rps = self.forecast.scaled(now, a.config.lead_s, self._arrivals,
+                                           a.config.window_s)
             values = [rps / len(ready)] * len(ready)
         else:
             values = [r.metric(metric) for r in ready]

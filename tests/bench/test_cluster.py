@@ -32,6 +32,9 @@ def test_cluster_bench_fields(tmp_path, monkeypatch):
     assert n == 1 or (below and below[0]["slo_attainment"] < 0.99)  # the smallest that meets
     assert p["replica_hours_saving"] == pytest.approx(
         1 - p["autoscaler_replica_hours"] / p["static_replica_hours"])
+    assert p["reactive_replica_hours"] == day["reactive"]["replica_hours"]
+    assert day["autoscaler_config"]["lead_s"] == pytest.approx(p["cold_start_s"] + 1.0)
+    assert len(day["rate_curve"][0]) == 3 and len(day["reactive_timeline"]) > 0
     rows = [r for r in p["sweep"] if r["replicas"] == 4]
     assert {r["policy"] for r in rows} == set(cluster.SWEEP_POLICIES)
     assert (tmp_path / "cluster.html").exists()
@@ -69,6 +72,9 @@ def test_readme_quotes_the_committed_result():
          p["static_replicas"], round(abs(100 * p["replica_hours_saving"]), 1)])
     assert ("more" in _readme_row("replica-hours: autoscaled vs static")) == \
         (p["replica_hours_saving"] < 0)
+    assert nums("without the forecast (reactive): within the SLO (%), replica-hours") == \
+        pytest.approx([round(100 * p["reactive_slo_attainment"], 2),
+                       round(p["reactive_replica_hours"], 3)])
 
 
 def test_readme_quotes_the_committed_real_replica_result():
@@ -92,3 +98,12 @@ def test_readme_quotes_the_committed_real_replica_result():
     assert ("byte-identical" in _readme_row("real: a replica SIGKILLed under 6 greedy streams")
             ) == p["failover_identical"] is True
     assert p["failover_streams"] == 6 and p["real_replicas"] == 3
+    runs = p["canary"]["runs"]
+    row = "real: canary rolled back after (candidate requests), healthy one rolled back"
+    assert nums(row) == pytest.approx([p["canary_bad_rolled_back_after"], 1,
+                                       runs["slow"]["rolled_back_after"], 50,
+                                       runs["erroring"]["rolled_back_after"]])
+    assert p["canary_bad_rolled_back_after"] == max(runs["slow"]["rolled_back_after"],
+                                                    runs["erroring"]["rolled_back_after"])
+    assert _readme_row(row).split("|")[2].strip().endswith(
+        "yes" if p["canary_good_rolled_back"] else "no")

@@ -125,8 +125,9 @@ def test_cli_router_with_canary_flags(replicas):
             except httpx.TransportError:
                 time.sleep(0.2)
         with httpx.Client(timeout=10) as c:
-            got = {c.post(url + "/v1/completions", json={"prompt": f"p{i}"}
-                          ).headers["x-labkit-replica"] for i in range(6)}
+            rs = [c.post(url + "/v1/completions", json={"prompt": f"p{i}"}) for i in range(6)]
+            assert all(r.status_code == 200 for r in rs), [(r.status_code, r.text) for r in rs]
+            got = {r.headers["x-labkit-replica"] for r in rs}
             assert got == {"canary-0"}
             st = c.get(url + "/canary").json()
             assert st["weight"] == 1 and st["seen"]["candidate"] == 6

@@ -30,9 +30,12 @@ def test_which_requests_can_be_resumed():
     assert not_resumable({"stream": True, "prompt": "x"}, False) is None
     assert not_resumable({"stream": True, "messages": []}, True) is None
     assert "stream" in not_resumable({"prompt": "x"}, False)
-    assert "n > 1" in not_resumable({"stream": True, "prompt": "x", "n": 2}, False)
-    assert "stop" in not_resumable({"stream": True, "prompt": "x", "stop": ["\n"]}, False)
-    assert "several" in not_resumable({"stream": True, "prompt": ["a", "b"]}, False)
+    assert not_resumable({"stream": True, "prompt": "x", "n": 2}, False) is None
+    assert not_resumable({"stream": True, "prompt": "x", "stop": ["\n"]}, False) is None
+    assert not_resumable({"stream": True, "prompt": ["a", "b"]}, False) is None
+    assert "stop" in not_resumable({"stream": True, "prompt": "x", "n": 2, "stop": "a"}, False)
+    assert "several" in not_resumable({"stream": True, "prompt": ["a", "b"], "stop": "a"},
+                                      False)
 
 
 def test_ids_the_router_added_are_stripped_and_id_only_chunks_dropped():
@@ -100,3 +103,65 @@ def test_output_without_prompt_ids_is_not_retried_blindly():
     assert s.cannot_resume() is None  # nothing sent yet: a plain retry is safe
     s.on_event(b'data: {"choices": [{"index": 0, "text": "hi", "finish_reason": null}]}')
     assert "prompt_token_ids" in s.cannot_resume()
+
+
+def test_stop_strings_cut_back_to_text_the_client_has_entirely():
+    """stop "XYZ": the replica holds back 2 characters, so after each event its decoded text is
+    exactly 2 longer than what was shown. The continuation starts at the last token count whose
+    text was all shown; the regenerated ids and characters the client has are dropped."""
+    s = StreamResume({"prompt": "x", "stream": True, "max_tokens": 6, "stop": "XYZ",
+                      "return_token_ids": True}, chat=False)
+    s.on_event(ev(cmpl("", [1], prompt_ids=[9])))  # "ab" decoded, all held
+    s.on_event(ev(cmpl("ab", [2])))  # "abcd": "ab" shown, "cd" held -> 2 tokens = 4 chars
+    s.on_event(ev(cmpl("cd", [3])))  # "abcdef": 3 tokens = 6 chars; shown 4
+    assert s.choices[0].marks == [(0, 0), (2, 4), (3, 6)]
+    body = json.loads(s.resume_body())
+    assert body["prompt"] == [9, 1, 2] and body["max_tokens"] == 4 and body["stop"] == "XYZ"
+    # the survivor regenerates token 3 ("ef"): shows nothing new yet, then "ef" + "g"
+    assert s.on_event(ev(cmpl("", [3], rid="cmpl-2"))) is None  # a regenerated id: dropped
+    out = s.on_event(ev(cmpl("efg", [4], rid="cmpl-2")))
+    sent = json.loads(out[6:])["choices"][0]
+    assert sent["text"] == "efg" and sent["token_ids"] == [4]
+    assert s.choices[0].text == "abcdefg" and s.sent_ids == [1, 2, 3, 4]
+    # had it regenerated different text (sampling), the router says so instead of showing it
+    t = StreamResume({"prompt": "x", "stream": True, "max_tokens": 6, "stop": "XYZ"}, False)
+    t.on_event(ev(cmpl("abc", [1, 2], prompt_ids=[9])))
+    t.resume_body()
+    err = t.on_event(ev(cmpl("abQ", [1, 5], rid="cmpl-2")))
+    assert b"regenerated differently" in err and t.done
+
+
+def test_several_choices_continue_as_one_completion_mapped_back_by_index():
+    s = StreamResume({"prompt": ["p", "q"], "stream": True, "max_tokens": 4, "n": 2}, False)
+    for i, (pid, toks) in enumerate([([7], [1, 2]), ([7], [3]), ([8, 8], [4, 5]),
+                                     ([8, 8], [6])]):
+        c = cmpl("t" * len(toks), toks, prompt_ids=pid)
+        c["choices"][0]["index"] = i
+        s.on_event(ev(c))
+    fin = cmpl("", [], "length")
+    fin["choices"][0]["index"] = 2
+    s.choices[2].ids += [10, 11]  # choice 2 used its 4 tokens and finished
+    s.on_event(ev(fin))
+    body = json.loads(s.resume_body())
+    assert body["prompt"] == [[7, 1, 2], [7, 3], [8, 8, 6]] and "n" not in body
+    assert body["max_tokens"] == 3  # the largest budget left (choices 1 and 3)
+    c = cmpl("u", [20])
+    c["choices"][0]["index"] = 1  # the continuation's choice 1 is the client's choice 1
+    out = json.loads(s.on_event(ev(c))[6:])["choices"][0]
+    assert out["index"] == 1 and out["text"] == "u"
+    c = cmpl("vw", [21, 22])
+    c["choices"][0]["index"] = 0  # client's choice 0 had 2 tokens left: ends with "length"
+    out = json.loads(s.on_event(ev(c))[6:])["choices"][0]
+    assert out["index"] == 0 and out["finish_reason"] == "length"
+    c = cmpl("x", [23])
+    c["choices"][0]["index"] = 0
+    assert s.on_event(ev(c)) is None  # past its budget: the router already ended it
+    c = cmpl("y", [24])
+    c["choices"][0]["index"] = 2  # the client's choice 3
+    assert json.loads(s.on_event(ev(c))[6:])["choices"][0]["index"] == 3
+
+
+def test_a_bad_n_is_left_to_the_replica_to_reject():
+    for n in ("2", None, 0, True, 10**9):
+        s = StreamResume({"prompt": "x", "stream": True, "n": n}, chat=False)
+        assert list(s.choices) == [0]

@@ -28,6 +28,7 @@ class FakeReplica:
         self.prompts = []
         self.release = threading.Event()
         self.disconnected = threading.Event()
+        self.die_whole = False  # a non-streamed answer: headers, half a body, then a crash
         app = FastAPI()
 
         @app.post("/v1/completions")
@@ -36,6 +37,8 @@ class FakeReplica:
             self.prompts.append(body.get("prompt"))
             if self.status != 200:
                 return JSONResponse({"error": {"message": "down"}}, status_code=self.status)
+            if not body.get("stream") and self.die_whole:
+                return StreamingResponse(self._half_body(), media_type="application/json")
             if not body.get("stream"):
                 return {"object": "text_completion", "model": self.name,
                         "choices": [{"index": 0, "text": f"hi from {self.name}"}]}
@@ -48,6 +51,11 @@ class FakeReplica:
             return JSONResponse({}, status_code=self.status)
 
         self.app = app
+
+    async def _half_body(self):
+        yield b'{"object": "text_completion", "choices": [{"index": 0, "te'
+        await asyncio.sleep(0.05)
+        raise RuntimeError("replica crashed while sending a non-streamed answer")
 
     async def _events(self, n, die_after=None):
         try:
@@ -206,3 +214,21 @@ def test_a_stream_cut_without_prompt_ids_ends_with_an_error_event_not_a_replay(f
     assert err["code"] == "upstream_failed" and "prompt_token_ids" in err["message"]
     assert events[3] == "data: [DONE]" and len(events) == 4
     assert b.prompts == []  # not replayed on b
+
+
+def test_a_non_streamed_answer_cut_after_its_headers_is_retried_whole(fakes):
+    """The router reads a non-streamed answer whole before sending a byte, so a replica that
+    dies after its headers costs a retry elsewhere, not a broken response."""
+    (a, ua), (b, ub) = fakes
+    a.die_whole = True
+    with serve(create_app([ua, ub])) as router:  # round-robin: the first request goes to a
+        r = httpx.post(router + "/v1/completions", json={"prompt": "x"}, timeout=10)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "hi from b"
+        assert r.headers["x-labkit-replica"] == "replica-1"
+        fo = httpx.get(router + "/admin/failovers", timeout=10).json()
+        b.status = 503  # now both fail: the client gets an error, not a cut connection
+        r = httpx.post(router + "/v1/completions", json={"prompt": "y"}, timeout=10)
+        assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_failed"
+    assert a.prompts[0] == "x" and b.prompts[0] == "x"
+    assert len(fo) == 1 and fo[0]["whole"] and (fo[0]["from"], fo[0]["to"]) == (
+        "replica-0", "replica-1")

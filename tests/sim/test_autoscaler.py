@@ -1,5 +1,7 @@
 """The autoscaler's rule by hand, and the fleet it drives: cold starts, draining, billing."""
 
+from dataclasses import replace
+
 import pytest
 
 from labkit.router.policies import LeastOutstanding, PrefixAffinity, RoundRobin
@@ -73,3 +75,69 @@ def test_affinity_beats_round_robin_on_hit_rate_and_respects_the_bound():
     assert pa.hit_rate > rr.hit_rate + 0.1
     per = [r["num_requests"] for r in pa.replicas]
     assert sum(per) == len(tr.specs) and min(per) > 0  # the bound spreads the hot tenants
+
+
+def test_seasonal_forecast_learns_the_day_and_not_yesterdays_burst():
+    import numpy as np
+
+    from labkit.sim.autoscaler import SeasonalForecast
+    from labkit.sim.traces import diurnal, thinning
+
+    day, peak = 200.0, 300.0
+    rate = diurnal(day, peak, 0.2)
+    rng = np.random.default_rng(0)
+    base = thinning(rate, peak, day, rng)
+    f = SeasonalForecast(base, day)
+    assert max(abs(f.rate(t) - rate(t)) / rate(t) for t in np.arange(0, day, 4.0)) < 0.05
+    # yesterday had a burst at the peak (+75% for 4 s): the median-smoothed fit barely moves,
+    # a fit of the raw counts (smooth=1) is pulled up around it
+    burst = np.concatenate([base, rng.uniform(130.0, 134.0, 900)])
+    moved = SeasonalForecast(burst, day).rate(132.0) - f.rate(132.0)
+    raw = SeasonalForecast(burst, day, smooth=1).rate(132.0) - \
+        SeasonalForecast(base, day, smooth=1).rate(132.0)
+    assert abs(moved) < 0.01 * peak < 0.04 * peak < raw
+    with pytest.raises(ValueError, match="odd smooth"):
+        SeasonalForecast(base, day, smooth=4)
+    # today 20% busier than yesterday: the forecast 13 s ahead scales with it; a burst in the
+    # last 30 s (+60% for 4 s) adds its arrivals to the level (~8%)
+    today = thinning(lambda t: 1.2 * rate(t), 1.2 * peak, day, rng)
+    assert f.scaled(100.0, 13.0, today, 30.0) / f.rate(113.0) == pytest.approx(1.2, rel=0.03)
+    extra = rng.uniform(95.0, 99.0, int(4 * 0.6 * 1.2 * rate(97.0)))
+    hot = np.concatenate([today, extra])
+    assert f.level(100.0, hot, 30.0) - f.level(100.0, today, 30.0) == pytest.approx(
+        len(extra) / (30 * f.rate(85.0)), rel=0.05)
+    assert f.level(0.5, today, 30.0) == 1.0  # nothing to compare yet
+
+
+class _Step:
+    """A perfect forecast of a load that steps from quiet to ``high`` requests/s at ``at``."""
+
+    def __init__(self, at: float, high: float) -> None:
+        self.at, self.high = at, high
+
+    def rate(self, t: float) -> float:
+        return self.high if t >= self.at else 2.0
+
+    def scaled(self, t: float, lead_s: float, arrivals, window_s: float) -> float:
+        return self.rate(t + lead_s)  # today's level is yesterday's
+
+
+def test_a_forecast_read_one_cold_start_ahead_has_replicas_ready_when_the_load_comes():
+    """The load steps up at t = 6; a replica takes 2 s to start. Read 2.5 s ahead, the
+    forecast launches them at 3.5-4 s and they serve from the step on; the reactive rule sees
+    the step only after it and launches them after it (each run has the same trace)."""
+    quiet = poisson_trace(rate=2, duration=6.0, num_tenants=4, seed=0).specs
+    busy = [replace(s, arrival_time=s.arrival_time + 6.0)
+            for s in poisson_trace(rate=90, duration=1.5, num_tenants=4, seed=1).specs]
+    cfg = AutoscalerConfig(metric="rps", target=30, max_replicas=4, interval_s=0.5,
+                           window_s=1.0, lead_s=2.5, cooldown_s=5.0)
+    ready = {}
+    for name, fc in (("forecast", _Step(6.0, 90.0)), ("reactive", None)):
+        fleet = Fleet(LeastOutstanding(), 1, FleetConfig(token_scale=8), Autoscaler(cfg),
+                      cold_start_s=2.0, forecast=fc)
+        res = fleet.run(quiet + busy, duration=8.0)
+        ready[name] = sorted(r["ready_at"] for r in res.replicas if r["name"] != "replica-0")
+    assert len(ready["forecast"]) >= 2 and all(t <= 6.0 for t in ready["forecast"][:2])
+    assert ready["reactive"] and all(t > 6.0 for t in ready["reactive"])
+    with pytest.raises(ValueError, match="lead_s"):
+        AutoscalerConfig(lead_s=-1)
