@@ -8,6 +8,7 @@ Call ``update()`` in a loop (or ``watch(seconds)``) while a load runs.
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from typing import Any
 
 import httpx
@@ -18,14 +19,15 @@ SERIES = (("labkit:num_requests_running", "running"), ("labkit:num_requests_wait
           ("labkit:kv_cache_usage_perc", "KV usage (0-1)"))
 
 
-class PollingDashboard:
+class PollingDashboard(ABC):
     """What every polling dashboard shares: ``watch`` calls ``update`` in a loop, and the
     notebook displays ``widget``."""
 
     widget: Any
 
+    @abstractmethod
     def update(self) -> Any:
-        raise NotImplementedError
+        """Poll once and redraw; each dashboard says what it polls."""
 
     def watch(self, seconds: float, interval: float = 0.25, until: Any = None) -> None:
         """Poll for ``seconds`` (or until ``until()`` is true)."""
