@@ -67,9 +67,8 @@ class ServerState:
         self.counts = {"accepted": 0, "finished": 0, "aborted": 0, "timed_out": 0,
                        "rejected": 0}
         self._next_id = 0
-        eng = llm.engine
-        self.max_model_len: int = eng.max_model_len
-        self.vocab_size: int | None = eng.vocab_size
+        self.max_model_len: int = llm.max_model_len  # the engine process's handshake, or
+        self.vocab_size: int | None = llm.vocab_size  # the engine itself (thread mode)
 
     def new_request_id(self) -> str:
         self._next_id += 1
@@ -238,7 +237,7 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
 
 def build_app(llm: AsyncLLM, tokenizer: Any, config: ServeConfig | None = None,
               chat_template: Any = None) -> FastAPI:
-    """The FastAPI app; starting it (uvicorn) starts the engine thread, stopping it stops it."""
+    """The FastAPI app; starting it (uvicorn) starts the engine core, stopping it stops it."""
     config = config or ServeConfig()
 
     @contextlib.asynccontextmanager

@@ -1,40 +1,36 @@
-"""AsyncLLM: the engine loop in its own thread, one async output stream per request.
+"""AsyncLLM: the async front over an EngineCore; one async output stream per request.
 
-Why a thread: ``engine.step()`` is a blocking forward pass (milliseconds to seconds). Run on the
-event loop, it would stall every accept, every SSE flush and every ``/health`` probe for that
-long. vLLM moves the loop into a separate process (EngineCore); one thread is enough here (torch
-releases the GIL inside its kernels) and keeps the engine object inspectable from the notebook.
+Why the engine runs off the event loop: ``engine.step()`` is a blocking forward pass
+(milliseconds to seconds). Run on the event loop, it would stall every accept, every SSE flush
+and every ``/health`` probe for that long. The loop itself (:mod:`labkit.serve.engine_core`)
+runs in one of two places, chosen by what is passed in:
 
-The engine is not thread-safe, so only the engine thread touches it. The event loop talks to it
-through a command queue (add, abort, call) that the thread drains *before every step*; outputs go
-back with ``loop.call_soon_threadsafe``, one call per step for all its requests (each call
-writes the loop's self-pipe, a syscall that lets the loop thread take the GIL; one per request
-per step made the engine thread queue for the GIL that many times a step). Hence "cancel =
-abort within one step": an abort queued while a step runs is applied right after that step,
-before the next one is scheduled, and the request's KV blocks are free from then on.
+- **a thread** (``AsyncLLM(engine)``, the default): the engine object stays inspectable from
+  the notebook (``llm.engine``); outputs come back with ``loop.call_soon_threadsafe``, one call
+  per step. The cost is the GIL: the engine thread runs Python (scheduler, model code between
+  kernels) most of a step, so a loop thread woken by a socket or an output waits for the GIL
+  until CPython forces a switch after ``sys.getswitchinterval()`` (5 ms by default), and that
+  wait lands on every TTFT, accept and chunk, while the loop's own Python work lands on the
+  engine's steps. AsyncLLM lowers the interval to ``switch_interval`` (0.5 ms; restored at
+  shutdown) while it runs, which shortens the waits but cannot remove the sharing.
+- **a process** (``AsyncLLM(EngineSpec(...))``, ``labkit serve --engine-process``), as vLLM
+  V1's EngineCore: the engine has its own interpreter and GIL; commands go down one pipe,
+  each step's outputs come up another, read on the event loop with ``loop.add_reader`` (no
+  extra thread here). ``call(fn)`` then needs a picklable ``fn`` (e.g. ``assert_no_leaks``);
+  ``llm.engine`` is None. If the process dies, every open stream fails with EngineDeadError.
 
-The GIL: the engine thread runs Python (scheduler, model code between PyTorch kernels) most of
-a step. A loop thread woken by a socket or an output then waits for the GIL until the engine
-thread blocks or CPython forces a switch after ``sys.getswitchinterval()`` (5 ms by default),
-and that wait lands on every TTFT, every accepted request and every chunk. While it runs,
-AsyncLLM lowers the interval to ``switch_interval`` (0.5 ms; restored at shutdown): the loop's
-work is small and bounded, so handing it the GIL sooner costs the engine little. vLLM avoids
-the question by running the engine in another process.
-
-Only the engine's public API is used: ``add_request``, ``step``, ``abort``,
-``has_unfinished_requests``, ``forget_finished``, ``stats`` (plus ``StepOutput`` /
-``SamplingParams``).
-
-Flat memory: once a request's last output is handed to its stream (finished, aborted or failed),
-the thread calls ``engine.forget_finished`` for it, as vLLM frees a request's state when its
-output is returned. The engine then holds only live requests plus a bounded record of recent
-finished ones (``engine.request_timings()`` still answers "how did request X end" for those),
-so a server that runs for days does not grow with the number of requests it served.
+Either way only the core touches the engine; it drains add / abort / call commands *before
+every step*, so "cancel = abort within one step": an abort queued while a step runs is applied
+right after it, and the request's KV blocks are free before the next step is scheduled. Once a
+request's last output is out (finished, aborted or failed) the core calls
+``engine.forget_finished`` for it, so a server that runs for days does not grow with the
+number of requests it served.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import queue
 import sys
 import threading
@@ -43,15 +39,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from labkit.engine.errors import EngineStepError
 from labkit.engine.outputs import StepOutput
 from labkit.engine.sampling_params import SamplingParams
+from labkit.serve.engine_core import (
+    SWITCH_INTERVAL,
+    EngineCore,
+    EngineCoreProc,
+    EngineDeadError,
+    EngineSpec,
+    run_engine_loop,
+)
 
-SWITCH_INTERVAL = 0.0005  # s; CPython's default is 0.005 (sys.getswitchinterval)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (shut down, or an unrecoverable step error)."""
+__all__ = ["SWITCH_INTERVAL", "AsyncLLM", "EngineDeadError", "EngineSpec", "RequestStream",
+           "StreamItem"]
 
 
 @dataclass
@@ -75,7 +75,6 @@ class RequestStream:
         self.finished = False
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
-        self.finish_reasons: dict[int, str] = {}
 
     def _put(self, item: StreamItem) -> None:  # on the event loop
         if self.first_token_time is None and any(o.new_token_ids for o in item.outputs):
@@ -104,67 +103,116 @@ class RequestStream:
             self.llm.abort(self.request_id)
 
 
-def _deliver(deliveries: list[tuple[RequestStream, StreamItem]]) -> None:
-    """On the event loop: hand one step's items to their streams."""
-    for stream, item in deliveries:
-        stream._put(item)
-
-
 class AsyncLLM:
-    """``await llm.add_request(...)`` returns a RequestStream; the engine steps in a thread.
+    """``await llm.add_request(...)`` returns a RequestStream; the engine steps elsewhere.
 
-    ``on_step(stats, outputs)`` (optional) runs on the engine thread after every step with
+    ``engine``: an LLMEngine (the loop runs in a thread of this process) or an
+    :class:`EngineSpec` (the loop runs in an engine process built from it; started here, so
+    ``max_model_len`` / ``vocab_size`` / ``tokenizer`` are known from its handshake).
+    ``on_step(stats, outputs)`` (optional) runs on the event loop after every step with
     ``engine.stats()``: the metrics exporter reads it without touching the engine."""
 
     def __init__(self, engine: Any, *, idle_wait: float = 0.05,
                  on_step: Callable[[dict, list[StepOutput]], None] | None = None,
                  forget_finished: bool = True,
                  switch_interval: float | None = SWITCH_INTERVAL) -> None:
-        self.engine = engine
-        self.switch_interval = switch_interval
+        self.process = isinstance(engine, EngineSpec)
+        self.switch_interval = None if self.process else switch_interval
         self._saved_interval: float | None = None
         self.forget_finished = forget_finished
         self.idle_wait = idle_wait
         self.on_step = on_step
-        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
+        self._pending: dict[int, tuple[asyncio.Future, RequestStream | None]] = {}
+        self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self.dead: BaseException | None = None
-        self.stats: dict[str, Any] = dict(engine.stats())
-        self.num_pending_adds = 0  # queued to the thread, not yet added (admission control)
+        self.num_pending_adds = 0  # sent to the core, not yet added (admission control)
         self.num_step_errors = 0
+        self.started = False
+        if self.process:
+            self.engine = None
+            self.core_proc: EngineCoreProc | None = EngineCoreProc(engine)
+            hs = self.core_proc.handshake
+            self.max_model_len, self.vocab_size = hs["max_model_len"], hs["vocab_size"]
+            self.tokenizer, self.stats = hs["tokenizer"], hs["stats"]
+            self.engine_threads: int | None = hs["num_threads"]
+        else:
+            self.engine, self.core_proc = engine, None
+            self.max_model_len, self.vocab_size = engine.max_model_len, engine.vocab_size
+            self.tokenizer = getattr(engine, "tokenizer", None)
+            self.stats: dict[str, Any] = dict(engine.stats())
+            self.engine_threads = None
+
+    @property
+    def mode(self) -> str:
+        return "process" if self.process else "thread"
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> AsyncLLM:
-        """Bind to the running event loop and start the engine thread."""
-        if self._thread is None:
-            self._loop = asyncio.get_running_loop()
-            if self.switch_interval and self.switch_interval < sys.getswitchinterval():
-                self._saved_interval = sys.getswitchinterval()
-                sys.setswitchinterval(self.switch_interval)
-            self._thread = threading.Thread(target=self._run, name="labkit-engine", daemon=True)
-            self._thread.start()
+        """Bind to the running event loop and start the engine thread / read the process."""
+        if self.started:
+            return self
+        self._loop = loop = asyncio.get_running_loop()
+        self.started = True
+        if self.process:
+            loop.add_reader(self.core_proc.out_conn.fileno(), self._readable)
+            return self
+        if self.switch_interval and self.switch_interval < sys.getswitchinterval():
+            self._saved_interval = sys.getswitchinterval()
+            sys.setswitchinterval(self.switch_interval)
+        self._thread = threading.Thread(target=self._thread_main, name="labkit-engine",
+                                        daemon=True)
+        self._thread.start()
         return self
 
+    def _thread_main(self) -> None:
+        core = EngineCore(self.engine, self._post, forget_finished=self.forget_finished)
+        try:
+            run_engine_loop(core, self._cmds, self.idle_wait)
+        except BaseException as e:  # noqa: BLE001 - a bug in the loop: fail streams, not hang
+            self._loop.call_soon_threadsafe(self._on_dead, EngineDeadError(
+                f"engine loop crashed: {type(e).__name__}: {e}"))
+            raise
+
     async def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort whatever is left, stop the thread and wait for it (bounded)."""
-        if self._thread is None:
+        """Abort whatever is left, stop the core and wait for it (bounded; a process that
+        does not exit in time is terminated, then killed)."""
+        if not self.started:
+            if self.core_proc is not None:
+                self.core_proc.stop(timeout)
             return
+        self.started = False
         for rid in list(self._streams):
             self.abort(rid)
-        self._stop.set()
-        self._cmds.put(("wake",))
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
-        self._thread = None
+        self._send(("stop",))
+        loop = asyncio.get_running_loop()
+        if self.core_proc is not None:  # keep reading while it winds down (no full pipe)
+            await loop.run_in_executor(None, self.core_proc.proc.join, timeout)
+            if not self.core_proc.out_conn.closed:
+                loop.remove_reader(self.core_proc.out_conn.fileno())
+                try:
+                    self._drain_pipe()
+                except (EOFError, OSError):
+                    pass
+            self.core_proc.stop(0)
+            self._on_dead(EngineDeadError("engine loop shut down"))
+        else:
+            await loop.run_in_executor(None, self._thread.join, timeout)
+            self._thread = None
         if self._saved_interval is not None:
             sys.setswitchinterval(self._saved_interval)
             self._saved_interval = None
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.dead is None
+        if not self.started or self.dead is not None:
+            return False
+        if self.core_proc is not None:
+            return self.core_proc.alive()
+        return self._thread is not None and self._thread.is_alive()
 
     @property
     def num_in_flight(self) -> int:
@@ -178,153 +226,106 @@ class AsyncLLM:
         if not self.is_running:
             raise EngineDeadError(f"engine loop is not running ({self.dead!r})")
         stream = RequestStream(self, request_id, params.n)
-        fut = asyncio.get_running_loop().create_future()
+        fut, cid = self._future(stream)
         self.num_pending_adds += 1
-        self._cmds.put(("add", request_id, prompt, params, priority, cache_salt, stream, fut))
         try:
+            self._send(("add", cid, request_id, prompt, params, priority, cache_salt))
             await fut
         finally:
             self.num_pending_adds -= 1
         return stream
 
     def abort(self, request_id: str) -> None:
-        """Abort from the event loop (thread-safe, idempotent, never blocks)."""
-        self._cmds.put(("abort", request_id))
+        """Abort from the event loop (idempotent, never waits for the engine)."""
+        self._send(("abort", request_id))
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
-        """Run ``fn(engine)`` on the engine thread between two steps and return its result
-        (for invariant checks: ``await llm.call(assert_no_leaks)``)."""
-        fut = asyncio.get_running_loop().create_future()
-        self._cmds.put(("call", fn, fut))
+        """Run ``fn(engine)`` in the core between two steps and return its result (for
+        invariant checks: ``await llm.call(assert_no_leaks)``; picklable in process mode)."""
+        if self.dead is not None:
+            raise EngineDeadError(f"engine loop is not running ({self.dead!r})")
+        fut, cid = self._future(None)
+        self._send(("call", cid, fn))
         return await fut
 
-    def _post(self, fn: Callable, *args: Any) -> None:
+    def _future(self, stream: RequestStream | None) -> tuple[asyncio.Future, int]:
+        cid = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[cid] = (fut, stream)
+        return fut, cid
+
+    def _send(self, cmd: tuple) -> None:
+        if self.core_proc is None:
+            self._cmds.put(cmd)
+            return
+        try:
+            self.core_proc.send(cmd)
+        except (OSError, ValueError) as e:  # the process is gone (or its pipe closed)
+            if cmd[0] in ("add", "call"):
+                self._on_dead(EngineDeadError(f"engine process is gone ({e})"))
+
+    # ---- messages from the core (always handled on the event loop) -------------------------
+    def _post(self, msg: tuple) -> None:
+        """Thread mode: the core's emit; hop onto the event loop (one wake-up per message)."""
         loop = self._loop
         if loop is not None and not loop.is_closed():
             try:
-                loop.call_soon_threadsafe(fn, *args)
+                loop.call_soon_threadsafe(self._on_message, msg)
             except RuntimeError:  # the loop closed meanwhile
                 pass
 
-    def _resolve(self, fut: asyncio.Future, result: Any = None,
-                 exc: BaseException | None = None) -> None:
-        def done() -> None:
-            if fut.done():
-                return
-            if exc is not None:
-                fut.set_exception(exc)
-            else:
-                fut.set_result(result)
-        self._post(done)
-
-    # ---- the engine thread ----------------------------------------------------------------
-    def _run(self) -> None:
-        eng = self.engine
-        while not self._stop.is_set():
-            try:  # idle: sleep until a command comes; busy: only take what is already queued
-                cmd = self._cmds.get_nowait() if eng.has_unfinished_requests() else \
-                    self._cmds.get(timeout=self.idle_wait)
-            except queue.Empty:
-                cmd = None
-            while cmd is not None:
-                self._apply(cmd)
-                try:
-                    cmd = self._cmds.get_nowait()
-                except queue.Empty:
-                    cmd = None
-            if self._stop.is_set() or not eng.has_unfinished_requests():
-                continue
-            self._step()
-        self._fail_all(EngineDeadError("engine loop shut down"))
-
-    def _apply(self, cmd: tuple) -> None:
-        eng, kind = self.engine, cmd[0]
-        if kind == "add":
-            _, rid, prompt, params, priority, salt, stream, fut = cmd
-            try:
-                if isinstance(prompt, list):
-                    eng.add_request(rid, None, params, priority=priority, cache_salt=salt,
-                                    prompt_token_ids=prompt)
-                else:
-                    eng.add_request(rid, prompt, params, priority=priority, cache_salt=salt)
-            except Exception as e:  # noqa: BLE001 - the caller gets it as its answer
-                self._resolve(fut, exc=e)
-                return
-            self._streams[rid] = stream
-            self._resolve(fut, stream)
-        elif kind == "abort":
-            rid = cmd[1]
-            stream = self._streams.pop(rid, None)
-            if eng.abort(rid) and stream is not None:
-                outs = [StepOutput(rid, "", i, [], "", True, "abort") for i in range(stream.n)
-                        if i not in stream.finish_reasons]
-                self._post(stream._put, StreamItem(outs, finished=True))
-            self._forget([rid])
-            self.stats = dict(eng.stats())
-        elif kind == "call":
-            _, fn, fut = cmd
-            try:
-                self._resolve(fut, fn(eng))
-            except BaseException as e:  # noqa: BLE001 - handed to the awaiting caller
-                self._resolve(fut, exc=e)
-
-    def _step(self) -> None:
-        eng = self.engine
-        t0 = time.monotonic()
+    def _readable(self) -> None:
+        """Process mode: the output pipe has data (or EOF: the process died)."""
         try:
-            outputs = eng.step()
-        except EngineStepError as e:  # those requests were aborted and freed; others go on
-            self.num_step_errors += 1
-            for rid in e.request_ids:
-                stream = self._streams.pop(rid, None)
-                if stream is not None:
-                    self._post(stream._put, StreamItem(error=e))
-            self._forget(e.request_ids)
-            outputs = []
-        except Exception as e:  # noqa: BLE001 - the engine cannot go on: fail everything
-            self.dead = e
-            self._stop.set()
-            for rid in list(self._streams):
-                eng.abort(rid)
-            return
-        by_req: dict[str, list[StepOutput]] = {}
-        for o in outputs:
-            by_req.setdefault(o.request_id, []).append(o)
-        done_ids, deliveries = [], []
-        for rid, outs in by_req.items():
-            stream = self._streams.get(rid)
-            if stream is None:
-                continue
-            for o in outs:
-                if o.finished:
-                    stream.finish_reasons[o.index] = o.finish_reason or "stop"
-            done = len(stream.finish_reasons) >= stream.n
-            if done:
-                del self._streams[rid]
-                done_ids.append(rid)
-            deliveries.append((stream, StreamItem(outs, finished=done, step_start=t0)))
-        if deliveries:  # one wake-up of the event loop per step, not one per request
-            self._post(_deliver, deliveries)
-        self._forget(done_ids)
-        self.stats = dict(eng.stats())
-        if self.on_step is not None:
-            self.on_step(self.stats, outputs)
+            self._drain_pipe()
+        except (EOFError, OSError):
+            self._loop.remove_reader(self.core_proc.out_conn.fileno())
+            self.core_proc.proc.join(1)
+            code = self.core_proc.proc.exitcode
+            self._on_dead(EngineDeadError(f"engine process died (exit code {code})"))
 
-    def _forget(self, request_ids: list[str]) -> None:
-        """Their last output is on its way to the stream: the engine may drop them."""
-        if self.forget_finished and request_ids:
-            self.engine.forget_finished(list(request_ids))
+    def _drain_pipe(self) -> None:
+        conn = self.core_proc.out_conn
+        while not conn.closed and conn.poll():
+            self._on_message(conn.recv())
 
-    def _fail_all(self, exc: BaseException) -> None:
-        for rid, stream in list(self._streams.items()):
-            self.engine.abort(rid)
-            self._post(stream._put, StreamItem(error=exc))
+    def _on_message(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "step":
+            _, t0, items, stats, outputs = msg
+            self.num_step_errors += any(it[3] is not None for it in items)
+            for rid, outs, finished, error in items:
+                stream = self._streams.get(rid)
+                if stream is None:
+                    continue
+                if finished or error is not None:
+                    del self._streams[rid]
+                stream._put(StreamItem(outs, finished, error, t0))
+            self.stats = stats
+            if self.on_step is not None:
+                self.on_step(stats, outputs)
+        elif kind == "reply":
+            _, cid, error, result = msg
+            fut, stream = self._pending.pop(cid, (None, None))
+            if fut is None or fut.done():
+                return
+            if error is not None:
+                fut.set_exception(error)
+                return
+            if stream is not None:
+                self._streams[stream.request_id] = stream
+            fut.set_result(result)
+        elif kind == "dead":
+            self._on_dead(msg[1])
+
+    def _on_dead(self, exc: BaseException) -> None:
+        """Fail every open stream and every awaited add / call: nothing waits forever."""
+        if self.dead is None:
+            self.dead = exc
+        for stream in self._streams.values():
+            stream._put(StreamItem(error=exc))
         self._streams.clear()
-        while True:  # answer adds / calls that will never run
-            try:
-                cmd = self._cmds.get_nowait()
-            except queue.Empty:
-                break
-            if cmd[0] in ("add", "call"):
-                self._resolve(cmd[-1], exc=exc)
-        self.stats = dict(self.engine.stats())
+        for fut, _ in self._pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        self._pending.clear()

@@ -2,8 +2,8 @@
 
 Graceful shutdown (SIGTERM / Ctrl-C): stop admitting (new requests and ``/health`` get 503, so a
 load balancer takes the replica out), let the requests in flight finish for up to
-``--drain-timeout`` seconds, then stop uvicorn and the engine thread; whatever is still running
-then is aborted and freed. A second signal skips the drain.
+``--drain-timeout`` seconds, then stop uvicorn and the engine core (thread or process); whatever
+is still running then is aborted and freed. A second signal skips the drain.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import uvicorn
 
 from labkit.serve.api_server import ServeConfig, build_app
 from labkit.serve.async_llm import AsyncLLM
+from labkit.serve.engine_core import EngineSpec, build_engine, chat_template_for
 from labkit.serve.limits import parse_api_keys
 
 ENGINE_FLAGS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "policy",
@@ -60,39 +61,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_engine(model: str, *, tokenizer: Any = None, dtype: str | None = None,
-                 device: str | None = None, **engine_kw: Any) -> tuple[Any, Any, Any]:
-    """(engine, tokenizer, chat template) for a shipped model name, a local folder or a
-    ``.gguf`` file (memory-mapped; its chat template is the ChatML default)."""
-    import torch
-
-    from labkit.engine.llm_engine import LLMEngine
-    from labkit.model.loader import load_pretrained, open_checkpoint, resolve_model_path
-    from labkit.serve.chat import load_chat_template
-
-    kw = {k: v for k, v in engine_kw.items() if v is not None}
-    if kw.get("tensor_parallel_size", 1) > 1:  # the worker processes read their own slices
-        m, tok = open_checkpoint(model, getattr(torch, dtype) if dtype else None, device)
-    else:
-        m, tok = load_pretrained(model, dtype=dtype, device=device)
-        m.eval()
-    eng = LLMEngine.from_model(m, tokenizer or tok, name=str(model), **kw)
-    gguf = str(model).endswith(".gguf")  # a single file: no tokenizer_config.json beside it
-    render, _ = load_chat_template(None if gguf else resolve_model_path(model))
-    return eng, tokenizer or tok, render
-
-
 class ServerThread:
     """A server on 127.0.0.1 in a background thread (tests, benchmarks, notebooks)::
 
         with ServerThread(engine, tokenizer, ServeConfig(model_name="m")) as srv:
             httpx.get(srv.url + "/health")
 
-    Leaving the block drains (bounded) and stops it; the thread is joined."""
+    ``engine``: an LLMEngine (its loop runs in a thread here; ``srv.llm.engine`` is it) or an
+    :class:`EngineSpec` (an engine process is started now; ``tokenizer=None`` then takes the
+    process's). Leaving the block drains (bounded) and stops it; the thread is joined and the
+    engine process, if any, stopped."""
 
     def __init__(self, engine: Any, tokenizer: Any, config: ServeConfig | None = None,
                  port: int | None = None, chat_template: Any = None) -> None:
         self.llm = AsyncLLM(engine)
+        if self.llm.process and tokenizer is None:
+            tokenizer = self.llm.tokenizer
         self.app = build_app(self.llm, tokenizer, config, chat_template)
         self.state = self.app.state.serve
         self.port = port or free_port()
@@ -116,7 +100,8 @@ class ServerThread:
         return self
 
     def call(self, fn: Any, timeout: float = 30.0) -> Any:
-        """Run ``fn(engine)`` on the engine thread between steps (e.g. assert_no_leaks)."""
+        """Run ``fn(engine)`` in the engine core between steps (e.g. assert_no_leaks; a
+        picklable ``fn`` for an engine process)."""
         fut = asyncio.run_coroutine_threadsafe(self.llm.call(fn), self.llm._loop)
         return fut.result(timeout)
 
@@ -130,6 +115,8 @@ class ServerThread:
         if self.thread.is_alive():
             self.server.should_exit = True
             self.thread.join(timeout)
+        if self.llm.core_proc is not None:  # never started, or the lifespan did not end it
+            self.llm.core_proc.stop(5)
 
     def __enter__(self) -> ServerThread:
         return self.start()
@@ -157,6 +144,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=None, metavar="N",
                    help="split the model over N worker processes (labkit.parallel)")
+    p.add_argument("--engine-process", action="store_true", help="run the engine loop in "
+                   "its own process (vLLM's EngineCore: no GIL shared with the HTTP loop) "
+                   "instead of a thread of the server")
+    p.add_argument("--engine-threads", type=int, default=None, metavar="N",
+                   help="torch intra-op threads of the engine (default: torch's, which "
+                   "follows OMP_NUM_THREADS)")
 
 
 def parse_tenant_weights(spec: str) -> dict[str, float]:
@@ -209,6 +202,8 @@ def _positive(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--{name.replace('_', '-')} must be > 0, got {v}")
     if not 0 < args.port < 65536:
         p.error(f"--port must be in 1..65535, got {args.port}")
+    if args.engine_threads is not None and args.engine_threads < 1:
+        p.error(f"--engine-threads must be >= 1, got {args.engine_threads}")
     if args.tenant_weights and args.policy not in (None, "fair"):
         p.error(f"--tenant-weights needs --policy fair (got --policy {args.policy})")
     args.policy = args.policy or ("fair" if args.tenant_weights else "fcfs")
@@ -226,18 +221,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         if unknown:  # a typo would silently weigh nobody
             raise ValueError(f"--tenant-weights names {unknown}, which no --api-key KEY:TENANT "
                              f"defines (tenants: {sorted(set(keys.values())) or 'none'})")
-        eng, tok, render = build_engine(args.model, dtype=args.dtype, device=args.device,
-                                        **{k: getattr(args, k) for k in ENGINE_FLAGS})
+        llm, tok, render = _engine_core(args)
     except (CheckpointError, ValueError) as e:
         p.error(str(e))
-    eng.record_trace = False  # a server runs for days: the trace would grow without bound
     cfg = ServeConfig(args.served_model_name or str(args.model), args.max_waiting,
                       args.queue_timeout, args.request_timeout, keys, args.rate_limit_rps,
                       args.rate_limit_tps, args.max_body_bytes, drain_timeout=args.drain_timeout)
-    app = build_app(AsyncLLM(eng), tok, cfg, render)
+    app = build_app(llm, tok, cfg, render)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level="info", timeout_graceful_shutdown=5), app)
     print(f"labkit serve: {cfg.model_name} on http://{args.host}:{args.port}  "
-          f"(blocks={eng.stats()['num_blocks']}, policy={args.policy})", flush=True)
-    server.run()
+          f"(blocks={llm.stats['num_blocks']}, policy={args.policy}, engine in a "
+          f"{llm.mode})", flush=True)
+    try:
+        server.run()
+    finally:  # the lifespan stops it; this covers a uvicorn that failed to start
+        if llm.core_proc is not None:
+            llm.core_proc.stop(5)
     return 0
+
+
+def _engine_core(args: argparse.Namespace) -> tuple[AsyncLLM, Any, Any]:
+    """(AsyncLLM, tokenizer, chat template): an engine process built from a spec, or an
+    engine built here whose loop will run in a thread."""
+    kw = {k: getattr(args, k) for k in ENGINE_FLAGS}
+    if args.engine_process:
+        llm = AsyncLLM(EngineSpec(args.model, args.dtype, args.device, kw,
+                                  args.engine_threads))
+        return llm, llm.tokenizer, chat_template_for(args.model)
+    if args.engine_threads:
+        import torch
+
+        torch.set_num_threads(args.engine_threads)
+    eng, tok, render = build_engine(args.model, dtype=args.dtype, device=args.device, **kw)
+    eng.record_trace = False  # a server runs for days: the trace would grow without bound
+    return AsyncLLM(eng), tok, render
