@@ -1,0 +1,107 @@
+"""The engine in its own process (``EngineSpec``; vLLM's EngineCore): same answers through
+HTTP as in-process ``LLM.generate``, disconnects free blocks, bad input is still a 400, and a
+dead engine process fails the open streams and /health instead of hanging the server.
+
+Each server here spawns an engine process (a fresh interpreter that imports torch: seconds),
+so the module starts two and keeps every check on them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from operator import methodcaller
+
+import httpx
+import pytest
+from serve_helpers import NAME, idle
+
+from labkit.engine.errors import InvalidPromptError
+from labkit.engine.llm import LLM
+from labkit.engine.sampling_params import SamplingParams
+from labkit.serve.api_server import ServeConfig
+from labkit.serve.async_llm import EngineSpec
+from labkit.serve.launcher import ServerThread
+
+PROMPTS = ["def fib(n):", "import os\n", "class Stack:\n    def push(self, x):"]
+SPEC = EngineSpec(NAME, "float32", engine_kw={"num_blocks": 128, "max_num_seqs": 16},
+                  num_threads=1)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerThread(SPEC, None, ServeConfig(model_name=NAME)) as srv:
+        yield srv
+    assert not srv.llm.core_proc.proc.is_alive()  # shutdown stops and reaps the engine process
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] == "Z"  # a zombie is dead (not reaped by us: fine)
+    except FileNotFoundError:
+        return True
+
+
+def test_greedy_http_equals_in_process_generate(server, labkit_tiny):
+    assert server.llm.mode == "process" and server.llm.engine is None
+    want = LLM(labkit_tiny, num_blocks=128).generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=20))
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": NAME, "prompt": PROMPTS, "max_tokens": 20, "temperature": 0,
+        "return_token_ids": True}).json()
+    for c, w in zip(r["choices"], want):
+        assert c["token_ids"] == w.outputs[0].token_ids
+        assert c["text"] == w.outputs[0].text
+    idle(server)
+
+
+def test_bad_prompt_is_400_and_server_goes_on(server):
+    r = httpx.post(server.url + "/v1/completions", timeout=30, json={
+        "model": NAME, "prompt": "x" * 20000, "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    # the engine's own ValueError (what the server answers 400 for) crosses the pipe intact
+    llm = server.llm
+    bad = llm.add_request("bad", [1, 10**6], SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidPromptError, match="token ids"):
+        asyncio.run_coroutine_threadsafe(bad, llm._loop).result(30)
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
+    before = server.state.counts["aborted"]
+    body = {"model": NAME, "prompt": "def main():", "max_tokens": 900, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as resp:
+        first = next(resp.iter_lines())
+        assert first.startswith("data: "), first
+        assert server.call(methodcaller("stats"))["num_used_blocks"] > 0, (first, server.llm.stats)
+    assert idle(server)["num_used_blocks"] == 0  # assert_no_leaks ran in the engine process
+    deadline = time.monotonic() + 5
+    while server.state.counts["aborted"] == before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.state.counts["aborted"] == before + 1
+
+
+def test_killed_engine_process_fails_streams_and_health():
+    srv = ServerThread(SPEC, None, ServeConfig(model_name=NAME)).start()
+    pid = srv.llm.core_proc.proc.pid
+    try:
+        body = {"model": NAME, "prompt": "def main():", "max_tokens": 900, "stream": True,
+                "ignore_eos": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: ")
+            os.kill(pid, signal.SIGKILL)
+            rest = [ln for ln in lines if ln]  # ends (no hang): an error event, then [DONE]
+        assert any('"error"' in ln and "engine" in ln for ln in rest), rest[-3:]
+        assert httpx.get(srv.url + "/health").status_code == 503
+        r = httpx.post(srv.url + "/v1/completions", timeout=30, json={
+            "model": NAME, "prompt": "x", "max_tokens": 2})
+        assert r.status_code >= 500
+    finally:
+        srv.stop()
+    assert _gone(pid) and not srv.thread.is_alive()
