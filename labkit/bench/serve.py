@@ -9,6 +9,14 @@ process it starts and stops itself. In one run:
    names, beside ``in_process_output_throughput``: the same requests through ``LLM.generate``
    in this process. ``http_over_in_process`` is what HTTP, JSON and SSE cost;
 3. **concurrency 1**: client TTFT p50 beside the engine's own TTFT for the same prompts;
+
+   2 and 3 run against one own server per ``--engine-modes`` x ``--engine-threads`` variant
+   (the engine loop in a thread of the server or in its own process, vLLM's EngineCore; 1 or 2
+   torch threads), one after the other. The headline fields (``engine_mode``,
+   ``engine_threads``, ``http_over_in_process``, ``c1_ttft_overhead_ms``) are the first
+   variant's; ``engine_modes[mode][threads]`` has every variant's. The in-process baseline runs
+   with each thread count too and keeps its best (``in_process_threads``): no variant is
+   compared with a handicapped baseline;
 4. **the knee beside the simulator** (with the in-process run): the same sweep through
    ``labkit.sim``'s engine on a step time fitted to this run's engine (:mod:`serve_knee`);
    ``knee`` = measured and simulated capacity, their ratio, and the fit;
@@ -44,6 +52,17 @@ FULL = {"num_requests": 96, "max_tokens": 64, "rates": (2.0, 4.0, 8.0, 16.0, mat
         "concurrency": 16, "conc_requests": 192, "c1_requests": 16, "light_n": 40,
         "heavy_mult": 10, "overload": 2.0, "fair_max_num_seqs": 4, "fair_max_tokens": 24}
 SERVER_ARGS = ["--max-num-seqs", "16", "--num-blocks", "512", "--dtype", "float32"]
+ENGINE_MODES = "thread,process"  # the first is the headline: labkit serve's default mode
+ENGINE_THREADS = "1,2"
+
+
+def engine_args(mode: str, threads: int) -> list[str]:
+    """``labkit serve`` flags for an engine loop in a ``mode`` (thread | process) with
+    ``threads`` torch threads."""
+    if mode not in ("thread", "process"):
+        raise ValueError(f"--engine-modes: {mode!r} is not thread or process")
+    return ["--engine-threads", str(threads), *(["--engine-process"] if mode == "process"
+                                                 else [])]
 
 
 def make_requests(n: int, max_tokens: int, dataset: str = "code_prompts", api_key: str | None
@@ -58,13 +77,15 @@ def _load(url: str, model: str, reqs: list[BenchRequest], bar: Any, **kw: Any) -
                                 **kw))
 
 
-def in_process(model_path: str, reqs: list[BenchRequest], max_num_seqs: int) -> dict[str, Any]:
-    """The same requests through ``LLM.generate`` (throughput) and one at a time (TTFT)."""
+def in_process(model_path: str, reqs: list[BenchRequest], max_num_seqs: int,
+               threads: int = 1) -> dict[str, Any]:
+    """The same requests through ``LLM.generate`` (throughput) and one at a time (TTFT), with
+    ``threads`` torch threads (run() tries each setting the servers get and keeps the best)."""
     import torch
 
     from labkit import LLM, SamplingParams
 
-    torch.set_num_threads(1)  # as the server process (OMP_NUM_THREADS=1): same compute
+    torch.set_num_threads(threads)
     llm = LLM(model=model_path, max_num_seqs=max_num_seqs, num_blocks=512, dtype="float32")
     params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True)
               for r in reqs]
@@ -103,7 +124,8 @@ async def _two_tenants(url: str, light: list, heavy: list, rate: float, k: float
                  extra={"ignore_eos": True}))
 
 
-def fairness(model_path: str, cfg: dict[str, Any], bar: Any) -> dict[str, Any]:
+def fairness(model_path: str, cfg: dict[str, Any], bar: Any,
+             engine_args: tuple[str, ...] = ()) -> dict[str, Any]:
     """Light tenant p99 TTFT alone and beside a 10x heavy tenant, under fcfs and fair.
 
     The rates are calibrated, not fixed: a fixed heavy rate overloads a slow machine and
@@ -124,7 +146,7 @@ def fairness(model_path: str, cfg: dict[str, Any], bar: Any) -> dict[str, Any]:
     for policy in ("fcfs", "fair"):
         args = ["--policy", policy, "--max-num-seqs", str(cfg["fair_max_num_seqs"]),
                 "--num-blocks", "512", "--dtype", "float32", "--api-key", "k-light:light",
-                "--api-key", "k-heavy:heavy"]
+                "--api-key", "k-heavy:heavy", *engine_args]
         with ServerProcess(model_path, args) as srv:
             _load(srv.url, "labkit-tiny", [light[0], heavy[0]], None)  # warm-up, both tenants
             if not rate:  # requests/s this server finishes when it is never idle
@@ -216,6 +238,23 @@ def write_chart(payload: dict[str, Any], path: Path) -> None:
     print(f"wrote {path}")
 
 
+def _http_pass(url: str, model: str, conc_reqs: list, c1_reqs: list, cfg: dict[str, Any],
+               slo: dict, bar: Any) -> tuple[dict, dict, list[str]]:
+    """Fixed concurrency 16 (throughput), then concurrency 1 (TTFT), against one server."""
+    res, dur = _load(url, model, conc_reqs, bar, max_concurrency=cfg["concurrency"])
+    res1, dur1 = _load(url, model, c1_reqs, bar, max_concurrency=1)
+    return summarize(res, dur, slo), summarize(res1, dur1, slo), [r.text for r in res]
+
+
+def _variant_row(conc: dict, c1: dict, texts: list[str], ip: dict[str, Any]) -> dict[str, Any]:
+    return {"output_throughput": conc["output_throughput"],
+            "http_over_in_process": conc["output_throughput"] / ip["output_throughput"],
+            "median_tpot_ms": conc["median_tpot_ms"], "p99_itl_ms": conc["p99_itl_ms"],
+            "c1_median_ttft_ms": c1["median_ttft_ms"],
+            "c1_ttft_overhead_ms": c1["median_ttft_ms"] - ip["median_ttft_ms"],
+            "greedy_text_matches": sum(a == b for a, b in zip(texts, ip["texts"]))}
+
+
 def run(args: Any) -> dict[str, Any]:
     from labkit.serve.process import ServerProcess
 
@@ -230,39 +269,61 @@ def run(args: Any) -> dict[str, Any]:
                               cfg["max_tokens"], args.dataset)
     reqs = conc_reqs[:cfg["num_requests"]]
     own = args.base_url is None
-    total = (cfg["num_requests"] * len(cfg["rates"]) + len(conc_reqs) + cfg["c1_requests"]
+    modes = args.engine_modes.split(",")
+    threads = [int(t) for t in args.engine_threads.split(",")]
+    # own servers: every (mode, threads) variant, the first one is the headline and also runs
+    # the sweep (and the noisy neighbour); --base-url: that server, once
+    variants = [(m, t) for m in modes for t in threads] if own else [(None, None)]
+    if own:
+        for m, t in variants:
+            engine_args(m, t)  # a bad mode fails before anything starts
+    per_pass = len(conc_reqs) + cfg["c1_requests"]
+    total = (cfg["num_requests"] * len(cfg["rates"]) + per_pass * len(variants)
              + (8 * cfg["fair_max_num_seqs"] + 2 * cfg["light_n"] * (2 + cfg["heavy_mult"])
                 if own and args.fairness else 0))
     bar = tqdm(total=total, desc="bench serve", unit="req")
     slo = {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms}
-    srv = ServerProcess(args.model_path, SERVER_ARGS).start() if own else None
-    url = args.base_url or srv.url
-    try:
-        _load(url, args.model, reqs[:2], None)  # warm-up
-        sweep = []
-        for rate in cfg["rates"]:
-            res, dur = _load(url, args.model, reqs, bar, rate=rate,
-                             burstiness=args.burstiness, seed=args.seed)
-            sweep.append({"request_rate": rate, **summarize(res, dur, slo)})
-        res, dur = _load(url, args.model, conc_reqs, bar, max_concurrency=cfg["concurrency"])
-        conc = summarize(res, dur, slo)
-        http_texts = [r.text for r in res]
-        res1, dur1 = _load(url, args.model, reqs[:cfg["c1_requests"]], bar, max_concurrency=1)
-        c1 = summarize(res1, dur1, slo)
-    finally:
-        if srv is not None:
-            srv.stop()
+    passes, sweep = {}, []
+    for i, (mode, nt) in enumerate(variants):
+        srv = ServerProcess(args.model_path, SERVER_ARGS + engine_args(mode, nt),
+                            threads=nt).start() \
+            if own else None
+        url = args.base_url or srv.url
+        try:
+            _load(url, args.model, reqs[:2], None)  # warm-up
+            for rate in (cfg["rates"] if i == 0 else ()):
+                res, dur = _load(url, args.model, reqs, bar, rate=rate,
+                                 burstiness=args.burstiness, seed=args.seed)
+                sweep.append({"request_rate": rate, **summarize(res, dur, slo)})
+            passes[(mode, nt)] = _http_pass(url, args.model, conc_reqs,
+                                            reqs[:cfg["c1_requests"]], cfg, slo, bar)
+        finally:
+            if srv is not None:
+                srv.stop()
+    head_mode, head_threads = variants[0]
+    conc, c1, http_texts = passes[variants[0]]
     payload: dict[str, Any] = {"backend": "labkit" if own else "openai-compatible",
                                "base_url": args.base_url, "model": args.model,
+                               "engine_mode": head_mode, "engine_threads": head_threads,
                                "max_concurrency": cfg["concurrency"], **conc,
                                "slo_ms": slo, "concurrency_1": c1, "sweep": sweep}
     if own or args.in_process:
-        ip = in_process(args.model_path, conc_reqs, 16)
+        by_t = {t: in_process(args.model_path, conc_reqs, 16, t) for t in threads}
+        t_tp = max(by_t, key=lambda t: by_t[t]["output_throughput"])  # the baseline's best
+        t_ttft = min(by_t, key=lambda t: by_t[t]["median_ttft_ms"])
+        ip = {**by_t[t_tp], "median_ttft_ms": by_t[t_ttft]["median_ttft_ms"]}
         payload["in_process_output_throughput"] = ip["output_throughput"]
         payload["http_over_in_process"] = conc["output_throughput"] / ip["output_throughput"]
         payload["in_process_median_ttft_ms"] = ip["median_ttft_ms"]
         payload["c1_ttft_overhead_ms"] = c1["median_ttft_ms"] - ip["median_ttft_ms"]
         payload["greedy_text_matches"] = sum(a == b for a, b in zip(http_texts, ip["texts"]))
+        payload["in_process_threads"] = {"throughput": t_tp, "ttft": t_ttft}
+        payload["in_process_by_threads"] = {
+            str(t): {k: r[k] for k in ("output_throughput", "median_ttft_ms")}
+            for t, r in by_t.items()}
+        if own:  # every variant against the same (best) baseline
+            payload["engine_modes"] = {m: {str(t): _variant_row(*passes[(m, t)], ip)
+                                           for t in threads} for m in modes}
         sim = [simulate_rate(ip["step_fit"], ip["prompt_ids"][:len(reqs)],
                              [r.max_tokens for r in reqs],
                              rate, args.burstiness, args.seed, vocab_size=ip["vocab_size"])
@@ -270,7 +331,8 @@ def run(args: Any) -> dict[str, Any]:
         payload["simulated_sweep"] = sim
         payload["knee"] = knee_report(sweep, sim, ip["step_fit"])
     if own and args.fairness:
-        payload["fairness"] = fairness(args.model_path, cfg, bar)
+        payload["fairness"] = fairness(args.model_path, cfg, bar,
+                                       tuple(engine_args(head_mode, head_threads)))
     bar.close()
     payload["config"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()}
     payload["environment"] = environment()
@@ -295,6 +357,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--in-process", action="store_true", help="with --base-url: also run "
                    "--model-path in process")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine-modes", default=ENGINE_MODES, help="own servers: engine loop in "
+                   "a 'thread' of the server and/or its own 'process' (vLLM's EngineCore), "
+                   "measured one after the other in this run; the first is the headline")
+    p.add_argument("--engine-threads", default=ENGINE_THREADS, help="own servers and the "
+                   "in-process baseline: torch threads to try (comma list); the baseline "
+                   "keeps its best, each server setting is reported")
     args = p.parse_args(argv)
     payload = run(args)
     cols = ["request_rate", "completed", "request_throughput", "output_throughput",
@@ -307,6 +375,14 @@ def main(argv: list[str] | None = None) -> int:
               f"(ratio {payload['http_over_in_process']:.2f}); concurrency 1 TTFT p50 "
               f"{payload['concurrency_1']['median_ttft_ms']:.1f} ms vs "
               f"{payload['in_process_median_ttft_ms']:.1f} ms in process")
+    for m, by_t in payload.get("engine_modes", {}).items():
+        for t, r in by_t.items():
+            print(f"  engine in a {m}, {t} torch thread(s): {r['output_throughput']:.1f} tok/s "
+                  f"({r['http_over_in_process']:.2f}x in process), c1 TTFT p50 "
+                  f"{r['c1_median_ttft_ms']:.1f} ms ({r['c1_ttft_overhead_ms']:+.1f} ms)")
+    if "in_process_threads" in payload:
+        print(f"  in process: best throughput with {payload['in_process_threads']['throughput']}"
+              f" thread(s), best TTFT with {payload['in_process_threads']['ttft']}")
     if "knee" in payload:
         k = payload["knee"]
         print(f"knee: measured capacity {k['measured_capacity_req_s']:.2f} req/s, simulator "

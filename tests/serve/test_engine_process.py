@@ -28,7 +28,6 @@ PROMPTS = ["def fib(n):", "import os\n", "class Stack:\n    def push(self, x):"]
 SPEC = EngineSpec(NAME, "float32", engine_kw={"num_blocks": 128, "max_num_seqs": 16},
                   num_threads=1)
 
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +45,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow
 def test_greedy_http_equals_in_process_generate(server, labkit_tiny):
     assert server.llm.mode == "process" and server.llm.engine is None
     want = LLM(labkit_tiny, num_blocks=128).generate(
@@ -59,6 +59,7 @@ def test_greedy_http_equals_in_process_generate(server, labkit_tiny):
     idle(server)
 
 
+@pytest.mark.slow
 def test_bad_prompt_is_400_and_server_goes_on(server):
     r = httpx.post(server.url + "/v1/completions", timeout=30, json={
         "model": NAME, "prompt": "x" * 20000, "max_tokens": 4})
@@ -71,6 +72,7 @@ def test_bad_prompt_is_400_and_server_goes_on(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+@pytest.mark.slow
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
     before = server.state.counts["aborted"]
     body = {"model": NAME, "prompt": "def main():", "max_tokens": 900, "stream": True,
@@ -86,6 +88,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
     assert server.state.counts["aborted"] == before + 1
 
 
+@pytest.mark.slow
 def test_killed_engine_process_fails_streams_and_health():
     srv = ServerThread(SPEC, None, ServeConfig(model_name=NAME)).start()
     pid = srv.llm.core_proc.proc.pid
@@ -105,3 +108,40 @@ def test_killed_engine_process_fails_streams_and_health():
     finally:
         srv.stop()
     assert _gone(pid) and not srv.thread.is_alive()
+
+
+def _children(pid: int) -> set[int]:
+    out: set[int] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out |= {int(c) for c in f.read().split()}
+    return out
+
+
+@pytest.mark.slow
+def test_sigterm_to_labkit_serve_leaves_no_engine_process():
+    """``labkit serve --engine-process`` as a real process: SIGTERM drains, stops the engine
+    process and exits; nothing it started is left running."""
+    from labkit.serve.process import ServerProcess
+
+    srv = ServerProcess(NAME, ["--engine-process", "--num-blocks", "64", "--dtype", "float32"])
+    with srv:
+        kids = _children(srv.pid)
+        r = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+            "model": NAME, "prompt": "def f(x):", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert "engine in a process" in srv.output()
+    assert srv.proc.returncode == 0 and kids
+    deadline = time.monotonic() + 10
+    while not all(_gone(k) for k in kids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(k) for k in kids), kids
+
+
+def test_bench_engine_args_name_the_mode():
+    from labkit.bench.serve import engine_args
+
+    assert engine_args("process", 2) == ["--engine-threads", "2", "--engine-process"]
+    assert engine_args("thread", 1) == ["--engine-threads", "1"]
+    with pytest.raises(ValueError, match="thread or process"):
+        engine_args("gpu", 1)
