@@ -11,7 +11,6 @@ import asyncio
 import os
 import signal
 import time
-from operator import methodcaller
 
 import httpx
 import pytest
@@ -75,12 +74,14 @@ def test_bad_prompt_is_400_and_server_goes_on(server):
 @pytest.mark.slow
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
     before = server.state.counts["aborted"]
-    body = {"model": NAME, "prompt": "def main():", "max_tokens": 900, "stream": True,
+    # the engine process does not share this process's GIL, so under load it can run far
+    # ahead of this thread: the longest request the context allows, and no "blocks are held
+    # now" check (racy); an abort, not a finish, is what the counts below must show
+    body = {"model": NAME, "prompt": "def main():", "max_tokens": 1000, "stream": True,
             "ignore_eos": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as resp:
         first = next(resp.iter_lines())
         assert first.startswith("data: "), first
-        assert server.call(methodcaller("stats"))["num_used_blocks"] > 0, (first, server.llm.stats)
     assert idle(server)["num_used_blocks"] == 0  # assert_no_leaks ran in the engine process
     deadline = time.monotonic() + 5
     while server.state.counts["aborted"] == before and time.monotonic() < deadline:

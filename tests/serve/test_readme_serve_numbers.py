@@ -88,3 +88,16 @@ def test_soak_numbers_match_serve_soak_json():
     assert f"{t['requests_held']['growth_per_1000_requests']:.2f}/1,000" in text
     assert f"+{t['rss_kb']['growth_per_1000_requests'] / 1024:.1f} MiB/1,000" in text
     assert S["memory_flat"] and S["num_5xx"] == 0 and S["requests_held_at_end"] == 0
+
+
+def test_engine_modes_row_matches_serve_json():
+    """Every engine mode x torch-thread variant of the run, and the baseline's thread counts."""
+    n = _numbers("engine in a thread or its own process")
+    want = []
+    for mode in ("thread", "process"):
+        for t, r in sorted(R["engine_modes"][mode].items()):
+            want += [float(t), r["http_over_in_process"], r["c1_ttft_overhead_ms"]]
+    for t, r in sorted(R["in_process_by_threads"].items()):
+        want += [float(t), r["output_throughput"], r["median_ttft_ms"]]
+    assert n == pytest.approx(want, abs=0.06)
+    assert (R["engine_mode"], R["engine_threads"]) == ("thread", 1)
