@@ -59,6 +59,11 @@ def late_stop(text: str, frac: float = 0.6, size: int = 4) -> tuple[str, int]:
     raise AssertionError(f"no late stop string in {text!r}")
 
 
+def cut_at(text: str, stops: list[str]) -> str:
+    """``text`` up to its first stop string, as the engine cuts it."""
+    return text[:min([i for i in (text.find(s) for s in stops) if i >= 0], default=len(text))]
+
+
 def test_prefix_affinity_meets_the_cache_that_round_robin_misses(cluster):
     """5 system prompts x 3 requests each, sent one at a time, round-robin over 2 replicas:
     prompt i's requests are number i, 5+i, 10+i, so round-robin sends them to replicas A, B, A
@@ -157,12 +162,17 @@ def test_replica_killed_mid_stream_every_stream_continues_identically(cluster, r
     rc_msgs = [{"role": "user", "content": "def read_config(path):"}]
     rc = run(tok.encode(chatml(rc_msgs)), n_new)[1]  # "<> A: B-> A: B-> ... A-> A->"
     two = [run(tok.encode(x), n_new)[1] for x in ("def main():", "x = 1\n")]
-    (s1, at1), (s2, at2) = late_stop(fib), late_stop(rc, 0.4)
+    (s1, at1), (s2, at2), (s3, _) = late_stop(fib), late_stop(rc, 0.4), late_stop(q, 0.5)
     more = [("/v1/completions", {"prompt": "def fib(n):", "stop": [s1, "@@@@@@"]},
              {0: fib[:at1]}),
             ("/v1/chat/completions", {"messages": rc_msgs, "stop": s2}, {0: rc[:at2]}),
             ("/v1/completions", {"prompt": "class Queue:", "n": 2}, {0: q, 1: q}),
-            ("/v1/completions", {"prompt": ["def main():", "x = 1\n"]}, {0: two[0], 1: two[1]})]
+            ("/v1/completions", {"prompt": ["def main():", "x = 1\n"]}, {0: two[0], 1: two[1]}),
+            # stop strings with several choices: one common cut-back (failover.py's doc)
+            ("/v1/completions", {"prompt": "def fib(n):", "n": 2, "stop": s1},
+             {0: fib[:at1], 1: fib[:at1]}),
+            ("/v1/completions", {"prompt": ["def fib(n):", "class Queue:"], "stop": [s1, s3]},
+             {0: cut_at(fib, [s1, s3]), 1: cut_at(q, [s1, s3])})]
     whole = [("/v1/completions", {"prompt": "def fib(n):", **common}),
              ("/v1/chat/completions", {"messages": msgs[1:], **common})]
     # every request on replica 0 (replica 1 out of rotation until just before the kill), so
