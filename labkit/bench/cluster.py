@@ -51,9 +51,9 @@ from labkit.sim.traces import bursty_day, poisson_trace
 
 MODEL, GPU, STORAGE = "llama-3-8b", "h100-sxm", "nvme-gen4"
 QUICK = {"sizes": (4, 16, 64), "sweep_rate": 80.0, "sweep_s": 6.0, "sweep_scale": 4,
-         "day_s": 240.0, "peak_rate": 216.0, "day_scale": 16}
+         "day_s": 960.0, "peak_rate": 216.0, "day_scale": 16, "burst_s": 5.0}
 FULL = {"sizes": (4, 8, 16, 32, 64), "sweep_rate": 120.0, "sweep_s": 15.0, "sweep_scale": 4,
-        "day_s": 480.0, "peak_rate": 288.0, "day_scale": 16}
+        "day_s": 1920.0, "peak_rate": 288.0, "day_scale": 16, "burst_s": 5.0}
 SWEEP_POLICIES = ("round-robin", "least-outstanding", "prefix-affinity")
 TTFT_SLO_S = 2.0
 # The day's requests: chat with long answers, so one H100 saturates near ~25 requests/s and
@@ -133,11 +133,11 @@ def smallest_static(tr: Any, guess: int, token_scale: int, slo_s: float,
 
 
 def run_day(day_s: float, peak_rate: float, token_scale: int, seed: int = 0,
-            slo_s: float = TTFT_SLO_S) -> dict[str, Any]:
+            slo_s: float = TTFT_SLO_S, burst_s: float = 5.0) -> dict[str, Any]:
     """The day through the forecast-driven autoscaler and the reactive one, then the smallest
     static fleet that meets the SLO for >= 99% of requests."""
-    tr = bursty_day(day_s, peak_rate, seed=seed, **DAY_REQUESTS)
-    yesterday = bursty_day(day_s, peak_rate, seed=seed + 1)
+    tr = bursty_day(day_s, peak_rate, burst_s=burst_s, seed=seed, **DAY_REQUESTS)
+    yesterday = bursty_day(day_s, peak_rate, burst_s=burst_s, seed=seed + 1)
     forecast = SeasonalForecast([x.arrival_time for x in yesterday.specs], day_s)
     cold = cold_start_s(MODEL, GPU, STORAGE)
     cfg = {**AUTOSCALER, "lead_s": cold + AUTOSCALER["interval_s"]}
@@ -217,7 +217,8 @@ def run(quick: bool = True, seed: int = 0, sizes: dict[str, Any] | None = None,
     sweep = run_sweep(tuple(cfg["sizes"]), cfg["sweep_rate"], cfg["sweep_s"], cfg["sweep_scale"],
                       seed)
     sweep_wall = time.perf_counter() - t0
-    day = run_day(cfg["day_s"], cfg["peak_rate"], cfg["day_scale"], seed)
+    day = run_day(cfg["day_s"], cfg["peak_rate"], cfg["day_scale"], seed,
+                  burst_s=cfg.get("burst_s", 5.0))
     head = max(cfg["sizes"])
     pick = {r["policy"]: r for r in sweep if r["replicas"] == head}
     a, s = day["autoscaled"], day["static_summary"]

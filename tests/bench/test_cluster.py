@@ -7,7 +7,7 @@ import pytest
 from labkit.bench import BENCHMARKS, cluster
 
 TINY = {"sizes": (2, 4), "sweep_rate": 20.0, "sweep_s": 2.0, "sweep_scale": 8,
-        "day_s": 40.0, "peak_rate": 12.0, "day_scale": 16}
+        "day_s": 40.0, "peak_rate": 12.0, "day_scale": 16, "burst_s": 1.0}
 
 
 @pytest.mark.slow
