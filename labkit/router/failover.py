@@ -43,7 +43,10 @@ must equal what it sent) and reports as an error event rather than show inconsis
 
 Sampled requests otherwise continue with a valid sample conditioned on what was sent (a ``seed``
 does not reproduce the uninterrupted run: the RNG restarts). ``not_resumable`` says which
-requests are not resumed: only non-streamed ones, which the router retries whole.
+requests are not resumed: only non-streamed ones, which the router retries whole. One stream
+shape still ends with an error event: several prompts where one prompt's choices had not
+started (queued behind the replica's ``max_num_seqs``) when the replica died. The replica sends
+a prompt's ids with its first chunk, and the router has no tokenizer (``cannot_resume``).
 """
 
 from __future__ import annotations
