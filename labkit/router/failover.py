@@ -43,10 +43,10 @@ must equal what it sent) and reports as an error event rather than show inconsis
 
 Sampled requests otherwise continue with a valid sample conditioned on what was sent (a ``seed``
 does not reproduce the uninterrupted run: the RNG restarts). ``not_resumable`` says which
-requests are not resumed: only non-streamed ones, which the router retries whole. One stream
-shape still ends with an error event: several prompts where one prompt's choices had not
-started (queued behind the replica's ``max_num_seqs``) when the replica died. The replica sends
-a prompt's ids with its first chunk, and the router has no tokenizer (``cannot_resume``).
+requests are not resumed: only non-streamed ones, which the router retries whole. A replica
+sends a prompt's ids with its first chunk; a choice of a several-prompt completion that had not
+started when its replica died (queued behind ``max_num_seqs``) has none, and continues from
+its prompt as the client sent it.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ class StreamResume:
         """The continuation: one completion over prompt + kept tokens per unfinished choice
         (before any prompt's ids arrived, the original request again)."""
         todo = self._open(max_model_len)
-        if not todo or any(c.prompt not in self.prompts for c in todo):
+        if not todo or any(self._prompt(c) is None for c in todo):
             self.order = None
             return self.upstream_body()
         drop = ("messages", "prompt", "max_tokens", "max_completion_tokens", "n")
@@ -193,7 +193,8 @@ class StreamResume:
         for c, (cut_ids, cut_chars) in zip(todo, self._cuts(todo)):
             c.base, c.up_ids, c.up_chars = (cut_ids, cut_chars), 0, 0
             c.skip_ids, c.verify = len(c.ids) - cut_ids, c.text[cut_chars:]
-            prompts.append(self.prompts[c.prompt] + c.ids[:cut_ids])
+            p = self._prompt(c)
+            prompts.append(p + c.ids[:cut_ids] if isinstance(p, list) else p)
             mt = self.max_tokens(max_model_len, c.prompt)
             need.append(None if mt is None else mt - cut_ids)
         b.update(prompt=prompts[0] if len(prompts) == 1 else prompts, return_token_ids=True)
@@ -202,10 +203,21 @@ class StreamResume:
         self.order = [c.index for c in todo]
         return json.dumps(b).encode()
 
+    def _prompt(self, c: _Choice) -> list[int] | str | None:
+        """What choice ``c`` continues from: its prompt's ids, or, for a choice that has not
+        started (queued on the dead replica) of a several-prompt completion, its own prompt
+        as the client sent it (a replica takes a list mixing strings and id lists)."""
+        if c.prompt in self.prompts:
+            return self.prompts[c.prompt]
+        several = self.body.get("prompt")
+        if not c.ids and self.prompts and _num_prompts(self.body, self.chat) > 1:
+            return several[c.prompt]
+        return None
+
     def cannot_resume(self) -> str | None:
         """Why the stream cannot continue elsewhere now (None: it can). Output was sent but the
         replica never said the prompt's ids (not a labkit server?): a retry would repeat it."""
-        if self.forwarded and any(c.prompt not in self.prompts for c in self._open(None)):
+        if self.forwarded and any(self._prompt(c) is None for c in self._open(None)):
             return "the replica sent output but no prompt_token_ids"
         return None
 
@@ -272,6 +284,8 @@ class StreamResume:
         c = self.choices[self.order[i]]
         if c.reason is not None:
             return None  # ended by the router (its budget) while the replica went on
+        if c.prompt not in self.prompts and ch.get("prompt_token_ids") is not None:
+            self.prompts[c.prompt] = list(ch["prompt_token_ids"])  # it started here
         toks, text, reason = list(ch.get("token_ids") or []), _text(ch), ch.get("finish_reason")
         k = min(len(toks), c.skip_ids)
         c.skip_ids -= k

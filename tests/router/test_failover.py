@@ -211,3 +211,26 @@ def test_stop_strings_with_several_choices_cut_back_to_one_common_exact_count():
     body = json.loads(t.resume_body())
     assert body["prompt"] == [[7], [8]] and body["max_tokens"] == 5
     assert t.choices[0].skip_ids == 2 and t.choices[0].verify == "ab"
+
+
+def test_a_choice_still_queued_continues_from_its_prompt_as_sent():
+    """Two prompts; the replica dies before prompt "q" started (queued behind max_num_seqs):
+    the router never got its ids, so that choice continues from the client's own text, and its
+    ids are taken from the continuation's first chunk (usage counts them)."""
+    s = StreamResume({"prompt": ["p", "q"], "stream": True, "max_tokens": 4,
+                      "stream_options": {"include_usage": True}}, chat=False)
+    s.on_event(ev(cmpl("ab", [1, 2], prompt_ids=[7])))
+    assert s.cannot_resume() is None
+    body = json.loads(s.resume_body())
+    assert body["prompt"] == [[7, 1, 2], "q"] and body["max_tokens"] == 4
+    c = cmpl("z", [5], prompt_ids=[8, 8])
+    c["choices"][0]["index"] = 1  # the continuation's choice 1 is the client's choice 1
+    out = json.loads(s.on_event(ev(c))[6:])["choices"][0]
+    assert out["index"] == 1 and out["text"] == "z" and "prompt_token_ids" not in out
+    assert s.prompts == {0: [7], 1: [8, 8]}
+    use = json.loads(s._usage_event()[6:])["usage"]
+    assert use["prompt_tokens"] == 3 and use["completion_tokens"] == 3
+    # one prompt only (nothing to fall back on): output without ids is still not replayed
+    t = StreamResume({"prompt": "p", "stream": True}, chat=False)
+    t.on_event(b'data: {"choices": [{"index": 0, "text": "hi", "finish_reason": null}]}')
+    assert "prompt_token_ids" in t.cannot_resume()

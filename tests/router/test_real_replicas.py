@@ -26,8 +26,9 @@ SYSTEM = ("You are the build assistant of team {t}. Answer in Python, keep funct
 
 @pytest.fixture(scope="module")
 def cluster():
-    # 32 sequences: the failover test holds 20 at once (n = 2 and two-prompt requests), and a
-    # choice still queued when its replica dies has sent no prompt ids (failover.py doc)
+    # 32 sequences: the failover test holds 20 at once (n = 2 and two-prompt requests) and
+    # kills a replica once every stream has output, so none may wait for a slot (a choice
+    # still queued at the kill: test_failover.py)
     c = Cluster(2, policy="round-robin", probe_interval=0.25,
                 replica_args=("--num-blocks", "256", "--max-num-seqs", "32"))
     with c:
