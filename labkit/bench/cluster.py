@@ -10,14 +10,19 @@ router's own policy classes (``labkit.router.policies``):
    that has it cached (bounded load keeps hot tenants from melting one replica). Reported: the
    fleet's prefix hit rate (hit tokens / prompt tokens) and TTFT p50/p99.
 2. **Autoscaling a bursty day** (Llama-3-8B on H100): a diurnal day (raised cosine, trough 20%
-   of the peak at 04:00, peak at 16:00) compressed into ``day_s`` seconds, with four 1.5x bursts
-   of 2% of the day in its busy part. An HPA-style autoscaler on requests/s per replica, cold
-   starts charged from the weight bytes over NVMe plus start-up (``labkit.sim.presets``), and a
-   forecast of the daily curve from *yesterday* (the same day shape drawn with another seed: its
-   own bursts and noise; ``labkit.sim.autoscaler.SeasonalForecast``) read one cold start ahead.
-   The same autoscaler without the forecast (``reactive``) runs beside it. Against them, static
-   provisioning: the smallest fixed fleet that meets the same SLO on the same trace. Reported:
-   SLO attainment and replica-hours of each, and the saving.
+   of the peak at 04:00, peak at 16:00: between the conversation and coding services of Azure's
+   2024 LLM trace, ``labkit.sim.traces``) compressed into ``day_s`` seconds (960: 90x), with
+   four 1.5x bursts of ``burst_s`` (5 s, real seconds whatever the compression) in its busy
+   part. An HPA-style autoscaler on requests/s per replica, cold starts charged from the weight
+   bytes over NVMe plus start-up (``labkit.sim.presets``), and a forecast of the daily curve
+   from *yesterday* (the same day shape drawn with another seed: its own bursts and noise;
+   ``labkit.sim.autoscaler.SeasonalForecast``) read one cold start ahead. The same autoscaler
+   without the forecast (``reactive``) runs beside it. Against them, static provisioning: the
+   smallest fixed fleet that meets the same SLO on the same trace. Reported: SLO attainment and
+   replica-hours of each, and the saving. Every fleet is billed from 00:00 to 24:00 of the day
+   (``labkit.sim.fleet``). The compression is the one distortion: cold starts, the autoscaler's
+   windows and the requests keep their real durations while the day ramps 90x faster, so each
+   second of lead a new replica needs is billed as 90 seconds of the day.
 
 3. **Real replicas** (``labkit.bench.cluster_live``, skipped with ``--sim-only``): 3
    ``labkit serve`` processes of labkit-tiny behind ``labkit router`` on loopback: prefix hit
@@ -34,6 +39,7 @@ router's own policy classes (``labkit.router.policies``):
 from __future__ import annotations
 
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -111,11 +117,13 @@ def run_static(tr: Any, n: int, token_scale: int, slo_s: float,
             "hit_rate": res.hit_rate}
 
 
-def smallest_static(tr: Any, guess: int, token_scale: int, slo_s: float,
-                    limit: int) -> tuple[int, dict[int, dict[str, Any]]]:
+def smallest_static(tr: Any, guess: int, token_scale: int, slo_s: float, limit: int,
+                    runs: dict[int, dict[str, Any]] | None = None,
+                    ) -> tuple[int, dict[int, dict[str, Any]]]:
     """The smallest static fleet meeting the SLO for >= 99% of requests, walking from
-    ``guess`` (more replicas never serve worse); every size tried, by size."""
-    runs: dict[int, dict[str, Any]] = {}
+    ``guess`` (more replicas never serve worse); every size tried, by size (``runs``: sizes
+    already run)."""
+    runs = {} if runs is None else runs
 
     def ok(n: int) -> bool:
         if n not in runs:
@@ -132,37 +140,76 @@ def smallest_static(tr: Any, guess: int, token_scale: int, slo_s: float,
     return n, runs
 
 
-def run_day(day_s: float, peak_rate: float, token_scale: int, seed: int = 0,
-            slo_s: float = TTFT_SLO_S, burst_s: float = 5.0) -> dict[str, Any]:
-    """The day through the forecast-driven autoscaler and the reactive one, then the smallest
-    static fleet that meets the SLO for >= 99% of requests."""
-    tr = bursty_day(day_s, peak_rate, burst_s=burst_s, seed=seed, **DAY_REQUESTS)
+def _day_trace(day_s: float, peak_rate: float, seed: int, burst_s: float) -> Any:
+    return bursty_day(day_s, peak_rate, burst_s=burst_s, seed=seed, **DAY_REQUESTS)
+
+
+def _day_setup(day_s: float, peak_rate: float, seed: int, burst_s: float
+               ) -> tuple[Any, SeasonalForecast, float, dict[str, Any], int]:
+    """The day, yesterday's forecast, the cold start, the autoscaler's config and the fleet it
+    starts with (sized for midnight: the day starts where yesterday ended)."""
+    tr = _day_trace(day_s, peak_rate, seed, burst_s)
     yesterday = bursty_day(day_s, peak_rate, burst_s=burst_s, seed=seed + 1)
     forecast = SeasonalForecast([x.arrival_time for x in yesterday.specs], day_s)
     cold = cold_start_s(MODEL, GPU, STORAGE)
     cfg = {**AUTOSCALER, "lead_s": cold + AUTOSCALER["interval_s"]}
-    # the day starts where yesterday ended: a fleet sized for midnight's load, not a cold one
-    n0 = max(cfg["min_replicas"], math.ceil(tr.rate(0.0) / cfg["target"]))
+    return tr, forecast, cold, cfg, max(cfg["min_replicas"], math.ceil(tr.rate(0.0) /
+                                                                        cfg["target"]))
+
+
+def _day_job(job: tuple[Any, ...]) -> dict[str, Any]:
+    """One fleet over the day: ``("static", n, ...)`` or ``("autoscaled", with_forecast,
+    ...)``. Module level and rebuilt from seeds (every trace is deterministic), so a worker
+    process can run it."""
+    kind, arg, day_s, peak_rate, token_scale, seed, burst_s, slo_s = job
+    tr, forecast, cold, cfg, n0 = _day_setup(day_s, peak_rate, seed, burst_s)
+    if kind == "static":
+        return run_static(tr, arg, token_scale, slo_s)
+    res = _day_fleet(n0, token_scale, Autoscaler(AutoscalerConfig(**cfg)), cold,
+                     forecast if arg else None).run(tr.specs, day_s)
+    return {"summary": res.summary(slo_s), "timeline": res.timeline}
+
+
+def _run_jobs(jobs: list[tuple[Any, ...]], workers: int) -> list[dict[str, Any]]:
+    """``jobs`` in order, in ``workers`` processes (1: here). Each fleet is independent, and
+    spawned workers share no state, so the results equal a run in one process."""
+    if workers <= 1:
+        return [_day_job(j) for j in tqdm(jobs, desc="day fleets", leave=False)]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(min(workers, len(jobs)),
+                             mp_context=multiprocessing.get_context("spawn")) as ex:
+        return list(tqdm(ex.map(_day_job, jobs), total=len(jobs), desc="day fleets",
+                         leave=False))
+
+
+def run_day(day_s: float, peak_rate: float, token_scale: int, seed: int = 0,
+            slo_s: float = TTFT_SLO_S, burst_s: float = 5.0, workers: int = 1) -> dict[str, Any]:
+    """The day through the forecast-driven autoscaler and the reactive one, then the smallest
+    static fleet that meets the SLO for >= 99% of requests. The four fleets most runs need
+    (both autoscaled, static at the peak's guess and one below) run in ``workers`` processes."""
+    tr, forecast, cold, cfg, _ = _day_setup(day_s, peak_rate, seed, burst_s)
+    guess = math.ceil(peak_rate / cfg["target"])
     t0 = time.perf_counter()
-    fleets = {}
-    for name, fc in tqdm([("forecast", forecast), ("reactive", None)], desc="autoscaled day",
-                         leave=False):
-        fleets[name] = _day_fleet(n0, token_scale,
-                                  Autoscaler(AutoscalerConfig(**cfg)), cold, fc
-                                  ).run(tr.specs, day_s)
-    a = fleets["forecast"].summary(slo_s)
-    n, statics = smallest_static(tr, math.ceil(peak_rate / cfg["target"]), token_scale, slo_s,
-                                 4 * a["max_replicas"])
+    common = (day_s, peak_rate, token_scale, seed, burst_s, slo_s)
+    jobs = [("autoscaled", True, *common), ("autoscaled", False, *common),
+            *(("static", n, *common) for n in (guess, guess - 1) if n >= 1)]
+    out = _run_jobs(jobs, workers)
+    fleets = {"forecast": out[0], "reactive": out[1]}
+    a = fleets["forecast"]["summary"]
+    n, statics = smallest_static(tr, guess, token_scale, slo_s, 4 * a["max_replicas"],
+                                 {j[1]: r for j, r in zip(jobs[2:], out[2:])})
     return {"trace": tr.meta, "requests": len(tr.specs), "cold_start_s": cold,
             "storage": STORAGE, "autoscaler_config": cfg, "ttft_slo_s": slo_s,
             "forecast": {"kind": "yesterday's shape (2 harmonics) x today's level",
                          "yesterday_seed": seed + 1, "harmonics": forecast.harmonics},
-            "autoscaled": a, "reactive": fleets["reactive"].summary(slo_s),
+            "autoscaled": a, "reactive": fleets["reactive"]["summary"],
             "static": [v for _, v in sorted(statics.items())],
             "static_replicas": n, "static_summary": statics[n],
-            "timeline": fleets["forecast"].timeline,
-            "reactive_timeline": fleets["reactive"].timeline,
-            "wall_s": time.perf_counter() - t0,
+            "timeline": fleets["forecast"]["timeline"],
+            "reactive_timeline": fleets["reactive"]["timeline"],
+            "wall_s": time.perf_counter() - t0, "workers": workers,
             "rate_curve": [(t, tr.rate(t), forecast.rate(t))
                            for t in [i * day_s / 480 for i in range(481)]]}
 
@@ -206,7 +253,7 @@ def run_canary_real(quick: bool = True, seed: int = 0) -> dict[str, Any]:
 
 
 def run(quick: bool = True, seed: int = 0, sizes: dict[str, Any] | None = None,
-        real: bool = True) -> dict[str, Any]:
+        real: bool = True, workers: int = 1) -> dict[str, Any]:
     cfg = {**(QUICK if quick else FULL), **(sizes or {})}
     live = {}
     if real:
@@ -218,7 +265,7 @@ def run(quick: bool = True, seed: int = 0, sizes: dict[str, Any] | None = None,
                       seed)
     sweep_wall = time.perf_counter() - t0
     day = run_day(cfg["day_s"], cfg["peak_rate"], cfg["day_scale"], seed,
-                  burst_s=cfg.get("burst_s", 5.0))
+                  burst_s=cfg.get("burst_s", 5.0), workers=workers)
     head = max(cfg["sizes"])
     pick = {r["policy"]: r for r in sweep if r["replicas"] == head}
     a, s = day["autoscaled"], day["static_summary"]
@@ -292,8 +339,11 @@ def main(argv: list[str] | None = None) -> int:
     p = bench_parser("cluster", __doc__.splitlines()[0])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sim-only", action="store_true", help="skip the real replicas")
+    p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
+                   help="processes for the day's fleets (default: min(4, CPUs)); the results "
+                        "do not depend on it")
     args = p.parse_args(argv)
-    payload = run(args.quick, args.seed, real=not args.sim_only)
+    payload = run(args.quick, args.seed, real=not args.sim_only, workers=args.workers)
     if "affinity_hit_rate" in payload:
         print(f"\nreal replicas ({payload['real_replicas']} x labkit-tiny, loopback):")
         print_table(payload["real_policies"], ["policy", "requests", "ok", "hit_rate",
