@@ -19,8 +19,9 @@ daily peak; read off those plots, the weekday trough is ~40% of the peak for con
 
 A simulated day is *compressed* into ``day_s`` seconds; only the slow curve is: each request
 still takes its real time on the simulated GPUs, cold starts and the autoscaler's windows are
-real seconds, and a burst lasts ``burst_s`` real seconds whatever the day's length (a retry
-storm does not last longer because the day is simulated slower). A compressed day is harder for
+real seconds, and so should a burst be (``burst_s``: a retry storm does not last longer
+because the day is simulated slower; ``labkit bench cluster`` gives 5 s; the default, 2% of
+the day, scales with it). A compressed day is harder for
 an autoscaler than a real one: the load ramps faster relative to the cold start.
 """
 
