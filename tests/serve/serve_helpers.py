@@ -33,3 +33,11 @@ def sse_events(raw: bytes) -> list[str]:
         assert p.startswith("data: ") and "\n" not in p, p
         events.append(p[len("data: "):])
     return events
+
+
+def wait_aborted(server, before: int, timeout: float = 5.0) -> None:
+    """Wait until the server counted one more aborted request than ``before``."""
+    deadline = time.monotonic() + timeout
+    while server.state.counts["aborted"] == before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.state.counts["aborted"] == before + 1

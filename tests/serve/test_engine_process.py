@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from serve_helpers import NAME, idle
+from serve_helpers import NAME, idle, wait_aborted
 
 from labkit.engine.errors import InvalidPromptError
 from labkit.engine.llm import LLM
@@ -83,10 +83,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
         first = next(resp.iter_lines())
         assert first.startswith("data: "), first
     assert idle(server)["num_used_blocks"] == 0  # assert_no_leaks ran in the engine process
-    deadline = time.monotonic() + 5
-    while server.state.counts["aborted"] == before and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.state.counts["aborted"] == before + 1
+    wait_aborted(server, before)
 
 
 @pytest.mark.slow

@@ -6,12 +6,11 @@ with the same seed). Every server here is started and stopped by the test module
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import openai
 import pytest
-from serve_helpers import NAME, idle, sse_events
+from serve_helpers import NAME, idle, sse_events, wait_aborted
 
 from labkit.engine.llm import LLM
 from labkit.engine.llm_engine import LLMEngine
@@ -197,10 +196,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
     # the connection is closed: within a step or so the request is aborted and freed
     s = idle(server, timeout=10)
     assert s["num_used_blocks"] == 0
-    deadline = time.monotonic() + 5
-    while server.state.counts["aborted"] == before and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.state.counts["aborted"] == before + 1
+    wait_aborted(server, before)
 
 
 @pytest.mark.slow
@@ -210,10 +206,7 @@ def test_disconnect_while_waiting_non_streaming(server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
     idle(server, timeout=10)
-    deadline = time.monotonic() + 5
-    while server.state.counts["aborted"] == before and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.state.counts["aborted"] == before + 1
+    wait_aborted(server, before)
 
 
 def test_dashboard_draws_what_metrics_says_as_a_small_figure_view(server, client):
