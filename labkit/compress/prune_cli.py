@@ -112,7 +112,8 @@ def write_prune_card(out: Path, log: dict, name: str | None = None) -> str:
         f"| target (healed ≤ dense + 5% = {log['target_perplexity']:.2f}) | "
         f"{'reached' if log['target_reached'] else 'not reached'}"
         + (f"; a power law fitted to the curve's second half reaches it after "
-           f"~{extra / 1e6:.1f} M tokens (optimistic if the curve flattens)" if extra else "")
+           f"~{extra / 1e6:.1f} M tokens (optimistic if the curve flattens)"
+           if extra and not log["target_reached"] else "")
         + " |",
         "", "Commands:" if log.get("segments") else "Command:", "", "```",
         *[g["command"] for g in log.get("segments", [log])], "```", "",
