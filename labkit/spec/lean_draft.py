@@ -7,7 +7,8 @@ draft of width 128 costs ~0.4 of a 6-layer target of width 256, not the ~0.1 its
 This forward runs the draft's weights with a fraction of the calls, per layer:
 
 * q, k, v from ONE matmul (the three weights concatenated), gate and up from one;
-* RMSNorm as one ``F.rms_norm`` (float32, like :class:`~labkit.model.llama.RMSNorm`);
+* each RMSNorm's weight folded into the matmul after it (the norm itself stays float32, like
+  :class:`~labkit.model.llama.RMSNorm`);
 * rotary embeddings: cos/sin looked up in a table built once, q and k rotated in one pass;
 * no ``nn.Module`` dispatch: plain functions over the weight tensors.
 
