@@ -32,14 +32,21 @@ text the client has seen *entirely*. The continuation starts at the last such co
 list goes with it); the router drops the regenerated ids and characters the client already has
 and relays the rest. Stop matching stays consistent because no stop string can begin before the
 characters shown (the replica would have held that text back), so any match lies wholly in the
-continuation's own output, where the new replica finds it. Greedy streams come out identical;
-a sampled one may regenerate the cut-back tokens differently, which the router detects (the
-dropped text must equal what it sent) and reports as an error event rather than show
-inconsistent text.
+continuation's own output, where the new replica finds it. With several choices, the router
+cannot end a choice at its budget itself here (the replica still holds that choice's last
+characters back, and only it can decode them), so every choice is cut back to the *same* token
+count: the last one that is exact for all of them (0, the original prompt, at worst). Every
+choice then has the same budget left, the one ``max_tokens`` is exact for each, and the replica
+ends each one itself, held characters included. Greedy streams come out identical; a sampled
+one may regenerate the cut-back tokens differently, which the router detects (the dropped text
+must equal what it sent) and reports as an error event rather than show inconsistent text.
 
 Sampled requests otherwise continue with a valid sample conditioned on what was sent (a ``seed``
 does not reproduce the uninterrupted run: the RNG restarts). ``not_resumable`` says which
-requests are not resumed (their streams end with an error event when their replica dies).
+requests are not resumed: only non-streamed ones, which the router retries whole. A replica
+sends a prompt's ids with its first chunk; a choice of a several-prompt completion that had not
+started when its replica died (queued behind ``max_num_seqs``) has none, and continues from
+its prompt as the client sent it.
 """
 
 from __future__ import annotations
@@ -77,13 +84,9 @@ def _num_prompts(body: dict[str, Any], chat: bool) -> int:
 
 
 def not_resumable(body: dict[str, Any], chat: bool) -> str | None:
-    """Why this streamed request cannot be resumed on another replica (None: it can)."""
+    """Why this request cannot be resumed mid-stream on another replica (None: it can)."""
     if not body.get("stream"):
         return "not a stream (the router buffers a non-streamed answer and retries it whole)"
-    several = body.get("n") not in (None, 1) or _num_prompts(body, chat) > 1
-    if _stops(body) and several:
-        return ("stop strings with n > 1 or several prompts (each choice's cut-back "
-                "continuation would need its own max_tokens)")
     return None
 
 
@@ -167,27 +170,31 @@ class StreamResume:
 
         return [c for c in self.choices.values() if c.reason is None and owed(c)]
 
-    def _cut(self, c: _Choice) -> tuple[int, int]:
-        """(ids, chars) where the continuation of ``c`` starts (module doc: stop strings)."""
+    def _cuts(self, todo: list[_Choice]) -> list[tuple[int, int]]:
+        """(ids, chars) where each continuation starts (module doc: stop strings): without
+        stops, all that was sent; with them, the last token count exact for every choice."""
         if not self.hold:
-            return len(c.ids), len(c.text)
-        return max(m for m in c.marks if m[1] <= len(c.text) and m[0] <= len(c.ids))
+            return [(len(c.ids), len(c.text)) for c in todo]
+        exact = [{m[0]: m for m in sorted(c.marks) if m[1] <= len(c.text) and m[0] <= len(c.ids)}
+                 for c in todo]
+        k = max(set.intersection(*(set(e) for e in exact)))  # (0, 0) is in every choice's
+        return [e[k] for e in exact]
 
     def resume_body(self, max_model_len: int | None = None) -> bytes:
         """The continuation: one completion over prompt + kept tokens per unfinished choice
         (before any prompt's ids arrived, the original request again)."""
         todo = self._open(max_model_len)
-        if not todo or any(c.prompt not in self.prompts for c in todo):
+        if not todo or any(self._prompt(c) is None for c in todo):
             self.order = None
             return self.upstream_body()
         drop = ("messages", "prompt", "max_tokens", "max_completion_tokens", "n")
         b = {k: v for k, v in self.body.items() if k not in drop}
         prompts, need = [], []
-        for c in todo:
-            cut_ids, cut_chars = self._cut(c)
+        for c, (cut_ids, cut_chars) in zip(todo, self._cuts(todo)):
             c.base, c.up_ids, c.up_chars = (cut_ids, cut_chars), 0, 0
             c.skip_ids, c.verify = len(c.ids) - cut_ids, c.text[cut_chars:]
-            prompts.append(self.prompts[c.prompt] + c.ids[:cut_ids])
+            p = self._prompt(c)
+            prompts.append(p + c.ids[:cut_ids] if isinstance(p, list) else p)
             mt = self.max_tokens(max_model_len, c.prompt)
             need.append(None if mt is None else mt - cut_ids)
         b.update(prompt=prompts[0] if len(prompts) == 1 else prompts, return_token_ids=True)
@@ -196,10 +203,21 @@ class StreamResume:
         self.order = [c.index for c in todo]
         return json.dumps(b).encode()
 
+    def _prompt(self, c: _Choice) -> list[int] | str | None:
+        """What choice ``c`` continues from: its prompt's ids, or, for a choice that has not
+        started (queued on the dead replica) of a several-prompt completion, its own prompt
+        as the client sent it (a replica takes a list mixing strings and id lists)."""
+        if c.prompt in self.prompts:
+            return self.prompts[c.prompt]
+        several = self.body.get("prompt")
+        if not c.ids and self.prompts and _num_prompts(self.body, self.chat) > 1:
+            return several[c.prompt]
+        return None
+
     def cannot_resume(self) -> str | None:
         """Why the stream cannot continue elsewhere now (None: it can). Output was sent but the
         replica never said the prompt's ids (not a labkit server?): a retry would repeat it."""
-        if self.forwarded and any(c.prompt not in self.prompts for c in self._open(None)):
+        if self.forwarded and any(self._prompt(c) is None for c in self._open(None)):
             return "the replica sent output but no prompt_token_ids"
         return None
 
@@ -266,6 +284,8 @@ class StreamResume:
         c = self.choices[self.order[i]]
         if c.reason is not None:
             return None  # ended by the router (its budget) while the replica went on
+        if c.prompt not in self.prompts and ch.get("prompt_token_ids") is not None:
+            self.prompts[c.prompt] = list(ch["prompt_token_ids"])  # it started here
         toks, text, reason = list(ch.get("token_ids") or []), _text(ch), ch.get("finish_reason")
         k = min(len(toks), c.skip_ids)
         c.skip_ids -= k

@@ -2,20 +2,11 @@
 
 Each request: pick a replica with the policy (``labkit.router.policies``) among those in
 rotation (not draining) whose circuit breaker lets traffic through (``labkit.router.health``),
-forward the body, and pass the answer back. For ``stream=true`` the replica's Server-Sent Events
-are relayed event by event as they arrive (no buffering beyond one event), so the client's TTFT
-is the replica's plus one hop. When the client goes away, the relay is cancelled and the
-upstream response closed, so the replica sees its own client disconnect and aborts the request
-(freeing its KV blocks) instead of generating for nobody.
-
-Failures before the first byte (connection refused, timeout, 5xx) are retried on another replica
-after an exponential backoff with full jitter, and counted against the replica's breaker. After
-the first byte, a stream whose replica dies (connection cut, or the body ends without
-``[DONE]``) is **resumed on another replica** by re-prefilling the prompt + the tokens already
-sent (``labkit.router.failover``: what is supported, and why greedy streams come out
-byte-identical). A non-streamed answer is read whole before the client gets a byte, so one whose
-replica dies after the headers is simply sent again to another replica; while it is read the
-router watches the client, and closes the upstream (the replica aborts) if the client leaves.
+forward the body, and pass the answer back: ``stream=true`` answers event by event as they
+arrive (the client's TTFT is the replica's plus one hop), resumed on another replica if their
+replica dies mid-stream; failures before the first byte retried elsewhere with backoff; a
+client that leaves cancels the upstream so the replica aborts. That data path is
+``labkit.router.relay``; this module is the app around it and the ``labkit router`` command.
 
 Health: the breakers are fed by what real requests see (passive) and, with
 ``probe_interval_s``, by ``GET /health`` probes of every replica (active), so a dead or draining
@@ -37,33 +28,22 @@ import json
 import random
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import generate_latest
 
 from labkit.router.admin import add_admin_routes
 from labkit.router.admin import router_error as _error
 from labkit.router.canary import Canary
-from labkit.router.failover import SSEBuffer, StreamResume, not_resumable
+from labkit.router.failover import StreamResume, not_resumable
 from labkit.router.health import Backoff, HealthTracker
-from labkit.router.policies import NoReplicaError, RouteKey, get_policy
+from labkit.router.policies import RouteKey, get_policy
+from labkit.router.relay import Relay, RouterMetrics, Upstream
 
-RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadTimeout,
-             httpx.RemoteProtocolError)
-
-
-@dataclass
-class Upstream:
-    """A replica as the router sees it."""
-
-    name: str
-    url: str
-    outstanding: int = 0
-    draining: bool = False
+__all__ = ["Upstream", "create_app", "main", "route_key"]
 
 
 def route_key(body: dict[str, Any]) -> RouteKey:
@@ -78,26 +58,6 @@ def route_key(body: dict[str, Any]) -> RouteKey:
         prompt = "".join(str(m.get("content", "")) for m in body["messages"]
                          if isinstance(m, dict))
     return RouteKey(text=prompt if isinstance(prompt, str) else None, user=body.get("user"))
-
-
-class _Metrics:
-    def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
-        lab = ["replica"]
-        self.requests = Counter("labkit_router_requests", "requests forwarded", lab, registry=r)
-        self.failures = Counter("labkit_router_failures", "failed before the first byte", lab,
-                                registry=r)
-        self.failovers = Counter("labkit_router_failovers", "streams this replica broke "
-                                 "mid-stream (then resumed, finished or failed)", lab,
-                                 registry=r)
-        self.probe_failures = Counter("labkit_router_probe_failures", "failed /health probes",
-                                      lab, registry=r)
-        self.outstanding = Gauge("labkit_router_outstanding", "requests in flight", lab,
-                                 registry=r)
-        self.open = Gauge("labkit_router_breaker_open", "1 while the replica's breaker is not "
-                          "closed", lab, registry=r)
-        self.draining = Gauge("labkit_router_draining", "1 while the replica is out of "
-                              "rotation for a drain", lab, registry=r)
 
 
 def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
@@ -125,12 +85,10 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
     cpol = get_policy(policy) if isinstance(policy, str) else pol  # its own ring for candidates
     health = health or HealthTracker([u.name for u in ups])
     backoff = backoff or Backoff(rng=random.Random(0))
-    metrics = _Metrics()
+    metrics = RouterMetrics()
     if canary is not None:
         canary.attach(metrics.registry)
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
-    failovers: list[dict[str, Any]] = []
-    model_len: list[int] = []  # the replicas' max_model_len, fetched once when first needed
 
     async def probe_loop() -> None:
         while True:
@@ -161,64 +119,15 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
         await client.aclose()
 
     app = FastAPI(title="labkit router", lifespan=lifespan)
-    app.state.upstreams, app.state.health, app.state.policy = ups, health, pol
-    app.state.failovers = failovers
-
-    app.state.canary, app.state.candidates = canary, cands
 
     def in_rotation(pool: Sequence[Upstream] = ups) -> list[Upstream]:
         return [u for u in health.available(pool) if not u.draining]
 
-    def _done(up: Upstream) -> None:
-        up.outstanding -= 1
-        metrics.outstanding.labels(up.name).dec()
-
-    async def connect(path: str, raw: bytes, key: RouteKey, headers: dict[str, str],
-                      tried: set[str], pool: Sequence[Upstream] = ups,
-                      ) -> tuple[httpx.Response, Upstream] | JSONResponse:
-        """Send to a replica chosen by the policy, retrying elsewhere with backoff until one
-        answers with headers (status < 500); the answer is the open response, or an error."""
-        delays = backoff.delays()
-        chooser = cpol if pool is cands else app.state.policy
-        while True:
-            rot = in_rotation(pool)
-            try:
-                up = chooser.choose(key, [u for u in rot if u.name not in tried] or rot)
-            except NoReplicaError as exc:
-                return _error(503, str(exc), "no_replica")
-            if not health.breakers[up.name].allow():
-                tried.add(up.name)
-                continue
-            req = client.build_request("POST", up.url + path, content=raw, headers=headers)
-            up.outstanding += 1
-            metrics.outstanding.labels(up.name).inc()
-            metrics.requests.labels(up.name).inc()
-            try:
-                resp = await client.send(req, stream=True)
-                if resp.status_code >= 500:
-                    await resp.aclose()
-                    raise httpx.RemoteProtocolError(f"{up.name} answered {resp.status_code}")
-            except RETRYABLE as exc:
-                _done(up)
-                _failed(up)
-                tried.add(up.name)
-                wait = next(delays, None)
-                if wait is None:
-                    return _error(502, f"every attempt failed before the first byte; last: "
-                                  f"{up.name}: {exc}", "upstream_failed")
-                await asyncio.sleep(wait)
-                continue
-            except BaseException:  # cancelled (client gone): release the slot
-                _done(up)
-                raise
-            health.record(up.name, True)
-            metrics.open.labels(up.name).set(0)
-            return resp, up
-
-    def _failed(up: Upstream) -> None:
-        health.record(up.name, False)
-        metrics.failures.labels(up.name).inc()
-        metrics.open.labels(up.name).set(health.breakers[up.name].state != "closed")
+    relay = Relay(client, health, backoff, metrics,
+                  lambda pool: cpol if pool is cands else app.state.policy, in_rotation, ups,
+                  max_failovers)
+    app.state.upstreams, app.state.health, app.state.policy = ups, health, pol
+    app.state.failovers, app.state.canary, app.state.candidates = relay.failovers, canary, cands
 
     async def forward(request: Request, path: str) -> Response:
         raw = await request.body()
@@ -239,10 +148,11 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
                    if k.lower() in ("authorization", "content-type", "x-request-id")}
         chat = path.endswith("/chat/completions")
         if not body.get("stream"):
-            return await _buffered(request, path, raw, key, headers, pool, arm, t0)
+            return await relay.buffered(request, path, raw, key, headers, pool, canary,
+                                        arm, t0)
         state = None if not_resumable(body, chat) else StreamResume(body, chat)
-        got = await connect(path, raw if state is None else state.upstream_body(), key,
-                            headers, set(), pool)
+        got = await relay.connect(path, raw if state is None else state.upstream_body(),
+                                  key, headers, set(), pool)
         if isinstance(got, Response):
             if arm is not None:
                 canary.record(arm, False)
@@ -251,135 +161,15 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
         media = resp.headers.get("content-type", "application/json")
         out_headers = {"x-labkit-replica": up.name, **({"x-labkit-canary": arm} if arm else {})}
         if state is None or resp.status_code != 200 or not media.startswith("text/event-stream"):
-            body_iter, status = _relay(resp, up), resp.status_code
+            body_iter, status = relay.stream(resp, up), resp.status_code
         else:
-            body_iter, status = _resumable(state, resp, up, key, headers, pool), 200
+            body_iter = relay.resumable(state, resp, up, key, headers, pool)
+            status = 200
             out_headers["Cache-Control"] = "no-cache"
         if arm is not None:
             body_iter = canary.watch(body_iter, arm, t0, status)
         return StreamingResponse(body_iter, status_code=status, media_type=media,
                                  headers=out_headers)
-
-    async def _buffered(request: Request, path: str, raw: bytes, key: RouteKey,
-                        headers: dict[str, str], pool: Sequence[Upstream], arm: str | None,
-                        t0: float) -> Response:
-        """A non-streamed request: read the whole answer, and if the replica dies before the
-        end of it, send the request again elsewhere (nothing reached the client yet)."""
-        tried: set[str] = set()
-        retried: list[dict[str, Any]] = []  # failover records, completed once one succeeds
-        for _ in range(max_failovers + 1):
-            got = await connect(path, raw, key, headers, tried, pool)
-            if isinstance(got, Response):
-                break
-            resp, up = got
-            try:
-                content = await _read_unless_gone(request, resp)
-            except httpx.TransportError as exc:
-                _failed(up)
-                metrics.failovers.labels(up.name).inc()
-                tried.add(up.name)
-                retried.append({"time": time.time(), "id": None, "from": up.name,
-                                "tokens_sent": 0, "whole": True,
-                                "error": f"{type(exc).__name__}: {exc}"})
-                got = _error(502, f"{up.name} failed while answering ({exc}); tried "
-                             f"{len(tried)} replica(s)", "upstream_failed")
-                continue
-            finally:
-                await resp.aclose()
-                _done(up)
-            if content is None:
-                return Response(status_code=499)  # nobody to answer: the client left
-            failovers.extend({**f, "to": up.name} for f in retried)
-            got = Response(content, status_code=resp.status_code,
-                           media_type=resp.headers.get("content-type", "application/json"),
-                           headers={"x-labkit-replica": up.name,
-                                    **({"x-labkit-canary": arm} if arm else {})})
-            break
-        if arm is not None:
-            canary.record(arm, got.status_code < 500, time.monotonic() - t0)
-        return got
-
-    async def _read_unless_gone(request: Request, resp: httpx.Response) -> bytes | None:
-        """The whole body, or None if the client disconnects first (the caller then closes
-        the upstream, so the replica sees its own client leave and aborts)."""
-        read = asyncio.ensure_future(resp.aread())
-        try:
-            while not (await asyncio.wait({read}, timeout=0.25))[0]:
-                if await request.is_disconnected():
-                    return None
-            return read.result()
-        finally:
-            read.cancel()
-
-    async def _relay(resp: httpx.Response, up: Upstream) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in resp.aiter_raw():
-                yield chunk
-        finally:  # normal end, or the client left (cancelled): close the upstream too
-            await resp.aclose()
-            _done(up)
-
-    async def _resumable(state: StreamResume, resp: httpx.Response, up: Upstream,
-                         key: RouteKey, headers: dict[str, str],
-                         pool: Sequence[Upstream] = ups) -> AsyncIterator[bytes]:
-        """Relay events; when the replica dies mid-stream, continue on another one."""
-        for attempt in range(max_failovers + 1):
-            err = None
-            buf = SSEBuffer()
-            try:
-                async for chunk in resp.aiter_raw():
-                    for ev in buf.feed(chunk):
-                        out = state.on_event(ev)
-                        if out:
-                            yield out
-                        if state.done:
-                            break
-                    if state.done:
-                        break
-                if not state.done:
-                    err = "the stream ended without [DONE]"
-            except httpx.TransportError as exc:
-                err = f"{type(exc).__name__}: {exc}"
-            finally:
-                await resp.aclose()
-                _done(up)
-            if err is None:
-                return
-            _failed(up)
-            metrics.failovers.labels(up.name).inc()
-            mml = await max_model_len() if state.needs_max_model_len() else None
-            tail = state.tail_if_finished(mml)
-            if tail is not None:
-                yield tail
-                return
-            why = state.cannot_resume()
-            if why or attempt == max_failovers:
-                yield state.error_tail(f"{up.name} failed mid-stream ({err}); " + (
-                    f"not resumed: {why}" if why else
-                    f"the stream failed on {max_failovers + 1} replicas; giving up"))
-                return
-            t0, dead, sent = time.monotonic(), up.name, len(state.sent_ids)
-            cont = state.resume_body(mml)
-            got = await connect(state.path("/v1/chat/completions" if state.chat else
-                                           "/v1/completions"), cont, key, headers, {dead}, pool)
-            if isinstance(got, Response):
-                yield state.error_tail(f"{dead} failed mid-stream ({err}) and no replica could "
-                                       f"continue it: {json.loads(got.body)['error']['message']}")
-                return
-            resp, up = got
-            failovers.append({"time": time.time(), "id": (state.head or {}).get("id"),
-                              "from": dead, "to": up.name,
-                              "tokens_sent": sent, "error": err,
-                              "reconnect_s": time.monotonic() - t0})
-
-    async def max_model_len() -> int | None:
-        for u in [*in_rotation(), *ups]:
-            if model_len:
-                break
-            with contextlib.suppress(httpx.HTTPError, KeyError, ValueError, IndexError):
-                r = await client.get(u.url + "/v1/models", timeout=2.0)
-                model_len.append(int(r.json()["data"][0]["max_model_len"]))
-        return model_len[0] if model_len else None
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -34,7 +34,7 @@ so a day 20% busier than yesterday scales 20% higher, with no lag on the daily r
 observed rate alone lags ``window_s / 2`` behind them, on the way up and down). A burst raises
 the level for as long as the window holds it; that costs a replica for a while, and it is
 headroom the fleet needs: a fleet sized exactly to the curve runs at its knee, so the queue a
-burst leaves does not drain (with a median level, which ignores bursts, the benchmark's day met
+burst leaves does not drain (with a median level, which ignores bursts, the earlier 240 s day met
 the TTFT SLO for only 79% of requests at the same target). A ``window_s``
 longer than a cold start keeps a burst that ends before a new replica could be up from
 launching one (the queue has to absorb those anyway; launching for them only bills replicas that

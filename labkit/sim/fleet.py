@@ -15,8 +15,11 @@ from the ready replicas (for ``rps``, the router's arrival count, or a ``forecas
 rate ``lead_s`` ahead at today's level when one is given) and starts or drains replicas. A
 started replica is billed from launch but takes traffic only after its cold start
 (``labkit.sim.presets.cold_start_s``); a drained one leaves rotation at once and is billed
-until its last request finishes. Replica-seconds are billed up to the end of the trace (or the
-last finish, if later) for every fleet alike.
+until its last request finishes. Every fleet is billed from the start of the trace to its end
+(``duration``), a replica for the part of it that it was up: a trace is one day of a day that
+repeats, so the requests still running at midnight are served by the next day's replicas, on
+the next day's bill (billing them up to the last finish would charge one fleet a tail that a
+static fleet, billed replicas x day, is not charged).
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ class FleetResult:
     requests: list[dict[str, Any]]
     replicas: list[dict[str, Any]]
     timeline: list[dict[str, Any]]
-    end: float  # billing horizon
+    end: float  # billing horizon: the end of the trace
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -220,23 +223,21 @@ class Fleet:
 
     def _result(self, end: float) -> FleetResult:
         reqs, reps = [], []
-        last = end
         for r in self.replicas:
             early = r.engine.executor.first_token_early
             for t in r.engine.request_timings():
                 ttft = t["first_token_time"] - t["arrival_time"] - early.get(t["seq_id"], 0.0)
-                last = max(last, t["finish_time"])
                 reqs.append({"request_id": t["request_id"], "replica": r.name,
                              "arrival": t["arrival_time"], "ttft": ttft,
                              "e2e": t["finish_time"] - t["arrival_time"]})
         for r in self.replicas:
             s = r.engine.block_manager.stats()
             reps.append({"name": r.name, "launched_at": r.launched_at, "ready_at": r.ready_at,
-                         "stopped_at": r.stopped_at if r.stopped_at is not None else last,
+                         "stopped_at": min(end, end if r.stopped_at is None else r.stopped_at),
                          "prefix_query_tokens": s["prefix_query_tokens"],
                          "prefix_hit_tokens": s["prefix_hit_tokens"],
                          "num_requests": len(r.engine.requests)})
         reqs.sort(key=lambda x: x["arrival"])
-        return FleetResult(reqs, reps, self.timeline, last,
+        return FleetResult(reqs, reps, self.timeline, end,
                            {"policy": getattr(self.policy, "name", type(self.policy).__name__),
                             "token_scale": self.config.token_scale})

@@ -10,9 +10,19 @@ Arrivals are a Poisson process whose rate may vary in time: constant (``poisson`
 non-homogeneous process by thinning (Lewis and Shedler, 1979): candidates at the peak rate, each
 kept with probability rate(t) / peak.
 
-A simulated day is *compressed* into ``day_s`` seconds: each request still takes its real time
-on the simulated GPUs, and cold starts are charged in full, so a compressed day is harder for an
-autoscaler than a real one (the load ramps faster relative to the cold start).
+Where the shape comes from: Azure's public LLM inference trace of May 2024 (a week of two
+production services, the data of DynamoLLM, Stojkovic et al., HPCA 2025; plotted per minute in
+``analysis/AzureLLMInferenceDataset2024.ipynb`` of Azure/AzurePublicDataset) has one broad
+daily peak; read off those plots, the weekday trough is ~40% of the peak for conversation
+(~1,900 vs ~4,500 requests/minute) and ~10% for coding (~500 vs ~5,000). The default trough of
+20% (a 5:1 day) lies between the two.
+
+A simulated day is *compressed* into ``day_s`` seconds; only the slow curve is: each request
+still takes its real time on the simulated GPUs, cold starts and the autoscaler's windows are
+real seconds, and so should a burst be (``burst_s``: a retry storm does not last longer
+because the day is simulated slower; ``labkit bench cluster`` gives 5 s; the default, 2% of
+the day, scales with it). A compressed day is harder for
+an autoscaler than a real one: the load ramps faster relative to the cold start.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import pytest
 from labkit.bench import BENCHMARKS, cluster
 
 TINY = {"sizes": (2, 4), "sweep_rate": 20.0, "sweep_s": 2.0, "sweep_scale": 8,
-        "day_s": 40.0, "peak_rate": 12.0, "day_scale": 16}
+        "day_s": 40.0, "peak_rate": 12.0, "day_scale": 16, "burst_s": 1.0}
 
 
 @pytest.mark.slow
@@ -34,6 +34,8 @@ def test_cluster_bench_fields(tmp_path, monkeypatch):
         1 - p["autoscaler_replica_hours"] / p["static_replica_hours"])
     assert p["reactive_replica_hours"] == day["reactive"]["replica_hours"]
     assert day["autoscaler_config"]["lead_s"] == pytest.approx(p["cold_start_s"] + 1.0)
+    # both fleets run equally hot at the peak: the target is static's requests/s per replica
+    assert day["autoscaler_config"]["target"] == pytest.approx(TINY["peak_rate"] / n)
     assert len(day["rate_curve"][0]) == 3 and len(day["reactive_timeline"]) > 0
     rows = [r for r in p["sweep"] if r["replicas"] == 4]
     assert {r["policy"] for r in rows} == set(cluster.SWEEP_POLICIES)

@@ -33,9 +33,9 @@ def test_which_requests_can_be_resumed():
     assert not_resumable({"stream": True, "prompt": "x", "n": 2}, False) is None
     assert not_resumable({"stream": True, "prompt": "x", "stop": ["\n"]}, False) is None
     assert not_resumable({"stream": True, "prompt": ["a", "b"]}, False) is None
-    assert "stop" in not_resumable({"stream": True, "prompt": "x", "n": 2, "stop": "a"}, False)
-    assert "several" in not_resumable({"stream": True, "prompt": ["a", "b"], "stop": "a"},
-                                      False)
+    # stop strings with several choices resume too (a common cut-back: the test below)
+    assert not_resumable({"stream": True, "prompt": "x", "n": 2, "stop": "a"}, False) is None
+    assert not_resumable({"stream": True, "prompt": ["a", "b"], "stop": "a"}, False) is None
 
 
 def test_ids_the_router_added_are_stripped_and_id_only_chunks_dropped():
@@ -165,3 +165,72 @@ def test_a_bad_n_is_left_to_the_replica_to_reject():
     for n in ("2", None, 0, True, 10**9):
         s = StreamResume({"prompt": "x", "stream": True, "n": n}, chat=False)
         assert list(s.choices) == [0]
+
+
+def test_stop_strings_with_several_choices_cut_back_to_one_common_exact_count():
+    """stop "XYZ" (2 characters held) over n = 2. Events of one step reach the router one
+    choice at a time, so the two choices stand at different counts when the replica dies:
+    choice 0 was shown "abcd" of 3 tokens (exact counts 0, 2), choice 1 "abcdef" of 4 (0, 2,
+    3). Both continue from 2 tokens, so one max_tokens (6 - 2) is each one's exact budget, and
+    the replica ends each one itself."""
+    s = StreamResume({"prompt": "x", "stream": True, "max_tokens": 6, "stop": "XYZ", "n": 2,
+                      "return_token_ids": True}, chat=False)
+
+    def on(i, text, ids, pids=None, rid="cmpl-1", reason=None):
+        c = cmpl(text, ids, reason, prompt_ids=pids, rid=rid)
+        c["choices"][0]["index"] = i
+        return s.on_event(ev(c))
+
+    for i in (0, 1):
+        on(i, "", [1], [9])  # "ab" decoded, all held
+        on(i, "ab", [2])  # 2 tokens = 4 characters, 2 shown
+        on(i, "cd", [3 + i])  # 3 tokens = 6 characters, 4 shown
+    on(1, "ef", [5])  # choice 1 is one token ahead: 4 tokens = 8 characters, 6 shown
+    body = json.loads(s.resume_body())
+    assert body["prompt"] == [[9, 1, 2], [9, 1, 2]] and body["max_tokens"] == 4
+    assert body["stop"] == "XYZ" and "n" not in body
+    assert (s.choices[0].skip_ids, s.choices[0].verify) == (1, "")
+    assert (s.choices[1].skip_ids, s.choices[1].verify) == (2, "ef")
+    # choice 0: token 3 regenerated (its text held, then shown: the client never had "ef")
+    assert on(0, "", [3], rid="cmpl-2") is None
+    out = json.loads(on(0, "ef", [6], rid="cmpl-2")[6:])["choices"][0]
+    assert out["index"] == 0 and out["text"] == "ef" and out["token_ids"] == [6]
+    # choice 1: tokens 4 and 5 and "ef" regenerated and dropped, then its own text and end
+    assert on(1, "", [4], rid="cmpl-2") is None and on(1, "ef", [5], rid="cmpl-2") is None
+    out = json.loads(on(1, "gh", [7], rid="cmpl-2", reason="stop")[6:])["choices"][0]
+    assert out["index"] == 1 and out["text"] == "gh" and out["finish_reason"] == "stop"
+    assert s.choices[1].text == "abcdefgh" and s.choices[1].ids == [1, 2, 4, 5, 7]
+    assert s.choices[0].text == "abcdef" and s.choices[0].ids == [1, 2, 3, 6]
+    # a choice with nothing shown yet pulls every choice back to the prompt (exact for all)
+    t = StreamResume({"prompt": ["p", "q"], "stream": True, "max_tokens": 5, "stop": "XYZ"},
+                     chat=False)
+    for i, pid in ((0, [7]), (1, [8])):
+        c = cmpl("ab" if i == 0 else "", [1, 2] if i == 0 else [3], prompt_ids=pid)
+        c["choices"][0]["index"] = i
+        t.on_event(ev(c))
+    body = json.loads(t.resume_body())
+    assert body["prompt"] == [[7], [8]] and body["max_tokens"] == 5
+    assert t.choices[0].skip_ids == 2 and t.choices[0].verify == "ab"
+
+
+def test_a_choice_still_queued_continues_from_its_prompt_as_sent():
+    """Two prompts; the replica dies before prompt "q" started (queued behind max_num_seqs):
+    the router never got its ids, so that choice continues from the client's own text, and its
+    ids are taken from the continuation's first chunk (usage counts them)."""
+    s = StreamResume({"prompt": ["p", "q"], "stream": True, "max_tokens": 4,
+                      "stream_options": {"include_usage": True}}, chat=False)
+    s.on_event(ev(cmpl("ab", [1, 2], prompt_ids=[7])))
+    assert s.cannot_resume() is None
+    body = json.loads(s.resume_body())
+    assert body["prompt"] == [[7, 1, 2], "q"] and body["max_tokens"] == 4
+    c = cmpl("z", [5], prompt_ids=[8, 8])
+    c["choices"][0]["index"] = 1  # the continuation's choice 1 is the client's choice 1
+    out = json.loads(s.on_event(ev(c))[6:])["choices"][0]
+    assert out["index"] == 1 and out["text"] == "z" and "prompt_token_ids" not in out
+    assert s.prompts == {0: [7], 1: [8, 8]}
+    use = json.loads(s._usage_event()[6:])["usage"]
+    assert use["prompt_tokens"] == 3 and use["completion_tokens"] == 3
+    # one prompt only (nothing to fall back on): output without ids is still not replayed
+    t = StreamResume({"prompt": "p", "stream": True}, chat=False)
+    t.on_event(b'data: {"choices": [{"index": 0, "text": "hi", "finish_reason": null}]}')
+    assert "prompt_token_ids" in t.cannot_resume()

@@ -176,12 +176,15 @@ def test_hot_prefix_never_exceeds_the_bound(n, eps, ops):
 
 
 def test_without_the_bound_a_hot_prefix_melts_one_replica():
-    # negative control: eps=None is pure consistent hashing
+    # negative control: eps=None is pure consistent hashing; the default (what `labkit router
+    # --policy prefix-affinity` and Cluster use) is bounded: one hot prefix spills over once
+    # its replica holds ceil(1.25 x average)
     rs = fleet(4)
-    for eps, worst in ((None, 100), (0.25, math.ceil(1.25 * 100 / 4))):
+    for p, worst in ((PrefixAffinity(eps=None), 100), (get_policy("prefix-affinity"),
+                                                        math.ceil(1.25 * 100 / 4))):
         for r in rs:
             r.outstanding = 0
-        p = PrefixAffinity(eps=eps)
         for _ in range(100):
             p.choose(key(0), rs).outstanding += 1
         assert max(r.outstanding for r in rs) == worst
+        assert sum(r.outstanding > 0 for r in rs) == (1 if p.eps is None else 4)

@@ -19,14 +19,18 @@ from labkit.router.cluster import Cluster
 from labkit.serve.chat import chatml
 
 pytestmark = pytest.mark.slow
+NEVER = "~~~~~~"  # a stop string the reference generations do not contain
 SYSTEM = ("You are the build assistant of team {t}. Answer in Python, keep functions short, "
           "name things plainly, add a docstring that says why, and never print secrets. ")
 
 
 @pytest.fixture(scope="module")
 def cluster():
+    # 32 sequences: the failover test holds 20 at once (n = 2 and two-prompt requests) and
+    # kills a replica once every stream has output, so none may wait for a slot (a choice
+    # still queued at the kill: test_failover.py)
     c = Cluster(2, policy="round-robin", probe_interval=0.25,
-                replica_args=("--num-blocks", "256", "--max-num-seqs", "16"))
+                replica_args=("--num-blocks", "256", "--max-num-seqs", "32"))
     with c:
         yield c
     assert not any(r.alive() for r in c.replicas) and not c.router.alive()
@@ -57,6 +61,11 @@ def late_stop(text: str, frac: float = 0.6, size: int = 4) -> tuple[str, int]:
         if text.find(s) == i and s.strip():
             return s, i
     raise AssertionError(f"no late stop string in {text!r}")
+
+
+def cut_at(text: str, stops: list[str]) -> str:
+    """``text`` up to its first stop string, as the engine cuts it."""
+    return text[:min([i for i in (text.find(s) for s in stops) if i >= 0], default=len(text))]
 
 
 def test_prefix_affinity_meets_the_cache_that_round_robin_misses(cluster):
@@ -157,12 +166,22 @@ def test_replica_killed_mid_stream_every_stream_continues_identically(cluster, r
     rc_msgs = [{"role": "user", "content": "def read_config(path):"}]
     rc = run(tok.encode(chatml(rc_msgs)), n_new)[1]  # "<> A: B-> A: B-> ... A-> A->"
     two = [run(tok.encode(x), n_new)[1] for x in ("def main():", "x = 1\n")]
-    (s1, at1), (s2, at2) = late_stop(fib), late_stop(rc, 0.4)
+    assert not any(NEVER in t for t in two)
+    (s1, at1), (s2, at2), (s3, _) = late_stop(fib), late_stop(rc, 0.4), late_stop(q, 0.5)
     more = [("/v1/completions", {"prompt": "def fib(n):", "stop": [s1, "@@@@@@"]},
              {0: fib[:at1]}),
             ("/v1/chat/completions", {"messages": rc_msgs, "stop": s2}, {0: rc[:at2]}),
             ("/v1/completions", {"prompt": "class Queue:", "n": 2}, {0: q, 1: q}),
-            ("/v1/completions", {"prompt": ["def main():", "x = 1\n"]}, {0: two[0], 1: two[1]})]
+            ("/v1/completions", {"prompt": ["def main():", "x = 1\n"]}, {0: two[0], 1: two[1]}),
+            # stop strings with several choices: one common cut-back (failover.py's doc)
+            ("/v1/completions", {"prompt": "def fib(n):", "n": 2, "stop": s1},
+             {0: fib[:at1], 1: fib[:at1]}),
+            ("/v1/completions", {"prompt": ["def fib(n):", "class Queue:"], "stop": [s1, s3]},
+             {0: cut_at(fib, [s1, s3]), 1: cut_at(q, [s1, s3])}),
+            # a stop string never hit: both choices end at max_tokens with 5 characters held
+            # back, so each one's cut-back must leave the replica its exact budget
+            ("/v1/completions", {"prompt": ["def main():", "x = 1\n"], "stop": NEVER},
+             {0: two[0], 1: two[1]})]
     whole = [("/v1/completions", {"prompt": "def fib(n):", **common}),
              ("/v1/chat/completions", {"messages": msgs[1:], **common})]
     # every request on replica 0 (replica 1 out of rotation until just before the kill), so
@@ -181,7 +200,7 @@ def test_replica_killed_mid_stream_every_stream_continues_identically(cluster, r
                                               fo["reference"][len(cases):]):
         for r in (res, first):
             assert r["done"] and not r["errors"] and r["choices"] == want, (body, r)
-        assert ("stop" in body) == (res["reasons"][-1] == "stop")
+        assert ("stop" in body and body["stop"] != NEVER) == (res["reasons"][-1] == "stop")
     assert [w["texts"] for w in fo["whole_records"]] == [[fib], [wants[3][1]]]
     assert {w["replica"] for w in fo["whole_records"]} == {cluster.names[1]}
     # labkit serve sends a non-streamed answer's headers with its body, so those two were
