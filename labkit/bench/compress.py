@@ -124,7 +124,7 @@ def _shipped_row(dense, metrics) -> tuple[dict, dict, object] | None:
            "perplexity_refit": log["refit"]["perplexity"], "kl_refit": log["refit"]["kl"],
            "heal_steps": last["step"], "heal_tokens": last["tokens"],
            "seconds": log["wall_time_s"]}
-    keep = ("command", "recipe", "counts", "dense", "one_shot", "refit", "curve",
+    keep = ("command", "segments", "recipe", "counts", "dense", "one_shot", "refit", "curve",
             "target_perplexity", "target_reached", "extrapolated_tokens_to_target",
             "wall_time_s", "torch_threads")
     return row, {k: log.get(k) for k in keep}, model

@@ -34,6 +34,7 @@ draft — a stand-in: a real pair's α depends on the models and the text.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from pathlib import Path
 from typing import Any
@@ -52,12 +53,15 @@ from labkit.bench.common import (
     write_results,
 )
 from labkit.spec.eagle import EagleDraft, load_eagle
+from labkit.spec.lean_draft import lean_draft
 from labkit.spec.theory import expected_speedup, expected_tokens_per_step, trace_acceptance
 
 QUICK = {"num_prompts": 4, "max_tokens": 64, "gammas": [2, 4], "rounds": 1}
 FULL = {"num_prompts": 16, "max_tokens": 128, "gammas": [1, 2, 4, 6, 8], "rounds": 2}
 DEFAULT_DRAFT = "labkit-tiny-draft-distilled"
 DEFAULT_EAGLE = "labkit-tiny-eagle"
+# (layers, hidden, query heads, KV heads, FFN): the shipped draft's shape (2 x 128) among others
+DRAFT_SHAPES = [(1, 128, 4, 2, 512), (2, 128, 4, 2, 512), (4, 64, 2, 1, 256), (1, 256, 8, 4, 704)]
 SIM = {"target": "llama-2-7b", "draft": "tinyllama-1.1b", "gpu": "a100-80gb", "context": 512}
 
 
@@ -157,13 +161,53 @@ def _forward_ms(model: torch.nn.Module, context: int, num_tokens: int, reps: int
 
 def measure_costs(target, draft, gammas: list[int], context: int = 64,
                   reps: int = 30, eagle: torch.nn.Module | None = None) -> dict[str, Any]:
-    """Raw model forward costs on this machine (no engine): the c and verify terms."""
+    """Raw model forward costs on this machine (no engine): the c and verify terms. The draft
+    is timed through the forward the engine's proposer runs (the fused LeanDraft where it
+    covers the model); ``draft_module_decode_ms`` keeps the plain module's cost beside it."""
     t_dec = _forward_ms(target, context, 1, reps)
+    lean = lean_draft(draft)
     out = {"context": context, "target_decode_ms": t_dec,
-           "draft_decode_ms": _forward_ms(draft, context, 1, reps),
+           "draft_decode_ms": _forward_ms(lean or draft, context, 1, reps),
+           "draft_module_decode_ms": _forward_ms(draft, context, 1, reps),
            "target_verify_ms": {g: _forward_ms(target, context, g + 1, reps) for g in gammas}}
     if eagle is not None:
         out["eagle_decode_ms"] = _forward_ms(eagle, context, 1, reps)
+    return out
+
+
+def draft_shapes(draft: torch.nn.Module, costs: dict[str, Any], rows: list[dict[str, Any]],
+                 target_speedup: float = 1.5, reps: int = 30) -> list[dict[str, Any]]:
+    """Would a differently shaped draft pay? Per shape: its bare forward cost (random weights,
+    the draft's vocabulary, the LeanDraft forward; cost does not depend on the weights), and,
+    from the engine's measured costs for the shipped draft (``engine_ms`` of the draft_model
+    rows), the α it would need for ``target_speedup`` at each γ and the speed-up it would give
+    at the shipped draft's measured α. In the engine a draft token costs what the shipped one
+    did plus the difference of the bare forwards; the rest of a speculative step (verify,
+    overhead) is as measured; a plain step is ``engine_plain_step``."""
+    from labkit.model.llama import LlamaForCausalLM
+    from labkit.spec.theory import alpha_needed, cpu_speedup
+
+    cfg, plain = draft.config, costs["engine_plain_step"]
+    measured = {r["gamma"]: r for r in rows if r["proposer"] == "draft_model"}
+    out = []
+    for layers, hidden, heads, kv, ffn in DRAFT_SHAPES:
+        shape = dataclasses.replace(cfg, num_hidden_layers=layers, hidden_size=hidden,
+                                    num_attention_heads=heads, num_key_value_heads=kv,
+                                    intermediate_size=ffn, head_dim=hidden // heads)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(shape).eval()
+        bare = _forward_ms(lean_draft(model) or model, 64, 1, reps)
+        row = {"layers": layers, "hidden": hidden, "heads": [heads, kv], "ffn": ffn,
+               "parameters": sum(p.numel() for p in model.parameters()), "bare_ms": bare,
+               "draft_cost_c": bare / costs["target_decode_ms"], "alpha_needed": {},
+               "speedup_at_measured_alpha": {}}
+        for g, r in measured.items():
+            e = r["engine_ms"]
+            per_token = (e["draft_per_token"] + bare - costs["draft_decode_ms"]) / plain
+            rest = (e["per_step"] - e["propose_per_step"]) / plain  # verify + overhead
+            row["alpha_needed"][g] = alpha_needed(target_speedup, g, per_token, rest)
+            row["speedup_at_measured_alpha"][g] = cpu_speedup(r["alpha"], g, per_token, rest)
+        out.append(row)
     return out
 
 
@@ -276,7 +320,10 @@ def run(quick: bool = True, target_name: str = "labkit-tiny",
             "metric": "tokens_per_s / speedup use the benchmark process's CPU time (equal to "
                       "wall time on an idle machine; on a shared one wall time mostly measures "
                       "the other processes); wall_* fields keep the wall-clock figures",
-            "results": rows + sim, "sim_config": SIM, "environment": environment()}
+            "results": rows + sim, "sim_config": SIM,
+            "draft_shapes": draft_shapes(draft, {**costs, "engine_plain_step": 1e3 * base[
+                "cpu_s"] / base["num_steps"]}, rows),
+            "environment": environment()}
 
 
 def write_chart(payload: dict[str, Any], path: str | Path) -> None:
@@ -339,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{payload['prompt_set']} prompts x {payload['max_tokens']} greedy tokens, "
           f"{payload['concurrency']} request(s) at a time, best of {payload['rounds']} round(s)")
     print(f"CPU ms per forward: target decode {c['target_decode_ms']:.2f}, draft decode "
-          f"{c['draft_decode_ms']:.2f}, target verify "
+          f"{c['draft_decode_ms']:.2f} (module forward {c['draft_module_decode_ms']:.2f}), "
+          "target verify "
           + ", ".join(f"γ={g}: {v:.2f}" for g, v in c["target_verify_ms"].items())
           + f"; engine overhead per plain step {c['engine_overhead_per_step']:.2f}")
     print("tokens_per_s: per CPU-second of this process (= wall on an idle machine); "
@@ -353,6 +401,15 @@ def main(argv: list[str] | None = None) -> int:
     print_table([r for r in payload["results"] if not r["measured"]],
                 ["gamma", "acceptance_rate", "draft_cost_c", "verify_over_decode",
                  "baseline_tokens_per_s", "tokens_per_s", "speedup"])
+    print("\ndraft shapes (layers x hidden; bare forward cost c; engine costs as measured): the "
+          "α each needs for 1.5x, and its speed-up at the shipped draft's α, per γ")
+    print_table([{"shape": f"{r['layers']} x {r['hidden']}", "c": r["draft_cost_c"],
+                  **{f"α for 1.5x γ={g}": a for g, a in r["alpha_needed"].items()},
+                  **{f"at α γ={g}": v for g, v in r["speedup_at_measured_alpha"].items()}}
+                 for r in payload["draft_shapes"]],
+                ["shape", "c", *[f"α for 1.5x γ={g}" for g in payload["draft_shapes"][0]
+                                 ["alpha_needed"]],
+                 *[f"at α γ={g}" for g in payload["draft_shapes"][0]["alpha_needed"]]])
     write_results(args.json, payload, write_chart)
     ok = all(r["outputs_match"] for r in payload["results"] if r["measured"])
     if not ok:

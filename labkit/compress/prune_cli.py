@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chart", metavar="HTML", help="write the healing curve")
+    p.add_argument("--resume", type=Path, metavar="DIR",
+                   help="continue healing the pruned model in DIR (a `labkit prune` output) "
+                        "for --heal-steps more steps; its curve and log carry on into --out")
     p.add_argument("--finish", action="store_true",
                    help="only complete --out's log, card and chart from its last checkpoint "
                         "(after stopping a run)")
@@ -103,22 +106,36 @@ def write_prune_card(out: Path, log: dict, name: str | None = None) -> str:
         f"{log['one_shot']['perplexity']:.2f}; refit {log['refit']['perplexity']:.2f}; healed "
         f"**{last['perplexity']:.2f}** (KL from dense {last['kl']:.3f}) |",
         f"| healing | {last['step']} steps × {r['batch_size']} × {r['seq_len']} tokens = "
-        f"{last['tokens']:,} tokens, AdamW lr {r['lr']:g} (warm-up {r['warmup_steps']}, cosine "
-        f"over {r['heal_steps']} steps{'' if last['step'] >= r['heal_steps'] else ', stopped'}), "
+        f"{last['tokens']:,} tokens, AdamW {_schedules(log)}, "
         f"{log['wall_time_s'] / 60:.0f} min on a shared 2-core CPU, "
         f"{log['torch_threads']} torch thread |",
         f"| target (healed ≤ dense + 5% = {log['target_perplexity']:.2f}) | "
         f"{'reached' if log['target_reached'] else 'not reached'}"
         + (f"; a power law fitted to the curve's second half reaches it after "
-           f"~{extra / 1e6:.1f} M tokens (optimistic if the curve flattens)" if extra else "")
+           f"~{extra / 1e6:.1f} M tokens (optimistic if the curve flattens)"
+           if extra and not log["target_reached"] else "")
         + " |",
-        "", "Command:", "", "```", log["command"], "```", "",
+        "", "Commands:" if log.get("segments") else "Command:", "", "```",
+        *[g["command"] for g in log.get("segments", [log])], "```", "",
         "| step | tokens | perplexity | KL |", "|---|---|---|---|"]
     lines += [f"| {e['step']} | {e['tokens']:,} | {e['perplexity']:.2f} | {e['kl']:.3f} |"
               for e in log["curve"]]
     text = "\n".join(lines) + "\n"
     (out / "README.md").write_text(text)
     return text
+
+
+def _schedules(log: dict) -> str:
+    """The learning-rate schedule of every healing segment (one, or more after ``--resume``)."""
+    segs = log.get("segments") or [{"start_step": 0, **_schedule(log["recipe"])}]
+    ends = [g["start_step"] for g in segs[1:]] + [log["curve"][-1]["step"]]
+    parts = []
+    for g, end in zip(segs, ends, strict=True):
+        done = end - g["start_step"]
+        parts.append(f"steps {g['start_step']}-{end}: lr {g['lr']:g} (warm-up "
+                     f"{g['warmup_steps']}, cosine over {g['heal_steps']} steps"
+                     f"{'' if done >= g['heal_steps'] else ', stopped'}, seed {g['seed']})")
+    return "; ".join(parts) if len(parts) > 1 else parts[0].split(": ", 1)[1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,28 +170,59 @@ def main(argv: list[str] | None = None) -> int:
         lp = log_probs(m, ev)
         return {"perplexity": perplexity_from_logprobs(lp, ev), "kl": mean_kl(ref, lp)}
 
-    pruned, counts = prune_and_refit(dense, calib, recipe)
-    log = {"model": args.model, "command": "labkit prune " + shlex.join(argv),
-           "recipe": asdict(recipe), "dense": metrics(dense),
-           "one_shot": metrics(counts.pop("one_shot")), "refit": metrics(pruned),
-           "counts": counts, "eval": f"{args.eval_windows} held-out windows x 256 tokens",
-           "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__}
+    command = "labkit prune " + shlex.join(argv)
+    if args.resume:
+        pruned, log, base = _resumed(args.resume, command, recipe)
+    else:
+        pruned, counts = prune_and_refit(dense, calib, recipe)
+        log = {"model": args.model, "command": command, "recipe": asdict(recipe),
+               "dense": metrics(dense), "one_shot": metrics(counts.pop("one_shot")),
+               "refit": metrics(pruned), "counts": counts, "curve": [],
+               "eval": f"{args.eval_windows} held-out windows x 256 tokens",
+               "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__}
+        base = {"step": 0, "tokens": 0, "wall_time_s": 0.0}
     print(json.dumps({k: log[k] for k in ("dense", "one_shot", "refit", "counts")}),
           file=sys.stderr, flush=True)
 
     def checkpoint(row: dict) -> None:
+        if base["step"] and row["step"] == 0:
+            return  # the resumed-from checkpoint is already the curve's last row
+        row = {**row, "step": row["step"] + base["step"],
+               "tokens": row["tokens"] + base["tokens"]}
         print(json.dumps(row), file=sys.stderr, flush=True)
         export_hf(pruned, pruned.config, tdir, args.out)
         log["curve"].append(row)
-        _write_log(args.out, log, t0)
+        _write_log(args.out, log, t0, base["wall_time_s"])
 
-    log["curve"] = []
     pruned, curve = heal(pruned, dense, data.train.to(args.device), recipe, metrics,
                          args.time_budget, args.eval_every, on_eval=checkpoint,
                          device=args.device)
-    _write_log(args.out, log, t0)
+    _write_log(args.out, log, t0, base["wall_time_s"])
     finish(args.out, args.chart)
     return 0
+
+
+def _resumed(src: Path, command: str, recipe: PruneRecipe) -> tuple[torch.nn.Module, dict, dict]:
+    """The pruned model saved in ``src``, its log with this run added as a healing segment,
+    and where the new segment starts (step, tokens, wall time so far)."""
+    from labkit.model.loader import load_pretrained
+
+    if not (src / "prune_log.json").is_file():
+        raise FileNotFoundError(f"--resume {src}: no prune_log.json there; pass a `labkit prune` "
+                          "output folder")
+    log = json.loads((src / "prune_log.json").read_text())
+    model, _ = load_pretrained(src)
+    last = log["curve"][-1]
+    segments = log.setdefault("segments", [{"command": log["command"], "start_step": 0,
+                                            **_schedule(log["recipe"])}])
+    segments.append({"command": command, "start_step": last["step"],
+                     **_schedule(asdict(recipe))})
+    base = {"step": last["step"], "tokens": last["tokens"], "wall_time_s": log["wall_time_s"]}
+    return model.float(), log, base
+
+
+def _schedule(recipe: dict) -> dict:
+    return {k: recipe[k] for k in ("heal_steps", "lr", "warmup_steps", "seed")}
 
 
 def finish(out: Path, chart: str | None = None) -> dict:
@@ -196,9 +244,9 @@ def finish(out: Path, chart: str | None = None) -> dict:
     return log
 
 
-def _write_log(out: Path, log: dict, t0: float) -> None:
+def _write_log(out: Path, log: dict, t0: float, before_s: float = 0.0) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    log["wall_time_s"] = time.perf_counter() - t0
+    log["wall_time_s"] = before_s + time.perf_counter() - t0
     (out / "prune_log.json").write_text(json.dumps(log, indent=1) + "\n")
 
 

@@ -31,6 +31,7 @@ import torch
 from labkit.engine.model_runner import ModelRunner
 from labkit.kv.attention import AttentionBackend, get_attention_backend
 from labkit.model.sampling import apply_sampling_filters
+from labkit.spec.lean_draft import lean_draft
 
 Feed = tuple[int, list[int]]  # (first position, tokens the draft has not seen yet)
 
@@ -149,7 +150,9 @@ class DraftModelProposer:
         self.model = model
         self.num_speculative_tokens = num_speculative_tokens
         self.block_size = block_size
-        self.runner = ModelRunner.for_model(model, block_size, num_blocks, 0, attention_backend)
+        # the fused forward where it covers the model (lean_draft.py: same logits, fewer ops)
+        self.runner = ModelRunner.for_model(lean_draft(model) or model, block_size, num_blocks,
+                                            0, attention_backend)
         self._computed: dict[str, int] = {}  # positions 0..n-1 hold valid draft KV
         self._blocks: dict[str, list[int]] = {}  # the block table those positions were written to
 

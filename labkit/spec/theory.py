@@ -43,6 +43,34 @@ def expected_speedup(alpha: float, gamma: int, draft_cost: float) -> float:
     return expected_tokens_per_step(alpha, gamma) / (gamma * draft_cost + 1.0)
 
 
+def cpu_speedup(alpha: float, gamma: int, draft_cost: float, verify_cost: float,
+                overhead: float = 0.0) -> float:
+    """The speed-up with the costs a CPU engine pays, in target decode forwards: each draft
+    token ``draft_cost`` (c), the verify forward of γ+1 tokens ``verify_cost`` (1 on a GPU,
+    more on a CPU), and a fixed per-step ``overhead`` O that plain decoding pays too:
+    E(α, γ) · (1 + O) / (γc + verify + O)."""
+    if min(draft_cost, verify_cost, overhead) < 0:
+        raise ValueError("costs must be >= 0")
+    return expected_tokens_per_step(alpha, gamma) * (1.0 + overhead) / (
+        gamma * draft_cost + verify_cost + overhead)
+
+
+def alpha_needed(speedup: float, gamma: int, draft_cost: float, verify_cost: float,
+                 overhead: float = 0.0) -> float | None:
+    """The per-token acceptance α at which :func:`cpu_speedup` reaches ``speedup`` (bisection;
+    it rises with α), or None if even α = 1 falls short: how good a draft of this cost must be."""
+    def f(a: float) -> float:
+        return cpu_speedup(a, gamma, draft_cost, verify_cost, overhead)
+
+    if f(1.0) < speedup:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) < speedup else (lo, mid)
+    return hi
+
+
 @dataclass
 class AcceptanceStats:
     """Acceptance measured from (proposed, accepted) records, one per sequence per step."""

@@ -86,6 +86,25 @@ def test_prune_cli_writes_a_smaller_model_that_loads_and_runs(tmp_path):
     stopped = json.loads((out / "prune_log.json").read_text())
     assert stopped["healed"] == log["curve"][1] and "| 1 | 64 |" in (out / "README.md").read_text()
     assert not math.isnan(log["wall_time_s"]) and log["command"].startswith("labkit prune")
+    # --resume: healing carries on from that checkpoint, its curve and card continue
+    more = tmp_path / "more"
+    assert main(["prune", "--data", str(data), "--resume", str(out), "--out", str(more),
+                 "--heal-steps", "2", "--eval-every", "1", "--eval-windows", "1",
+                 "--batch-size", "2", "--seq-len", "32", "--warmup-steps", "1",
+                 "--seed", "1"]) == 0
+    cont = json.loads((more / "prune_log.json").read_text())
+    assert [r["step"] for r in cont["curve"]] == [0, 1, 2, 3]
+    assert [r["tokens"] for r in cont["curve"]] == [0, 64, 128, 192]
+    assert cont["curve"][:2] == stopped["curve"] and cont["refit"] == log["refit"]
+    assert [g["start_step"] for g in cont["segments"]] == [0, 1]
+    assert cont["wall_time_s"] > stopped["wall_time_s"]
+    card = (more / "README.md").read_text()
+    assert log["command"] in card and "--resume" in card and "steps 1-3: lr" in card
+    resumed, _ = load_pretrained(more)
+    ppl = perplexity_from_logprobs(log_probs(resumed, ev), ev)
+    assert ppl == pytest.approx(cont["curve"][-1]["perplexity"], rel=0.01)
+    with pytest.raises(FileNotFoundError, match="prune_log.json"):
+        main(["prune", "--data", str(data), "--resume", str(tmp_path), "--out", str(more)])
 
 
 def test_shipped_pruned_model_loads_and_decodes_like_the_reference():

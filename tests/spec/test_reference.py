@@ -9,6 +9,8 @@ from labkit.model.generate import generate
 from labkit.spec.proposers import NgramProposer
 from labkit.spec.theory import (
     acceptance_stats,
+    alpha_needed,
+    cpu_speedup,
     expected_speedup,
     expected_tokens_per_step,
     speculative_generate,
@@ -90,6 +92,13 @@ def test_theory_formulas():
     assert expected_speedup(0.5, 2, 0.25) == pytest.approx(1.75 / 1.5)
     with pytest.raises(ValueError):
         expected_tokens_per_step(1.5, 2)
+    # the CPU model: with verify = one decode and no overhead it is the textbook formula
+    assert cpu_speedup(0.7, 3, 0.2, 1.0) == pytest.approx(expected_speedup(0.7, 3, 0.2))
+    assert cpu_speedup(0.5, 2, 0.25, 1.4, 0.2) == pytest.approx(1.75 * 1.2 / (0.5 + 1.4 + 0.2))
+    assert alpha_needed(1.5, 1, 0.0, 1.0) == pytest.approx(0.5)  # 1 + α = 1.5
+    # 1 + α + α² = 1.5 · 1.5  ->  α = (√6 − 1) / 2
+    assert alpha_needed(1.5, 2, 0.25, 1.0) == pytest.approx((6 ** 0.5 - 1) / 2)
+    assert alpha_needed(3.5, 2, 0.0, 1.0) is None  # never more than γ + 1 tokens per step
 
 
 def test_acceptance_stats_match_simulated_geometric():

@@ -1,0 +1,138 @@
+"""LeanDraft: the draft model's forward with fewer, fused tensor ops (the same math).
+
+Why: a draft model pays only if its forward costs a small fraction c of the target's. On a CPU a
+~1 M-parameter Llama does almost no arithmetic per token; its forward time is the fixed cost of
+each tensor op and ``nn.Module`` call (a few microseconds each, ~40 per layer), so a 2-layer
+draft of width 128 costs ~0.4 of a 6-layer target of width 256, not the ~0.1 its FLOPs say.
+This forward runs the draft's weights with a fraction of the calls, per layer:
+
+* q, k, v from ONE matmul (the three weights concatenated), gate and up from one;
+* each RMSNorm's weight folded into the matmul after it (the norm itself stays float32, like
+  :class:`~labkit.model.llama.RMSNorm`);
+* rotary embeddings: cos/sin looked up in a table built once, q and k rotated in one pass;
+* no ``nn.Module`` dispatch: plain functions over the weight tensors.
+
+Attention still goes through the cache's ``attend`` (the paged backend), so the draft's KV lives
+where :class:`~labkit.spec.proposers.DraftModelProposer` expects it. Logits equal the model's up
+to float rounding (tests/spec/test_lean_draft.py); a draft's numerics can only change which
+drafts are proposed, never the output, because the target verifies every token.
+
+The weights are copied (fused) at construction: build it after the draft is loaded or trained.
+Models it does not cover (biases, sliding windows, quantized or other swapped linears) keep the
+module forward (:func:`lean_draft` returns None).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from labkit.model.llama import LlamaForCausalLM, rope_cos_sin
+
+
+@dataclass
+class _Layer:
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, h], the input norm's weight folded in
+    o: torch.Tensor
+    gate_up: torch.Tensor  # [2 I, h], the post-attention norm's weight folded in
+    down: torch.Tensor
+
+
+def _plain(model: nn.Module) -> bool:
+    """Only a bias-free, full-attention Llama of plain ``nn.Linear`` layers is covered."""
+    if type(model) is not LlamaForCausalLM:
+        return False
+    cfg = model.config
+    if cfg.sliding_window is not None or cfg.attention_bias or cfg.o_proj_bias:
+        return False
+    linears = [model.lm_head] + [
+        m for layer in model.model.layers
+        for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                  layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
+                  layer.mlp.down_proj)]
+    return all(type(m) is nn.Linear and m.bias is None for m in linears)
+
+
+class LeanDraft:
+    """Callable like the model (``input_ids, positions, kv_cache, logits_indices``), with its
+    ``config``, ``dtype`` and ``device``, so a :class:`~labkit.engine.model_runner.ModelRunner`
+    runs it unchanged."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        if not _plain(model):
+            raise ValueError("LeanDraft covers a plain LlamaForCausalLM (no biases, no sliding "
+                             "window, nn.Linear layers); run other drafts through the module")
+        cfg = model.config
+        self.model = model
+        self.config = cfg
+        self.eps = cfg.rms_norm_eps
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        with torch.no_grad():
+            m = model.model
+            self.embed = m.embed_tokens.weight.detach()
+            # an RMSNorm's weight scales the input channels of the matmul after it: fold it in
+            self.lm_head = (model.lm_head.weight * m.norm.weight).detach()
+            self.layers = [_Layer(
+                torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
+                           layer.self_attn.v_proj.weight]) * layer.input_layernorm.weight,
+                layer.self_attn.o_proj.weight.detach(),
+                torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight])
+                * layer.post_attention_layernorm.weight,
+                layer.mlp.down_proj.weight.detach()) for layer in m.layers]
+            # the same cos/sin rope_cos_sin computes per step, for every position at once
+            pos = torch.arange(cfg.max_position_embeddings, device=self.device)
+            self.cos, self.sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, self.dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.dtype
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm without its weight (folded into the next matmul), in float32."""
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf if x.dtype == torch.float32 else xf.to(x.dtype)
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor | None, kv_cache,
+                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [B, T] (the engine packs one row) -> logits [B, T, V], or of the
+        ``logits_indices`` rows of the flattened tokens; positions default to 0 .. T-1."""
+        B, T = input_ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if int(positions.max()) >= self.config.max_position_embeddings:
+            raise ValueError(f"position {int(positions.max())} is beyond the draft's context "
+                             f"of {self.config.max_position_embeddings} tokens")
+        flat = positions.reshape(-1)
+        cos = self.cos.index_select(0, flat).view(B, T, 1, D)
+        sin = self.sin.index_select(0, flat).view(B, T, 1, D)
+        half = D // 2
+        x = F.embedding(input_ids, self.embed)
+        for i, w in enumerate(self.layers):
+            qkv = F.linear(self._norm(x), w.qkv).view(B, T, Hq + 2 * Hkv, D)
+            qk = qkv[:, :, :Hq + Hkv]
+            qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin
+            out = kv_cache.attend(i, qk[:, :, :Hq], qk[:, :, Hq:], qkv[:, :, Hq + Hkv:],
+                                  positions)
+            x = x + F.linear(out.reshape(B, T, Hq * D), w.o)
+            g, u = F.linear(self._norm(x), w.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(g) * u, w.down)
+        x = self._norm(x)
+        if logits_indices is not None:
+            x = x.reshape(B * T, -1).index_select(0, logits_indices)
+        return F.linear(x, self.lm_head)
+
+
+def lean_draft(model: nn.Module) -> LeanDraft | None:
+    """A :class:`LeanDraft` of ``model``, or None where it does not cover the model."""
+    return LeanDraft(model) if _plain(model) else None
