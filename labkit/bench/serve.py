@@ -46,14 +46,21 @@ from labkit.bench.serve_knee import fit_step_time, knee_report, simulate_rate
 from labkit.sim.workloads import prompt_texts
 
 QUICK = {"num_requests": 24, "max_tokens": 64, "rates": (4.0, 8.0, math.inf),
-         "concurrency": 16, "conc_requests": 64, "c1_requests": 6, "light_n": 16,
+         "concurrency": 16, "conc_requests": 64, "c1_requests": 6, "light_n": 40,
          "heavy_mult": 10, "overload": 2.0, "fair_max_num_seqs": 4, "fair_max_tokens": 16}
 FULL = {"num_requests": 96, "max_tokens": 64, "rates": (2.0, 4.0, 8.0, 16.0, math.inf),
         "concurrency": 16, "conc_requests": 192, "c1_requests": 16, "light_n": 40,
         "heavy_mult": 10, "overload": 2.0, "fair_max_num_seqs": 4, "fair_max_tokens": 24}
 SERVER_ARGS = ["--max-num-seqs", "16", "--num-blocks", "512", "--dtype", "float32"]
-ENGINE_MODES = "thread,process"  # the first is the headline: labkit serve's default mode
-ENGINE_THREADS = "1,2"
+ENGINE_MODES = "process,thread"  # the first is the headline: labkit serve's default mode
+
+
+def default_engine_threads() -> str:
+    """``--engine-threads``' default: torch's own count first (what ``labkit serve`` uses
+    when not told; it follows OMP_NUM_THREADS, else the cores), then 1."""
+    import torch
+
+    return ",".join(dict.fromkeys([str(torch.get_num_threads()), "1"]))
 
 
 def engine_args(mode: str, threads: int) -> list[str]:
@@ -61,8 +68,7 @@ def engine_args(mode: str, threads: int) -> list[str]:
     ``threads`` torch threads."""
     if mode not in ("thread", "process"):
         raise ValueError(f"--engine-modes: {mode!r} is not thread or process")
-    return ["--engine-threads", str(threads), *(["--engine-process"] if mode == "process"
-                                                 else [])]
+    return ["--engine-threads", str(threads), "--engine-mode", mode]
 
 
 def make_requests(n: int, max_tokens: int, dataset: str = "code_prompts", api_key: str | None
@@ -362,10 +368,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-modes", default=ENGINE_MODES, help="own servers: engine loop in "
                    "a 'thread' of the server and/or its own 'process' (vLLM's EngineCore), "
                    "measured one after the other in this run; the first is the headline")
-    p.add_argument("--engine-threads", default=ENGINE_THREADS, help="own servers and the "
-                   "in-process baseline: torch threads to try (comma list); the baseline "
-                   "keeps its best, each server setting is reported")
+    p.add_argument("--engine-threads", default=None, help="own servers and the "
+                   "in-process baseline: torch threads to try (comma list; default: torch's "
+                   "count, then 1); the baseline keeps its best, each setting is reported")
     args = p.parse_args(argv)
+    args.engine_threads = args.engine_threads or default_engine_threads()
     payload = run(args)
     cols = ["request_rate", "completed", "request_throughput", "output_throughput",
             "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms"]

@@ -2,8 +2,8 @@
 
 - ``async_llm.AsyncLLM``: the async front: per-request output streams; cancel = abort before
   the next step. ``engine_core``: the engine loop it drives (vLLM's EngineCore), in a thread of
-  the server or in its own process (``EngineSpec``, ``--engine-process``: no GIL shared with
-  the HTTP loop).
+  the server or in its own process (``EngineSpec``, ``labkit serve``'s default: no GIL
+  shared with the HTTP loop).
 - ``protocol``: OpenAI request parsing (every client mistake a 4xx ``APIError``), response and
   SSE chunk shapes. ``chat``: chat templates (the model's Jinja template, else ChatML).
 - ``serving``: one accepted request from engine streams to SSE / JSON; timeouts; disconnects.

@@ -13,7 +13,7 @@ runs in one of two places, chosen by what is passed in:
   wait lands on every TTFT, accept and chunk, while the loop's own Python work lands on the
   engine's steps. AsyncLLM lowers the interval to ``switch_interval`` (0.5 ms; restored at
   shutdown) while it runs, which shortens the waits but cannot remove the sharing.
-- **a process** (``AsyncLLM(EngineSpec(...))``, ``labkit serve --engine-process``), as vLLM
+- **a process** (``AsyncLLM(EngineSpec(...))``, ``labkit serve``'s default), as vLLM
   V1's EngineCore: the engine has its own interpreter and GIL; commands go down one pipe,
   each step's outputs come up another, read on the event loop with ``loop.add_reader`` (no
   extra thread here). ``call(fn)`` then needs a picklable ``fn`` (e.g. ``assert_no_leaks``);

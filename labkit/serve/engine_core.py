@@ -11,13 +11,13 @@ touches the engine. Messages (all picklable):
   for each request the step (or an abort) touched; ``outputs`` = all of the step's StepOutputs;
 - ``("dead", error)``: the loop stopped (shutdown, or an unrecoverable step error).
 
-Why a process (``labkit serve --engine-process``): the engine runs Python (scheduler, model
-code between kernels) for most of a step, and in a thread it shares the GIL with the event
-loop, so every SSE chunk, accept and JSON parse waits for the GIL and adds onto the step
-(and the step onto them). In its own process the engine has a GIL to itself; the API process
-only parses, streams and pickles. The price is one pickled message per step each way, and the
-engine object is no longer inspectable from the server process (``call(fn)`` runs a picklable
-``fn`` there instead).
+Why a process (``labkit serve``'s default, ``--engine-mode process``): the engine runs Python
+(scheduler, model code between kernels) for most of a step, and in a thread it shares the GIL
+with the event loop, so every SSE chunk, accept and JSON parse waits for the GIL and adds onto
+the step (and the step onto them). In its own process the engine has a GIL to itself; the API
+process only parses, streams and pickles. The price is one pickled message per step each way,
+and the engine object is no longer inspectable from the server process (``call(fn)`` runs a
+picklable ``fn`` there instead).
 
 The process side (``_core_main``) builds its engine from an :class:`EngineSpec` (``spawn``: a
 fresh interpreter, no forked torch state), sends a handshake (``max_model_len``, ``vocab_size``,
@@ -30,6 +30,7 @@ to the API process, which drains and then stops the child.
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import pickle
 import queue
@@ -283,9 +284,13 @@ class EngineCoreProc:
         ctx = mp.get_context("spawn")
         self.cmd_conn, child_cmd = ctx.Pipe(duplex=False)[::-1]
         child_out, self.out_conn = ctx.Pipe(duplex=False)[::-1]
+        # not a daemon: a daemonic process may not start children, and the engine starts its
+        # tensor-parallel workers. We stop it at exit ourselves (atexit runs this before
+        # multiprocessing's join of live children); if we die, its command pipe's EOF stops it
         self.proc = ctx.Process(target=_core_main, args=(spec, child_cmd, child_out),
-                                name="labkit-engine-core", daemon=True)
+                                name="labkit-engine-core", daemon=False)
         self.proc.start()
+        atexit.register(self.stop, 5.0)
         child_cmd.close()  # ours closed: EOF reaches us when the child dies, and it when we die
         child_out.close()
         try:
@@ -314,6 +319,7 @@ class EngineCoreProc:
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """Ask it to stop, wait ``timeout`` s, then terminate / kill; always reaped."""
+        atexit.unregister(self.stop)
         if self.proc.is_alive() and timeout > 0:
             try:
                 self.cmd_conn.send(("stop",))

@@ -144,9 +144,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=None, metavar="N",
                    help="split the model over N worker processes (labkit.parallel)")
-    p.add_argument("--engine-process", action="store_true", help="run the engine loop in "
-                   "its own process (vLLM's EngineCore: no GIL shared with the HTTP loop) "
-                   "instead of a thread of the server")
+    p.add_argument("--engine-mode", choices=("process", "thread"), default="process",
+                   help="where the engine loop runs: its own process (default; vLLM's "
+                   "EngineCore: no GIL shared with the HTTP loop) or a thread of the server")
+    p.add_argument("--engine-process", dest="engine_mode", action="store_const",
+                   const="process", help="same as --engine-mode process (the default)")
     p.add_argument("--engine-threads", type=int, default=None, metavar="N",
                    help="torch intra-op threads of the engine (default: torch's, which "
                    "follows OMP_NUM_THREADS)")
@@ -245,7 +247,7 @@ def _engine_core(args: argparse.Namespace) -> tuple[AsyncLLM, Any, Any]:
     """(AsyncLLM, tokenizer, chat template): an engine process built from a spec, or an
     engine built here whose loop will run in a thread."""
     kw = {k: getattr(args, k) for k in ENGINE_FLAGS}
-    if args.engine_process:
+    if args.engine_mode == "process":
         llm = AsyncLLM(EngineSpec(args.model, args.dtype, args.device, kw,
                                   args.engine_threads))
         return llm, llm.tokenizer, chat_template_for(args.model)

@@ -1,5 +1,7 @@
 """``labkit serve MODEL --host 127.0.0.1 --port P`` as a real process: /health turns 200 once
-loaded; SIGTERM drains (the stream in flight finishes, new requests get 503) and exits 0."""
+loaded; SIGTERM drains (the stream in flight finishes, new requests get 503) and exits 0. The
+engine loop runs in a thread here (`--engine-mode thread`); tests/serve/test_engine_process.py
+drains the default, an engine process."""
 
 from __future__ import annotations
 
@@ -35,8 +37,8 @@ def test_labkit_serve_process_drains_on_sigterm():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "labkit.cli", "serve", "labkit-tiny",
                              "--host", "127.0.0.1", "--port", str(port), "--num-blocks", "64",
-                             "--drain-timeout", "30"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+                             "--drain-timeout", "30", "--engine-mode", "thread"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, proc)

@@ -118,13 +118,16 @@ def _children(pid: int) -> set[int]:
 
 @pytest.mark.slow
 def test_sigterm_to_labkit_serve_leaves_no_engine_process():
-    """``labkit serve --engine-process`` as a real process: SIGTERM drains, stops the engine
-    process and exits; nothing it started is left running."""
+    """``labkit serve`` as a real process (its engine in a process by default): SIGTERM
+    drains, stops the engine process and exits; nothing it started is left running. The
+    soak's memory probe counts the engine process too (the KV cache and weights live there)."""
+    from labkit.bench.serve_soak import rss_kb, tree_rss_kb
     from labkit.serve.process import ServerProcess
 
-    srv = ServerProcess(NAME, ["--engine-process", "--num-blocks", "64", "--dtype", "float32"])
+    srv = ServerProcess(NAME, ["--num-blocks", "64", "--dtype", "float32"])
     with srv:
         kids = _children(srv.pid)
+        assert tree_rss_kb(srv.pid) > rss_kb(srv.pid) + 50_000  # an engine imports torch
         r = httpx.post(srv.url + "/v1/completions", timeout=60, json={
             "model": NAME, "prompt": "def f(x):", "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
@@ -139,7 +142,7 @@ def test_sigterm_to_labkit_serve_leaves_no_engine_process():
 def test_bench_engine_args_name_the_mode():
     from labkit.bench.serve import engine_args
 
-    assert engine_args("process", 2) == ["--engine-threads", "2", "--engine-process"]
-    assert engine_args("thread", 1) == ["--engine-threads", "1"]
+    assert engine_args("process", 2) == ["--engine-threads", "2", "--engine-mode", "process"]
+    assert engine_args("thread", 1) == ["--engine-threads", "1", "--engine-mode", "thread"]
     with pytest.raises(ValueError, match="thread or process"):
         engine_args("gpu", 1)
