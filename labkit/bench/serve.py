@@ -46,7 +46,7 @@ from labkit.bench.serve_knee import fit_step_time, knee_report, simulate_rate
 from labkit.sim.workloads import prompt_texts
 
 QUICK = {"num_requests": 24, "max_tokens": 64, "rates": (4.0, 8.0, math.inf),
-         "concurrency": 16, "conc_requests": 64, "c1_requests": 6, "light_n": 40,
+         "concurrency": 16, "conc_requests": 64, "c1_requests": 16, "light_n": 40,
          "heavy_mult": 10, "overload": 2.0, "fair_max_num_seqs": 4, "fair_max_tokens": 16}
 FULL = {"num_requests": 96, "max_tokens": 64, "rates": (2.0, 4.0, 8.0, 16.0, math.inf),
         "concurrency": 16, "conc_requests": 192, "c1_requests": 16, "light_n": 40,

@@ -53,7 +53,7 @@ from labkit.bench.common import (
     write_results,
 )
 from labkit.spec.eagle import EagleDraft, load_eagle
-from labkit.spec.lean_draft import lean_draft
+from labkit.spec.lean_draft import LeanEagle, lean_draft
 from labkit.spec.theory import expected_speedup, expected_tokens_per_step, trace_acceptance
 
 QUICK = {"num_prompts": 4, "max_tokens": 64, "gammas": [2, 4], "rounds": 1}
@@ -146,7 +146,7 @@ def _forward_ms(model: torch.nn.Module, context: int, num_tokens: int, reps: int
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (1, context + num_tokens), generator=gen)
     kw = {}
-    if isinstance(model, EagleDraft):
+    if isinstance(model, (EagleDraft, LeanEagle)):
         kw = {"features": torch.randn(1, context + num_tokens, model.config.hidden_size,
                                       generator=gen)}
     model(ids[:, :context], None, cache, **{k: v[:, :context] for k, v in kw.items()})
@@ -171,7 +171,8 @@ def measure_costs(target, draft, gammas: list[int], context: int = 64,
            "draft_module_decode_ms": _forward_ms(draft, context, 1, reps),
            "target_verify_ms": {g: _forward_ms(target, context, g + 1, reps) for g in gammas}}
     if eagle is not None:
-        out["eagle_decode_ms"] = _forward_ms(eagle, context, 1, reps)
+        out["eagle_decode_ms"] = _forward_ms(lean_draft(eagle) or eagle, context, 1, reps)
+        out["eagle_module_decode_ms"] = _forward_ms(eagle, context, 1, reps)
     return out
 
 

@@ -75,7 +75,7 @@ class EagleProposer(DraftModelProposer):
             logits = self.runner.forward(chunks, [[len(toks) - 1] for _, toks in fed],
                                          features=torch.cat(feats)[None])
             for row, i in enumerate(rows):
-                prev[i] = self.model.last_hidden[row]
+                prev[i] = self.runner.model.last_hidden[row]  # the module or its LeanEagle
             return logits
 
         props = iter(draft_loop(step, active, feeds))

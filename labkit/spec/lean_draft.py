@@ -17,6 +17,9 @@ where :class:`~labkit.spec.proposers.DraftModelProposer` expects it. Logits equa
 to float rounding (tests/spec/test_lean_draft.py); a draft's numerics can only change which
 drafts are proposed, never the output, because the target verifies every token.
 
+``LeanEagle`` is the same forward for an EAGLE head (:mod:`labkit.spec.eagle`): its ``fc``,
+its one fused layer, the target's final norm folded into the target's LM head.
+
 The weights are copied (fused) at construction: build it after the draft is loaded or trained.
 Models it does not cover (biases, sliding windows, quantized or other swapped linears) keep the
 module forward (:func:`lean_draft` returns None).
@@ -56,36 +59,28 @@ def _plain(model: nn.Module) -> bool:
     return all(type(m) is nn.Linear and m.bias is None for m in linears)
 
 
-class LeanDraft:
-    """Callable like the model (``input_ids, positions, kv_cache, logits_indices``), with its
-    ``config``, ``dtype`` and ``device``, so a :class:`~labkit.engine.model_runner.ModelRunner`
-    runs it unchanged."""
+def _fuse(layer: nn.Module) -> _Layer:
+    """One decoder layer's weights, fused (q|k|v, gate|up) with its norms' weights folded in."""
+    a, m = layer.self_attn, layer.mlp
+    return _Layer(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+                  * layer.input_layernorm.weight, a.o_proj.weight.detach(),
+                  torch.cat([m.gate_proj.weight, m.up_proj.weight])
+                  * layer.post_attention_layernorm.weight, m.down_proj.weight.detach())
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
-        if not _plain(model):
-            raise ValueError("LeanDraft covers a plain LlamaForCausalLM (no biases, no sliding "
-                             "window, nn.Linear layers); run other drafts through the module")
-        cfg = model.config
-        self.model = model
-        self.config = cfg
-        self.eps = cfg.rms_norm_eps
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        with torch.no_grad():
-            m = model.model
-            self.embed = m.embed_tokens.weight.detach()
-            # an RMSNorm's weight scales the input channels of the matmul after it: fold it in
-            self.lm_head = (model.lm_head.weight * m.norm.weight).detach()
-            self.layers = [_Layer(
-                torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
-                           layer.self_attn.v_proj.weight]) * layer.input_layernorm.weight,
-                layer.self_attn.o_proj.weight.detach(),
-                torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight])
-                * layer.post_attention_layernorm.weight,
-                layer.mlp.down_proj.weight.detach()) for layer in m.layers]
-            # the same cos/sin rope_cos_sin computes per step, for every position at once
-            pos = torch.arange(cfg.max_position_embeddings, device=self.device)
-            self.cos, self.sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, self.dtype)
+
+class _Lean:
+    """What a fused forward needs besides its layers: the config, the final-norm-folded LM head,
+    a rotary table, weight-free RMSNorm and one decoder layer's forward."""
+
+    def __init__(self, config, lm_head: torch.Tensor) -> None:
+        self.config = config
+        self.eps = config.rms_norm_eps
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.lm_head = lm_head.detach()
+        # the same cos/sin rope_cos_sin computes per step, for every position at once
+        pos = torch.arange(config.max_position_embeddings, device=self.device)
+        self.cos, self.sin = rope_cos_sin(pos, config.head_dim, config.rope_theta, self.dtype)
 
     @property
     def device(self) -> torch.device:
@@ -101,6 +96,47 @@ class LeanDraft:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf if x.dtype == torch.float32 else xf.to(x.dtype)
 
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if int(positions.max()) >= self.config.max_position_embeddings:
+            raise ValueError(f"position {int(positions.max())} is beyond the draft's context "
+                             f"of {self.config.max_position_embeddings} tokens")
+        B, T = positions.shape
+        flat = positions.reshape(-1)
+        return (self.cos.index_select(0, flat).view(B, T, 1, self.head_dim),
+                self.sin.index_select(0, flat).view(B, T, 1, self.head_dim))
+
+    def _layer(self, i: int, w: _Layer, x: torch.Tensor, rope: tuple, positions: torch.Tensor,
+               kv_cache) -> torch.Tensor:
+        B, T, _ = x.shape
+        Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        cos, sin = rope
+        half = D // 2
+        qkv = F.linear(self._norm(x), w.qkv).view(B, T, Hq + 2 * Hkv, D)
+        qk = qkv[:, :, :Hq + Hkv]
+        qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin
+        out = kv_cache.attend(i, qk[:, :, :Hq], qk[:, :, Hq:], qkv[:, :, Hq + Hkv:], positions)
+        x = x + F.linear(out.reshape(B, T, Hq * D), w.o)
+        g, u = F.linear(self._norm(x), w.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(g) * u, w.down)
+
+
+class LeanDraft(_Lean):
+    """Callable like the model (``input_ids, positions, kv_cache, logits_indices``), with its
+    ``config``, ``dtype`` and ``device``, so a :class:`~labkit.engine.model_runner.ModelRunner`
+    runs it unchanged."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        if not _plain(model):
+            raise ValueError("LeanDraft covers a plain LlamaForCausalLM (no biases, no sliding "
+                             "window, nn.Linear layers); run other drafts through the module")
+        self.model = model
+        with torch.no_grad():
+            m = model.model
+            # an RMSNorm's weight scales the input channels of the matmul after it: fold it in
+            super().__init__(model.config, model.lm_head.weight * m.norm.weight)
+            self.embed = m.embed_tokens.weight.detach()
+            self.layers = [_fuse(layer) for layer in m.layers]
+
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor | None, kv_cache,
                  logits_indices: torch.Tensor | None = None) -> torch.Tensor:
@@ -109,30 +145,64 @@ class LeanDraft:
         B, T = input_ids.shape
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
-        Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        if int(positions.max()) >= self.config.max_position_embeddings:
-            raise ValueError(f"position {int(positions.max())} is beyond the draft's context "
-                             f"of {self.config.max_position_embeddings} tokens")
-        flat = positions.reshape(-1)
-        cos = self.cos.index_select(0, flat).view(B, T, 1, D)
-        sin = self.sin.index_select(0, flat).view(B, T, 1, D)
-        half = D // 2
+        rope = self._rope(positions)
         x = F.embedding(input_ids, self.embed)
         for i, w in enumerate(self.layers):
-            qkv = F.linear(self._norm(x), w.qkv).view(B, T, Hq + 2 * Hkv, D)
-            qk = qkv[:, :, :Hq + Hkv]
-            qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin
-            out = kv_cache.attend(i, qk[:, :, :Hq], qk[:, :, Hq:], qkv[:, :, Hq + Hkv:],
-                                  positions)
-            x = x + F.linear(out.reshape(B, T, Hq * D), w.o)
-            g, u = F.linear(self._norm(x), w.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(g) * u, w.down)
+            x = self._layer(i, w, x, rope, positions, kv_cache)
         x = self._norm(x)
         if logits_indices is not None:
             x = x.reshape(B * T, -1).index_select(0, logits_indices)
         return F.linear(x, self.lm_head)
 
 
-def lean_draft(model: nn.Module) -> LeanDraft | None:
-    """A :class:`LeanDraft` of ``model``, or None where it does not cover the model."""
-    return LeanDraft(model) if _plain(model) else None
+class LeanEagle(_Lean):
+    """The same fused forward for an EAGLE head (:class:`~labkit.spec.eagle.EagleDraft`): fc,
+    its one layer, then the target's final norm (folded) and LM head. Like the module it takes
+    ``features`` and leaves the predicted features of the selected rows in ``last_hidden``."""
+
+    def __init__(self, head: nn.Module) -> None:
+        embed, norm, lm_head = head.shared
+        with torch.no_grad():
+            super().__init__(head.config, lm_head.weight * norm.weight)
+            self.embed = embed.weight.detach()
+            self.fc = head.fc.weight.detach()
+            self.layer = _fuse(head.layer)
+        self.last_hidden: torch.Tensor | None = None
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor | None, kv_cache,
+                 logits_indices: torch.Tensor | None = None,
+                 features: torch.Tensor | None = None) -> torch.Tensor:
+        B, T = input_ids.shape
+        if features is None:
+            raise ValueError("an EAGLE head needs the target's features beside the tokens")
+        if positions is None:
+            positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        x = F.linear(torch.cat([F.embedding(input_ids, self.embed),
+                                features.to(self.dtype)], dim=-1), self.fc)
+        h = self._layer(0, self.layer, x, self._rope(positions), positions, kv_cache)
+        if logits_indices is not None:
+            h = h.reshape(B * T, -1).index_select(0, logits_indices)
+        self.last_hidden = h
+        return F.linear(self._norm(h), self.lm_head)
+
+
+def _plain_eagle(head: nn.Module) -> bool:
+    from labkit.spec.eagle import EagleDraft
+
+    if type(head) is not EagleDraft:
+        return False
+    cfg, a, m = head.config, head.layer.self_attn, head.layer.mlp
+    if cfg.sliding_window is not None or cfg.attention_bias or cfg.o_proj_bias:
+        return False
+    linears = (head.fc, head.shared[2], a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj,
+               m.up_proj, m.down_proj)
+    return all(type(x) is nn.Linear and x.bias is None for x in linears)
+
+
+def lean_draft(model: nn.Module) -> LeanDraft | LeanEagle | None:
+    """A fused forward of ``model`` (a draft model or an EAGLE head), or None where it does
+    not cover the model."""
+    if _plain(model):
+        return LeanDraft(model)
+    return LeanEagle(model) if _plain_eagle(model) else None

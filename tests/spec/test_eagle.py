@@ -20,6 +20,7 @@ from labkit.spec.eagle import (
     target_features,
     train_eagle,
 )
+from labkit.spec.lean_draft import LeanEagle, lean_draft
 
 PROMPTS = [[1, 5, 9, 5, 9, 5, 9, 17, 3], list(range(10, 40)), [7] * 5 + [8, 9], [3, 3, 4]]
 
@@ -72,6 +73,31 @@ def test_engine_drafts_equal_uncached_reference(target, head, gamma):
         ctx += next(iter(step["outputs"].values()), [])  # one sequence
     assert checked > 3
     assert ctx == prompt + tokens
+    assert isinstance(llm.llm_engine.executor.proposer.runner.model, LeanEagle)  # fused path
+
+
+def test_lean_eagle_equals_the_module(target, head):
+    """LeanEagle (fused q|k|v and gate|up, norms folded): the module's logits and predicted
+    features, prefill then one token at a time through a KV cache."""
+    from labkit.model.generate import ContiguousKVCache
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.config.vocab_size, (2, 10), generator=gen)
+    feats = torch.randn(2, 10, target.config.hidden_size, generator=gen)
+    pos = torch.arange(10).expand(2, 10)
+    with torch.no_grad():
+        want_h = head.hidden(ids, feats, pos)  # uncached, whole sequence
+        want = head.logits(want_h)
+    lean, cache = lean_draft(head), ContiguousKVCache(head, 2, 10)
+    assert isinstance(lean, LeanEagle)
+    got, hid = [lean(ids[:, :7], None, cache, features=feats[:, :7])], [lean.last_hidden]
+    for t in range(7, 10):
+        got.append(lean(ids[:, t:t + 1], pos[:, t:t + 1], cache, features=feats[:, t:t + 1]))
+        hid.append(lean.last_hidden)
+    torch.testing.assert_close(torch.cat(got, 1), want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.cat(hid, 1), want_h, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="features"):
+        lean(ids, None, ContiguousKVCache(head, 2, 10))
 
 
 @pytest.mark.parametrize("gamma", [2, 4])
