@@ -60,6 +60,9 @@ def test_spec_table_matches_spec_json():
               "draft_model: accepted / proposed": ("draft_model", "acceptance_rate"),
               "roofline estimate, TinyLlama-1.1B → Llama-2-7B on A100, at the tiny pair's α":
                   ("sim", "speedup")}
+    if any(p == "eagle" for p, _ in by):  # the shipped EAGLE head's rows
+        checks |= {"eagle: speed-up": ("eagle", "speedup"),
+                   "eagle: accepted / proposed": ("eagle", "acceptance_rate")}
     for label, (proposer, key) in checks.items():
         for g, cell in zip(gammas, _row(label)):
             assert _num(cell) == round(by[(proposer, g)][key], 2), f"{label}, γ={g}"
