@@ -377,9 +377,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="requests decoding together (max_num_seqs); speculation pays most at 1")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1: a 5M-parameter model gains nothing from more)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds over all configs, each config's best kept (default: 2, quick 1);"
+                        " more rounds ride out a machine whose speed drifts")
     args = p.parse_args(argv)
+    if args.rounds is not None and args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     torch.set_num_threads(args.threads)
     payload = run(args.quick, args.target, args.draft, args.prompt_set,
+                  sizes={"rounds": args.rounds} if args.rounds else None,
                   concurrency=args.concurrency,
                   eagle_name=_eagle_name(args.eagle))
     c = payload["costs_ms"]
