@@ -30,6 +30,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from labkit.utils import freeze_gc_heap
+
 
 @dataclass
 class BenchRequest:
@@ -128,6 +130,7 @@ async def run_load(url: str, model: str, requests: list[BenchRequest], rate: flo
                    timeout: float = 600.0) -> tuple[list[RequestResult], float]:
     """Send ``requests`` on the arrival schedule; returns (results in send order, duration)."""
     gaps = arrival_gaps(len(requests), rate, burstiness, seed)
+    freeze_gc_heap()  # a full collection mid-run would stall every stream being timed
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     conn = aiohttp.TCPConnector(limit=0)  # no client-side cap: the schedule decides
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(
@@ -140,8 +143,6 @@ async def run_load(url: str, model: str, requests: list[BenchRequest], rate: flo
                     r = await send(session, url, model, req, extra)
             if progress is not None:
                 progress.update(1)
-            return r
-
             return r
 
         t0 = time.perf_counter()

@@ -35,6 +35,7 @@ from labkit.serve.chat import chatml
 from labkit.serve.limits import Authenticator
 from labkit.serve.metrics import ServerMetrics
 from labkit.serve.protocol import APIError, bad
+from labkit.utils import freeze_gc_heap
 
 
 @dataclass
@@ -50,6 +51,10 @@ class ServeConfig:
     max_n: int = 16
     drain_timeout: float = 30.0
     bucket: Any = None  # the token-bucket class (None: labkit.serve.limits.TokenBucket)
+    # freeze the startup heap once the engine core runs (labkit.utils.freeze_gc_heap): on in
+    # `labkit serve`, whose process is the server's alone; off for a server started inside a
+    # notebook or a test, whose heap is not the server's to freeze
+    freeze_gc: bool = False
 
 
 class ServerState:
@@ -243,6 +248,8 @@ def build_app(llm: AsyncLLM, tokenizer: Any, config: ServeConfig | None = None,
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         llm.start()
+        if config.freeze_gc:  # the app, torch and (in thread mode) the engine
+            freeze_gc_heap()
         try:
             yield
         finally:

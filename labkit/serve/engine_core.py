@@ -44,6 +44,7 @@ from typing import Any
 
 from labkit.engine.errors import EngineStepError
 from labkit.engine.outputs import StepOutput
+from labkit.utils import freeze_gc_heap
 
 SWITCH_INTERVAL = 0.0005  # s; CPython's default is 0.005 (sys.getswitchinterval)
 
@@ -251,9 +252,10 @@ def _core_main(spec: EngineSpec, cmd_conn: Any, out_conn: Any) -> None:
         out_conn.send(("failed", _portable(e)))
         return
     eng.record_trace = spec.record_trace
+    frozen = freeze_gc_heap()  # no 100+ ms full collections of the startup heap under load
     out_conn.send(("ready", {"max_model_len": eng.max_model_len, "vocab_size": eng.vocab_size,
                              "stats": dict(eng.stats()), "tokenizer": tok,
-                             "num_threads": torch.get_num_threads()}))
+                             "num_threads": torch.get_num_threads(), "gc_frozen": frozen}))
     cmds: queue.SimpleQueue = queue.SimpleQueue()
 
     def read() -> None:  # never lets the parent's sends block on a busy engine

@@ -228,7 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(str(e))
     cfg = ServeConfig(args.served_model_name or str(args.model), args.max_waiting,
                       args.queue_timeout, args.request_timeout, keys, args.rate_limit_rps,
-                      args.rate_limit_tps, args.max_body_bytes, drain_timeout=args.drain_timeout)
+                      args.rate_limit_tps, args.max_body_bytes, drain_timeout=args.drain_timeout,
+                      freeze_gc=True)
     app = build_app(llm, tok, cfg, render)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level="info", timeout_graceful_shutdown=5), app)

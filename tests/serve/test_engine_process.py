@@ -59,6 +59,12 @@ def test_greedy_http_equals_in_process_generate(server, labkit_tiny):
 
 
 @pytest.mark.slow
+def test_engine_process_freezes_its_startup_heap(server):
+    # torch, the model and the engine: far more than a bare interpreter's ~10^4 objects
+    assert server.llm.core_proc.handshake["gc_frozen"] > 50_000
+
+
+@pytest.mark.slow
 def test_bad_prompt_is_400_and_server_goes_on(server):
     r = httpx.post(server.url + "/v1/completions", timeout=30, json={
         "model": NAME, "prompt": "x" * 20000, "max_tokens": 4})
