@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 from numbers import Integral
 from typing import Any
@@ -37,7 +38,12 @@ def freeze_gc_heap() -> int:
     ``labkit bench serve``'s noisy neighbour). The startup objects live until exit anyway, so
     freezing them loses nothing and later collections only walk what requests create.
     vLLM does the same after building its engine and in its serving benchmark's client.
+
+    The freeze is undone at exit, so the interpreter's last collection still reaches those
+    objects (frozen ones would never be finalized: Triton's bindings report them as leaks).
     """
     gc.collect()
     gc.freeze()
+    atexit.unregister(gc.unfreeze)  # once, however often this is called
+    atexit.register(gc.unfreeze)
     return gc.get_freeze_count()

@@ -22,6 +22,7 @@ sends one, else from the chunk count. The summary uses vLLM's field names
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import time
 from dataclasses import dataclass, field
@@ -124,13 +125,30 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, req: BenchR
     return res
 
 
+_runs = 0  # loads running now in this process (two tenants run two at once)
+
+
 async def run_load(url: str, model: str, requests: list[BenchRequest], rate: float = np.inf,
                    burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
                    extra: dict[str, Any] | None = None, progress: Any = None,
                    timeout: float = 600.0) -> tuple[list[RequestResult], float]:
     """Send ``requests`` on the arrival schedule; returns (results in send order, duration)."""
     gaps = arrival_gaps(len(requests), rate, burstiness, seed)
-    freeze_gc_heap()  # a full collection mid-run would stall every stream being timed
+    global _runs
+    if _runs == 0:
+        freeze_gc_heap()  # a full collection mid-run would stall every stream being timed
+    _runs += 1
+    try:
+        return await _run(url, model, requests, gaps, max_concurrency, extra, progress, timeout)
+    finally:
+        _runs -= 1
+        if _runs == 0:  # the last of concurrent loads: the caller's heap is its own again
+            gc.unfreeze()
+
+
+async def _run(url: str, model: str, requests: list[BenchRequest], gaps: np.ndarray,
+               max_concurrency: int | None, extra: dict[str, Any] | None, progress: Any,
+               timeout: float) -> tuple[list[RequestResult], float]:
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     conn = aiohttp.TCPConnector(limit=0)  # no client-side cap: the schedule decides
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(

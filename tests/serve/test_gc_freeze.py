@@ -66,3 +66,43 @@ def test_labkit_serve_asks_for_the_freeze(monkeypatch):
                         lambda self: seen.update(cfg=self.state.config))
     assert launcher.main(["labkit-tiny", "--port", "1"]) == 0
     assert seen["cfg"].freeze_gc
+
+
+def test_load_generator_freezes_while_any_load_runs(unfrozen):
+    """Two loads at once (the two tenants): frozen until the LAST ends, then unfrozen."""
+    import asyncio
+
+    from aiohttp import web
+
+    from labkit.bench.serve_client import BenchRequest, run_load
+
+    seen: list[int] = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        await asyncio.sleep(0.01 * body["max_tokens"])  # the long load outlives the short one
+        seen.append(gc.get_freeze_count())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"text": "x"}]}\n\ndata: [DONE]\n\n')
+        return resp
+
+    async def main() -> tuple:
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        try:
+            return await asyncio.gather(
+                run_load(url, "m", [BenchRequest("a", 1)] * 2, timeout=10),
+                run_load(url, "m", [BenchRequest("b", 30)] * 2, timeout=10))
+        finally:
+            await runner.cleanup()
+
+    short, long_ = asyncio.run(main())
+    assert all(r.ok for r in short[0] + long_[0])
+    assert len(seen) == 4 and min(seen) > 10_000  # the long load's replies came after the short
+    assert gc.get_freeze_count() == 0  # ended: nothing left frozen
