@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from labkit.router.canary_cli import add_canary_args, canary_from_args
     from labkit.router.policies import POLICIES
+    from labkit.utils import freeze_gc_heap
 
     p = argparse.ArgumentParser(prog="labkit router", description=__doc__.splitlines()[0])
     p.add_argument("--replica", action="append", required=True, metavar="URL",
@@ -242,5 +243,6 @@ def main(argv: list[str] | None = None) -> int:
                          canary=canary_from_args(args))
     except (ValueError, TypeError) as e:
         p.error(str(e))
+    freeze_gc_heap()  # this process is the router's alone: no full collections of startup
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

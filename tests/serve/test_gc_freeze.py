@@ -106,3 +106,14 @@ def test_load_generator_freezes_while_any_load_runs(unfrozen):
     assert all(r.ok for r in short[0] + long_[0])
     assert len(seen) == 4 and min(seen) > 10_000  # the long load's replies came after the short
     assert gc.get_freeze_count() == 0  # ended: nothing left frozen
+
+
+def test_labkit_router_freezes_before_serving(unfrozen, monkeypatch):
+    import uvicorn
+
+    from labkit.router import proxy
+
+    seen = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.append(gc.get_freeze_count()))
+    assert proxy.main(["--replica", "http://127.0.0.1:9", "--probe-interval", "0"]) == 0
+    assert seen and seen[0] > 10_000
