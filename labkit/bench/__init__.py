@@ -18,4 +18,5 @@ BENCHMARKS = {
     "cluster": "labkit.bench.cluster",
     "compress": "labkit.bench.compress",
     "gguf": "labkit.bench.gguf",
+    "engine-gpu": "labkit.bench.engine_gpu",
 }
