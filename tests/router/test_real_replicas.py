@@ -195,7 +195,13 @@ def test_replica_killed_mid_stream_every_stream_continues_identically(cluster, r
     finally:
         cluster.undrain(1)
     assert fo["held_at_kill"] == len(cases) + len(more) + len(whole)
-    assert fo["failover_lost"] == 0 and fo["failover_identical"] is True
+    lost = [(k, r["done"], r["errors"], r["replica"]) for k, r in enumerate(fo["records"])
+            if not r["done"] or r["errors"]] + \
+        [(f"whole {k}", w["status"]) for k, w in enumerate(fo["whole_records"])
+         if w["status"] != 200]
+    assert fo["failover_lost"] == 0, f"lost (stream, done, errors, replica): {lost}; " \
+        f"failovers: {fo['failovers']}"
+    assert fo["failover_identical"] is True
     for (_path, body, want), res, first in zip(more, fo["records"][len(cases):],
                                               fo["reference"][len(cases):]):
         for r in (res, first):
