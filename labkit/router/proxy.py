@@ -64,16 +64,21 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
                health: HealthTracker | None = None, backoff: Backoff | None = None,
                timeout_s: float = 600.0, probe_interval_s: float | None = None,
                max_failovers: int = 2, canary_urls: Sequence[str] = (),
-               canary: Canary | None = None) -> FastAPI:
+               canary: Canary | None = None, probe_timeout_s: float = 1.0) -> FastAPI:
     """A FastAPI app routing over ``urls`` (``http://127.0.0.1:8001`` ...); ``replica-i`` is
     the i-th URL. ``probe_interval_s``: active ``/health`` probes every so many seconds (None:
-    passive only). ``max_failovers``: how many times one stream may be resumed. With
+    passive only), each allowed ``probe_timeout_s`` (Kubernetes' default, 1 s: a replica busy
+    re-prefilling a dead peer's streams answers late, and a probe timeout tied to a short
+    interval would open the breaker of the last replica standing). ``max_failovers``: how
+    many times one stream may be resumed. With
     ``canary_urls`` (``canary-i``), a candidate set that ``canary`` (``labkit.router.canary``)
     gives a share of the traffic; each request is routed, retried and resumed inside its arm."""
     if not urls:
         raise ValueError("give at least one replica URL")
     if probe_interval_s is not None and probe_interval_s <= 0:
         raise ValueError(f"probe_interval_s must be > 0 (or None), got {probe_interval_s}")
+    if not probe_timeout_s > 0:
+        raise ValueError(f"probe_timeout_s must be > 0, got {probe_timeout_s}")
     ups = [Upstream(f"replica-{i}", u.rstrip("/")) for i, u in enumerate(urls)]
     cands = [Upstream(f"canary-{i}", u.rstrip("/")) for i, u in enumerate(canary_urls)]
     if cands and canary is None:
@@ -95,7 +100,7 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
             for u in by_name.values():
                 try:
                     ok = (await client.get(u.url + "/health",
-                                           timeout=min(1.0, probe_interval_s))).status_code == 200
+                                           timeout=probe_timeout_s)).status_code == 200
                 except httpx.TransportError:
                     ok = False
                 if not ok:
@@ -218,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--probe-interval", type=float, default=1.0, metavar="S",
                    help="active /health probe period in seconds (0: passive checks only)")
+    p.add_argument("--probe-timeout", type=float, default=1.0, metavar="S",
+                   help="how long one /health probe may take before it counts as a failure")
     p.add_argument("--max-failovers", type=int, default=2, metavar="N",
                    help="how many times one stream may be resumed on another replica")
     p.add_argument("--failure-threshold", type=int, default=3,
@@ -226,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="how long an open breaker waits before a trial request")
     add_canary_args(p)
     args = p.parse_args(argv)
-    if args.probe_interval < 0 or args.max_failovers < 0:
-        p.error("--probe-interval and --max-failovers must be >= 0")
+    if args.probe_interval < 0 or args.max_failovers < 0 or not args.probe_timeout > 0:
+        p.error("--probe-interval and --max-failovers must be >= 0, --probe-timeout > 0")
     try:
         health = HealthTracker(failure_threshold=args.failure_threshold,
                                recovery_s=args.recovery)
@@ -239,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             kw[k.replace("-", "_")] = json.loads(v)
         app = create_app(args.replica, get_policy(args.policy, **kw), health=health,
                          probe_interval_s=args.probe_interval or None,
+                         probe_timeout_s=args.probe_timeout,
                          max_failovers=args.max_failovers, canary_urls=args.canary or (),
                          canary=canary_from_args(args))
     except (ValueError, TypeError) as e:

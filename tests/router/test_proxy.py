@@ -29,6 +29,7 @@ class FakeReplica:
         self.release = threading.Event()
         self.disconnected = threading.Event()
         self.die_whole = False  # a non-streamed answer: headers, half a body, then a crash
+        self.health_delay = 0.0  # a busy replica: /health answers, but late
         app = FastAPI()
 
         @app.post("/v1/completions")
@@ -48,6 +49,7 @@ class FakeReplica:
 
         @app.get("/health")
         async def health():
+            await asyncio.sleep(self.health_delay)
             return JSONResponse({}, status_code=self.status)
 
         self.app = app
@@ -232,3 +234,22 @@ def test_a_non_streamed_answer_cut_after_its_headers_is_retried_whole(fakes):
     assert a.prompts[0] == "x" and b.prompts[0] == "x"
     assert len(fo) == 1 and fo[0]["whole"] and (fo[0]["from"], fo[0]["to"]) == (
         "replica-0", "replica-1")
+
+
+@pytest.mark.parametrize("timeout_s,opens", [(1.0, False), (0.1, True)])
+def test_a_slow_health_answer_is_not_a_failure_within_the_probe_timeout(fakes, timeout_s,
+                                                                        opens):
+    """Probes every 0.05 s of a replica that answers /health after 0.3 s: with the default
+    1 s probe timeout it stays in rotation; with 0.1 s three late answers open its breaker
+    (the timeout is its own setting, not the interval)."""
+    (a, ua), _ = fakes
+    a.health_delay = 0.3
+    health = HealthTracker(failure_threshold=3, recovery_s=30)
+    app = create_app([ua], "round-robin", health=health, probe_interval_s=0.05,
+                     probe_timeout_s=timeout_s)
+    with serve(app) as router, httpx.Client(timeout=10) as c:
+        deadline = time.time() + 2.5  # >= 3 probes of either kind
+        while time.time() < deadline and health.states().get("replica-0", "closed") == "closed":
+            time.sleep(0.05)
+        assert (health.states().get("replica-0", "closed") != "closed") == opens
+        assert c.get(router + "/admin/replicas").status_code == 200
