@@ -42,8 +42,7 @@ def _hog(seconds: float) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(os.cpu_count() or 2)]
 
 
-def test_notebook_ratios_hold_or_are_flagged_under_a_cpu_hog():
-    model, tok = labkit.load_pretrained("labkit-tiny")
+def _quiet_then_busy(model, tok) -> list[tuple]:
     quiet = _measurements(model, tok)
     hogs = _hog(120)
     try:
@@ -52,14 +51,32 @@ def test_notebook_ratios_hold_or_are_flagged_under_a_cpu_hog():
         for h in hogs:
             h.kill()
             h.wait()
-    report = []
-    for label, (q, name) in quiet.items():
-        b = busy[label][0]
-        report.append(f"{label}: quiet {q.speedup(name):.2f}x load {q.load:.1f} "
-                      f"{q.trusted}, busy {b.speedup(name):.2f}x load {b.load:.1f} {b.trusted}")
-        assert b.load > 1.2, f"the hog did not load the machine: {report[-1]}"
+    return [(label, q, busy[label][0], name) for label, (q, name) in quiet.items()]
+
+
+def _drifted(rows: list[tuple]) -> list[str]:
+    """Checks every row; returns the trusted pairs whose ratios differ by more than TOLERANCE."""
+    drifted = []
+    for label, q, b, name in rows:
+        line = (f"{label}: quiet {q.speedup(name):.2f}x load {q.load:.1f} {q.trusted}, "
+                f"busy {b.speedup(name):.2f}x load {b.load:.1f} {b.trusted}")
+        print(line)
+        assert b.load > 1.2, f"the hog did not load the machine: {line}"
         if q.trusted and b.trusted:
-            assert abs(b.speedup(name) / q.speedup(name) - 1) <= TOLERANCE, report[-1]
+            if abs(b.speedup(name) / q.speedup(name) - 1) > TOLERANCE:
+                drifted.append(line)
         else:
             assert "no trustworthy number" in (q if not q.trusted else b).describe(name)
-    print("\n".join(report))
+    return drifted
+
+
+def test_notebook_ratios_hold_or_are_flagged_under_a_cpu_hog():
+    """One retry of the quiet/busy pair: under ``pytest -n 2`` the "quiet" run shares the two
+    cores with the other worker's tests, whose load changes from second to second (one CI run
+    read continuous/static 0.78x quiet against 1.06x busy, both tight). A real regression (a
+    hog that moves trusted ratios) fails both attempts."""
+    model, tok = labkit.load_pretrained("labkit-tiny")
+    first = _drifted(_quiet_then_busy(model, tok))
+    if first:
+        second = _drifted(_quiet_then_busy(model, tok))
+        assert not second, f"drifted twice: {first} then {second}"
