@@ -20,7 +20,6 @@ with ``--shape tiny`` (what the test does); its numbers then say nothing about a
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -36,10 +35,12 @@ from labkit.model.config import ModelConfig
 from labkit.model.llama import LlamaForCausalLM
 from labkit.sim.presets import ModelPreset, get_model_preset
 from labkit.sim.workloads import RequestSpec, get_workload
+from labkit.train.export import save_weights
 
 # a CPU-sized shape for the test; every other name is a labkit.sim model preset
 TINY = ModelPreset("tiny", 2, 64, 4, 2, 16, 128, 512, dtype_bytes=4,
                    max_position_embeddings=4096)
+BLOCK_SIZE = 16
 BATCHED_TOKENS = 2048  # per step, labkit and simulator alike (chunked prefill beyond it)
 QUICK = {"num_requests": 64, "batch_sizes": (16, 64), "max_prompt_len": 512,
          "max_output_len": 256, "prefix_len": 1024, "suffix_len": 64, "prefix_requests": 8}
@@ -66,20 +67,6 @@ def random_model(p: ModelPreset, dtype: torch.dtype, device: str, seed: int = 0
     with torch.device(device):
         model = LlamaForCausalLM(model_config(p))
     return model.to(dtype).eval()
-
-
-def save_hf(model: LlamaForCausalLM, out: Path) -> Path:
-    """config.json + safetensors under Hugging Face's names, for transformers to load."""
-    from safetensors.torch import save_file
-
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    hf = model.config.to_hf_dict()
-    hf["torch_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
-    (out / "config.json").write_text(json.dumps(hf, indent=2))
-    return out
 
 
 def chat_requests(p: ModelPreset, n: int, max_prompt: int, max_output: int, seed: int
@@ -118,11 +105,11 @@ def batching(model: Any, p: ModelPreset, specs: list[RequestSpec], batch_size: i
     max_len = max(len(q) for q in prompts) + max(max_tokens) + 1
     limits = {"max_num_seqs": batch_size, "max_num_batched_tokens": BATCHED_TOKENS,
               "enable_prefix_caching": False, "batching": None}
-    num_blocks = -(-batch_size * max_len // 16)
+    num_blocks = -(-batch_size * max_len // BLOCK_SIZE)
     outs = {}
     for mode in ("continuous", "static"):
         limits["batching"] = mode
-        llm = LLM(model, num_blocks=num_blocks, max_model_len=max_len,
+        llm = LLM(model, num_blocks=num_blocks, block_size=BLOCK_SIZE, max_model_len=max_len,
                   attention_backend=backend, **limits)
         # warm-up at the batch's own shapes: Triton compiles per specialisation, and the
         # caching allocator grows to its high-water mark, outside the timed pass
@@ -131,7 +118,8 @@ def batching(model: Any, p: ModelPreset, specs: list[RequestSpec], batch_size: i
         row[f"{mode}_tokens_per_s"] = sum(max_tokens) / wall
         row[f"{mode}_preemptions"] = llm.llm_engine.stats().get("num_preemptions", 0)
         sim = simulate(model=p, gpu=gpu, workload=specs, record_trace=False,
-                       kv_cache_bytes=num_blocks * 16 * p.kv_bytes_per_token, **limits)
+                       block_size=BLOCK_SIZE,
+                       kv_cache_bytes=num_blocks * BLOCK_SIZE * p.kv_bytes_per_token, **limits)
         row[f"sim_{mode}_tokens_per_s"] = sim.metrics["tokens_per_s"]
         row[f"sim_error_{mode}"] = sim.metrics["tokens_per_s"] / row[f"{mode}_tokens_per_s"]
         del llm
@@ -204,7 +192,7 @@ def run(shape: str = "llama-3.2-1b", gpu: str = "h200", device: str | None = Non
         payload["device_name"] = torch.cuda.get_device_name()
     bar = tqdm(total=len(cfg["batch_sizes"]) * (2 if hf else 1) + 1, desc="bench engine-gpu")
     with tempfile.TemporaryDirectory() as tmp:
-        path = save_hf(model, Path(tmp)) if hf else None
+        path = save_weights(model, model.config, tmp, tdtype) if hf else None
         for b in cfg["batch_sizes"]:
             row = batching(model, p, specs, b, gpu, device, backend)
             bar.update(1)
@@ -260,10 +248,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
     args = ap.parse_args(argv)
     cfg: dict[str, Any] = {}
-    if args.num_requests:
+    if args.shape != "tiny":
+        try:
+            get_model_preset(args.shape)
+        except ValueError as e:
+            ap.error(f"--shape: {e} (or 'tiny')")
+    if args.num_requests is not None:
+        if args.num_requests < 1:
+            ap.error(f"--num-requests must be >= 1, got {args.num_requests}")
         cfg["num_requests"] = args.num_requests
     if args.batch_sizes:
-        cfg["batch_sizes"] = tuple(int(b) for b in args.batch_sizes.split(","))
+        try:
+            cfg["batch_sizes"] = tuple(int(b) for b in args.batch_sizes.split(","))
+        except ValueError:
+            cfg["batch_sizes"] = ()
+        if not cfg["batch_sizes"] or min(cfg["batch_sizes"]) < 1:
+            ap.error(f"--batch-sizes takes positive integers, e.g. 16,64; got {args.batch_sizes!r}")
+    if (args.device or "").startswith("cuda") and not torch.cuda.is_available():
+        ap.error("--device cuda, but torch sees no CUDA device (a CPU build of torch?)")
     payload = run(args.shape, args.gpu, args.device, args.dtype, cfg, args.hf,
                   backend=args.attention_backend)
     md = report_md(payload)

@@ -27,9 +27,10 @@ from labkit.train.tokenizer import tokenizer_config
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
-def export_hf(model: LlamaForCausalLM, config: ModelConfig, tokenizer_dir: str | Path,
-              out_dir: str | Path, dtype: torch.dtype = torch.float16) -> Path:
-    """Save `model` + the tokenizer files from `tokenizer_dir` into `out_dir`; returns out_dir."""
+def save_weights(model: LlamaForCausalLM, config: ModelConfig, out_dir: str | Path,
+                 dtype: torch.dtype = torch.float16) -> Path:
+    """``model.safetensors`` + ``config.json`` only: enough for transformers'
+    ``from_pretrained`` when no tokenizer is needed (token-id prompts)."""
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"dtype must be one of {list(_DTYPE_NAMES.values())}, got {dtype}")
     out = Path(out_dir)
@@ -44,6 +45,13 @@ def export_hf(model: LlamaForCausalLM, config: ModelConfig, tokenizer_dir: str |
     hf = config.to_hf_dict()
     hf["torch_dtype"] = hf["dtype"] = _DTYPE_NAMES[dtype]
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    return out
+
+
+def export_hf(model: LlamaForCausalLM, config: ModelConfig, tokenizer_dir: str | Path,
+              out_dir: str | Path, dtype: torch.dtype = torch.float16) -> Path:
+    """Save `model` + the tokenizer files from `tokenizer_dir` into `out_dir`; returns out_dir."""
+    out = save_weights(model, config, out_dir, dtype)
     gen = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
            "pad_token_id": config.eos_token_ids[0] if config.eos_token_ids else None}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

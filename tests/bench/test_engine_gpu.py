@@ -63,3 +63,14 @@ def test_triton_backend_path_gives_the_torch_tokens():
     ref = engine_gpu.batching(model, p, specs, 4, "h200", "cpu", "torch")
     tri = engine_gpu.batching(model, p, specs, 4, "h200", "cpu", "triton")
     assert tri["_outputs"] == ref["_outputs"] and tri["same_tokens"] == 4
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--shape", "nope"], "unknown model preset"),
+    (["--shape", "tiny", "--batch-sizes", "x"], "--batch-sizes takes positive integers"),
+    (["--shape", "tiny", "--num-requests", "0"], "--num-requests must be >= 1"),
+])
+def test_bad_arguments_are_named(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        engine_gpu.main(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
