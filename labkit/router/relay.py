@@ -41,8 +41,12 @@ from labkit.router.failover import SSEBuffer, StreamResume
 from labkit.router.health import Backoff, HealthTracker
 from labkit.router.policies import NoReplicaError, RouteKey
 
-RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadTimeout,
-             httpx.RemoteProtocolError)
+# Any transport failure before the headers is retried elsewhere. A replica killed while it
+# generates a non-streamed answer (it sends headers and body together, at the end) surfaces as
+# RemoteProtocolError when its socket closed cleanly (FIN) and as ReadError when the kernel reset
+# it (RST: the dead process still had unread bytes in its receive buffer); which one a client
+# sees is a race, so naming only some of them lost requests as 500s (issue 27).
+RETRYABLE = (httpx.TransportError,)
 
 
 @dataclass

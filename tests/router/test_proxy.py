@@ -253,3 +253,72 @@ def test_a_slow_health_answer_is_not_a_failure_within_the_probe_timeout(fakes, t
             time.sleep(0.05)
         assert (health.states().get("replica-0", "closed") != "closed") == opens
         assert c.get(router + "/admin/replicas").status_code == 200
+
+
+class DyingReplica:
+    """A raw TCP stand-in for a replica killed while it generates: it reads the request, then
+    dies at a chosen point of a non-streamed answer's life, the way a SIGKILLed process's
+    sockets end. ``rst``: the kernel resets the connection (the process left unread bytes:
+    the client reads ECONNRESET, httpx.ReadError); ``fin``: a clean close with no answer
+    (httpx.RemoteProtocolError); ``half_headers``: part of a status line, then a reset."""
+
+    def __init__(self, how: str):
+        self.how, self.seen = how, 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        import struct
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return  # closed: the test is over
+            with conn:
+                conn.settimeout(5)
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                self.seen += 1
+                if self.how == "half_headers":
+                    conn.sendall(b"HTTP/1.1 200 O")
+                if self.how in ("rst", "half_headers"):  # SO_LINGER 0: close sends RST
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    def close(self):
+        self.sock.close()
+        self.thread.join(5)
+
+
+@pytest.mark.parametrize("how", ["rst", "fin", "half_headers"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_replica_dying_before_its_headers_is_retried_however_the_socket_ends(fakes, how,
+                                                                               stream):
+    """Issue 27: a SIGKILLed replica's in-flight non-streamed requests came back as HTTP 500
+    in 1 of 4 runs. The kill lands while the router waits for headers; a reset (ReadError)
+    was not retried, only a clean close was. Every way the socket can end is a failure
+    before the first byte: retried on the survivor, never a 500."""
+    _, (b, ub) = fakes
+    b.release.set()
+    dying = DyingReplica(how)
+    try:
+        app = create_app([dying.url, ub], "round-robin",
+                         backoff=Backoff(0.001, 0.01, max_retries=3),
+                         health=HealthTracker(failure_threshold=10))
+        with serve(app) as router, httpx.Client(timeout=10) as c:
+            for i in range(2):  # round-robin: at least one of the two starts on the dying one
+                r = c.post(router + "/v1/completions",
+                           json={"prompt": f"q{i}", "stream": stream, "n_chunks": 2})
+                assert r.status_code == 200, (how, r.text)
+                if stream:
+                    assert r.text.rstrip().endswith("data: [DONE]")
+                else:
+                    assert r.json()["choices"][0]["text"] == "hi from b"
+                assert r.headers["x-labkit-replica"] == "replica-1"
+    finally:
+        dying.close()
+    assert dying.seen >= 1  # the dying replica really got (and lost) a request
