@@ -72,6 +72,7 @@ def test_committed_compress_results():
 
 
 @pytest.mark.slow
+@pytest.mark.committed
 def test_shipped_only_remeasures_the_long_healed_row(tmp_path):
     from labkit.bench.compress import refresh_shipped
 
@@ -83,6 +84,10 @@ def test_shipped_only_remeasures_the_long_healed_row(tmp_path):
     new = refresh_shipped(str(path))
     was, now = old["results"][-1], new["results"][-1]
     assert now["method"] == was["method"] == "structured_activation_long_heal"
-    assert now["perplexity"] == pytest.approx(was["perplexity"], rel=1e-9)  # deterministic
+    # Deterministic on one machine, but the committed number came from another CPU: float32
+    # reductions differ in the last bits across BLAS paths (AVX2 vs AVX-512, AMX). Issue 27 saw
+    # 7e-9 relative between an AMD EPYC and the machine that wrote it; any real change to the
+    # model, data or evaluator moves it by far more than 1e-5.
+    assert now["perplexity"] == pytest.approx(was["perplexity"], rel=1e-5)
     assert new["healing"]["curve"] == old["healing"]["curve"]
     assert [r["method"] for r in new["results"]] == [r["method"] for r in old["results"]]
