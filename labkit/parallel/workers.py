@@ -20,6 +20,7 @@ import datetime
 import os
 import signal
 import socket
+import tempfile
 import threading
 import time
 import traceback
@@ -36,6 +37,31 @@ from labkit.parallel.comm import TPGroup
 
 class WorkerError(RuntimeError):
     """A tensor-parallel worker raised, died or stopped answering; all workers were stopped."""
+
+
+_LOG_ENV = "LABKIT_TP_WORKER_LOG"  # where a spawned worker writes why it could not start
+
+GUARD_ADVICE = (
+    "The worker processes are started with Python's 'spawn' method, which re-imports your "
+    "script in each worker. Your script creates the LLM at module level, so each worker tried "
+    "to start workers of its own while it was still starting. Put the code that creates the "
+    "LLM under a main guard:\n\n    if __name__ == \"__main__\":\n        llm = LLM(..., "
+    "tensor_parallel_size=2)\n\n(vLLM asks the same; a notebook or `python -c` needs no guard.)")
+
+
+def _check_not_bootstrapping() -> None:
+    """Called before starting workers. In a spawned worker that is still re-importing the
+    driver's script (multiprocessing's ``_inheriting``), starting workers means the script has
+    no ``if __name__ == "__main__":`` guard: say so, in the worker's log for the driver too."""
+    if not getattr(mp.current_process(), "_inheriting", False):
+        return
+    msg = "a tensor-parallel worker re-ran the driver's script and reached LLM(...) again. " + \
+        GUARD_ADVICE
+    log = os.environ.get(_LOG_ENV)
+    if log:
+        with open(log, "a") as f:
+            f.write(msg + "\n" + "".join(traceback.format_stack()))
+    raise WorkerError(msg)
 
 
 def _free_port() -> int:
@@ -100,21 +126,45 @@ class WorkerGroup:
                  backend: str = "gloo") -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        _check_not_bootstrapping()
         ctx = mp.get_context("spawn")
         self.world, self.timeout_s = world, timeout_s
         port = _free_port()
         self._conns, self._procs = [], []
+        self._logdir = tempfile.TemporaryDirectory(prefix="labkit-tp-")
         for rank in range(world):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker_main, name=f"labkit-tp-{rank}", daemon=True,
                             args=(rank, world, port, factory, child, os.getpid(), timeout_s,
                                   backend))
-            p.start()
+            _start_with_log(p, self._log(rank))
             child.close()
             self._conns.append(parent)
             self._procs.append(p)
         self._finalizer = weakref.finalize(self, _stop_all, self._procs, self._conns)
-        self._call("start", start_timeout_s)  # importing torch N times is slow on a busy box
+        try:
+            self._call("start", start_timeout_s)  # importing torch N times is slow on a busy box
+        finally:
+            self._logdir.cleanup()
+
+    def _log(self, rank: int) -> str:
+        return os.path.join(self._logdir.name, f"rank{rank}.log")
+
+    def _died(self, rank: int, what: str) -> WorkerError:
+        """The error for a rank that died: its exit code, and during start what it wrote (a
+        worker that dies while re-importing the script never reaches the pipe)."""
+        code = self._procs[rank].exitcode
+        msg = f"rank {rank} died (exit code {code}) during {what}"
+        if what == "start":
+            try:
+                with open(self._log(rank)) as f:
+                    said = f.read().strip()
+            except OSError:
+                said = ""
+            msg += (":\n" + said) if said else (
+                ". Its own error, if it printed one, is above. If your script creates the LLM "
+                "at module level: " + GUARD_ADVICE)
+        return WorkerError(msg)
 
     def call(self, method: str, *args: Any) -> list[Any]:
         if not self._finalizer.alive:
@@ -145,19 +195,16 @@ class WorkerGroup:
                         status, value = c.recv()
                     except (EOFError, OSError):  # the pipe closed: the process is gone
                         self._procs[rank].join(2.0)
-                        code = self._procs[rank].exitcode
                         self.shutdown()
-                        raise WorkerError(f"rank {rank} died (exit code {code}) during "
-                                          f"{what}") from None
+                        raise self._died(rank, what) from None
                     if status == "err":
                         self.shutdown()
                         raise WorkerError(f"rank {rank} failed in {what}:\n{value}")
                     results[rank] = value
                     pending.discard(rank)
                 elif not self._procs[rank].is_alive():
-                    code = self._procs[rank].exitcode
                     self.shutdown()
-                    raise WorkerError(f"rank {rank} died (exit code {code}) during {what}")
+                    raise self._died(rank, what)
             if pending and time.monotonic() > deadline:
                 self.shutdown()
                 raise WorkerError(f"ranks {sorted(pending)} did not answer {what} within "
@@ -175,6 +222,19 @@ class WorkerGroup:
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
+
+
+def _start_with_log(p: Any, log: str) -> None:
+    """Start ``p`` with ``log`` in its environment (spawn copies the environment at start)."""
+    old = os.environ.get(_LOG_ENV)
+    os.environ[_LOG_ENV] = log
+    try:
+        p.start()
+    finally:
+        if old is None:
+            del os.environ[_LOG_ENV]
+        else:
+            os.environ[_LOG_ENV] = old
 
 
 def _stop_all(procs: list[Any], conns: list[Any]) -> None:

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from labkit.model.loader import models_dir
 from labkit.parallel.shard_worker import ShardFactory
 from labkit.parallel.workers import WorkerError, WorkerGroup
 
@@ -64,7 +65,8 @@ def test_workers_exit_when_the_driver_is_killed(checkpoints):
         import json, sys, time
         from labkit.model.loader import load_config
         from pathlib import Path
-        from labkit.parallel.shard_worker import ShardFactory
+        from labkit.model.loader import models_dir
+from labkit.parallel.shard_worker import ShardFactory
         from labkit.parallel.workers import WorkerGroup
         cfg = load_config(Path({str(folder)!r}))
         g = WorkerGroup(2, ShardFactory(cfg, folder={str(folder)!r}), timeout_s=30)
@@ -143,3 +145,33 @@ def test_ctrl_c_in_a_terminal_leaves_no_process(checkpoints, tmp_path):
             os.killpg(driver.pid, signal.SIGKILL)
             driver.wait(5)
         err.close()
+
+
+def test_a_script_without_a_main_guard_is_told_how_to_fix_it(tmp_path):
+    """Issue 27: ``LLM(..., tensor_parallel_size=2)`` at a script's top level failed with only
+    ``rank 1 died (exit code 1) during start``. Spawned workers re-import the script; the
+    driver now says so, with the guard to add and the worker's own report."""
+    folder = models_dir() / "labkit-tiny"  # a folder with a tokenizer, as a user's would be
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent(f"""
+        from labkit import LLM
+        llm = LLM({str(folder)!r}, tensor_parallel_size=2)
+        print("STARTED")
+    """))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                       timeout=240, cwd=tmp_path)
+    assert r.returncode != 0 and "STARTED" not in r.stdout
+    err = r.stderr[r.stderr.rindex("WorkerError: rank"):]  # the driver's own exception
+    assert "during start" in err and 'if __name__ == "__main__":' in err, r.stderr[-3000:]
+    assert "re-ran the driver's script" in err  # what the worker itself reported
+    assert "unguarded.py" in err  # ... with where in the script it happened
+    guarded = tmp_path / "guarded.py"
+    guarded.write_text(textwrap.dedent(f"""
+        from labkit import LLM
+        if __name__ == "__main__":
+            llm = LLM({str(folder)!r}, tensor_parallel_size=2)
+            print("STARTED", flush=True)
+    """))
+    r = subprocess.run([sys.executable, str(guarded)], capture_output=True, text=True,
+                       timeout=240, cwd=tmp_path)
+    assert r.returncode == 0 and "STARTED" in r.stdout, r.stderr[-3000:]
