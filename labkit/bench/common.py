@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import statistics
 import time
@@ -31,15 +32,50 @@ def bench_parser(name: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
+def _loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+# The machine's load when this run began (this module is imported as a benchmark starts, before
+# it adds load of its own). A number measured while other work ran is not the number the README
+# may quote: tests/bench/test_result_provenance.py reads this from every committed JSON.
+_START = {"load_average_at_start": _loadavg(), "started": time.time()}
+
+
+def mark_start() -> None:
+    """Start a new run's record (a notebook or a caller running several benchmarks)."""
+    _START.update(load_average_at_start=_loadavg(), started=time.time())
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name (``/proc/cpuinfo``): BLAS paths and vector widths differ by
+    CPU, and a reader comparing runs needs to know whose numbers they are."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def environment() -> dict[str, Any]:
-    """Where the numbers came from: always stored beside results."""
+    """Where the numbers came from: always stored beside results. The load averages (1, 5 and
+    15 minutes) at the start and end of the run say whether the machine was otherwise idle:
+    with ``cores`` cores, a 1-minute load at start under ``cores`` is the lab's bar."""
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "machine": platform.machine(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
+        "cores": os.cpu_count(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "threads": torch.get_num_threads(),
+        "load_average_at_start": list(_START["load_average_at_start"]),
+        "load_average_at_end": _loadavg(),
+        "run_s": round(time.time() - _START["started"], 1),
     }
 
 
