@@ -24,7 +24,10 @@ process it starts and stops itself. In one run:
    sends 10x its load, on a server with ``--policy fcfs`` and one with ``--policy fair``;
    ``fairness = {fcfs,fair}_light_p99_ttft_ratio`` = light p99 TTFT with the neighbour / alone.
    The heavy rate is ``overload`` (2) x the capacity the fcfs server measured in this run, so
-   the heavy tenant saturates the server on a fast machine as on a slow or loaded one.
+   the heavy tenant saturates the server on a fast machine as on a slow or loaded one; the run
+   checks that it did (:mod:`labkit.bench.saturation`: a queue formed, the heavy backlog grew),
+   pushes harder if not, and reports ``fairness.verdict`` = ``inconclusive: why`` rather than
+   a ratio that tested nothing. ``knee.verdict`` does the same for the sweep.
 
 Absolute numbers are for this machine only; the ratios are the result.
 """
@@ -118,67 +121,6 @@ def in_process(model_path: str, reqs: list[BenchRequest], max_num_seqs: int,
             "step_fit": fit_step_time(eng.trace.steps),  # the simulator's clock (serve_knee)
             "prompt_ids": [list(o.prompt_token_ids) for o in outs],
             "vocab_size": eng.vocab_size}
-
-
-async def _two_tenants(url: str, light: list, heavy: list, rate: float, k: float,
-                       bar: Any) -> tuple:
-    """Both tenants' Poisson arrivals at once: light at ``rate``, heavy at ``k * rate``."""
-    return await asyncio.gather(
-        run_load(url, "labkit-tiny", light, rate, seed=1, progress=bar,
-                 extra={"ignore_eos": True}),
-        run_load(url, "labkit-tiny", heavy, rate * k, seed=2, progress=bar,
-                 extra={"ignore_eos": True}))
-
-
-def fairness(model_path: str, cfg: dict[str, Any], bar: Any,
-             engine_args: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Light tenant p99 TTFT alone and beside a 10x heavy tenant, under fcfs and fair.
-
-    The rates are calibrated, not fixed: a fixed heavy rate overloads a slow machine and
-    idles a fast one (then fcfs shows no starvation, as nothing queues). So the fcfs server
-    first measures its own capacity for these requests (a burst of ``8 * max_num_seqs``),
-    the heavy tenant then offers ``overload`` x that capacity (Poisson), the light tenant a
-    tenth of the heavy rate, for as long as ``light_n`` light requests take. The heavy backlog
-    grows for the whole run on any machine; fcfs queues the light tenant behind it, fair
-    should not."""
-    from labkit.serve.process import ServerProcess
-
-    n, k, mt = cfg["light_n"], cfg["heavy_mult"], cfg["fair_max_tokens"]
-    light = make_requests(n, mt, api_key="k-light", tag="light")
-    heavy = make_requests(n * k, mt, api_key="k-heavy", tag="heavy", offset=7)
-    probe = make_requests(8 * cfg["fair_max_num_seqs"], mt, api_key="k-heavy", offset=7)
-    out: dict[str, Any] = {}
-    rate = 0.0
-    for policy in ("fcfs", "fair"):
-        args = ["--policy", policy, "--max-num-seqs", str(cfg["fair_max_num_seqs"]),
-                "--num-blocks", "512", "--dtype", "float32", "--api-key", "k-light:light",
-                "--api-key", "k-heavy:heavy", *engine_args]
-        with ServerProcess(model_path, args) as srv:
-            _load(srv.url, "labkit-tiny", [light[0], heavy[0]], None)  # warm-up, both tenants
-            if not rate:  # requests/s this server finishes when it is never idle
-                res, dur = _load(srv.url, "labkit-tiny", probe, bar)
-                out["capacity_req_s"] = sum(r.ok for r in res) / dur
-                rate = out["capacity_req_s"] * cfg["overload"] / k  # the light tenant's
-
-            # mixed first: a solo run before it would leave the light tenant's counter ahead of
-            # the heavy one's, a head start for the heavy tenant that is not the steady state
-            (mixed, d_mixed), (hv, d_hv) = asyncio.run(_two_tenants(srv.url, light, heavy,
-                                                                    rate, k, bar))
-            solo, d_solo = _load(srv.url, "labkit-tiny", light, bar, rate=rate, seed=1)
-        s_solo, s_mixed = summarize(solo, d_solo), summarize(mixed, d_mixed)
-        s_heavy = summarize(hv, d_hv)
-        out[policy] = {"light_solo_p99_ttft_ms": s_solo["p99_ttft_ms"],
-                       "light_mixed_p99_ttft_ms": s_mixed["p99_ttft_ms"],
-                       "light_solo_p50_ttft_ms": s_solo["p50_ttft_ms"],
-                       "light_mixed_p50_ttft_ms": s_mixed["p50_ttft_ms"],
-                       "heavy_p99_ttft_ms": s_heavy["p99_ttft_ms"],
-                       "heavy_output_throughput": s_heavy["output_throughput"],
-                       "heavy_request_throughput": s_heavy["request_throughput"],
-                       "failed": s_solo["failed"] + s_mixed["failed"] + s_heavy["failed"]}
-        out[f"{policy}_light_p99_ttft_ratio"] = (s_mixed["p99_ttft_ms"] /
-                                                 s_solo["p99_ttft_ms"])
-    out["light_rate_req_s"], out["heavy_rate_req_s"] = rate, rate * k
-    return out
 
 
 def noisy_neighbour_steps(model: Any, tokenizer: Any = None, policy: str = "fcfs",
@@ -339,6 +281,8 @@ def run(args: Any) -> dict[str, Any]:
         payload["simulated_sweep"] = sim
         payload["knee"] = knee_report(sweep, sim, ip["step_fit"])
     if own and args.fairness:
+        from labkit.bench.serve_fairness import fairness
+
         payload["fairness"] = fairness(args.model_path, cfg, bar,
                                        tuple(engine_args(head_mode, head_threads)))
     bar.close()
@@ -395,15 +339,20 @@ def main(argv: list[str] | None = None) -> int:
     if "knee" in payload:
         k = payload["knee"]
         print(f"knee: measured capacity {k['measured_capacity_req_s']:.2f} req/s, simulator "
-              f"(fitted step time) {k['simulated_capacity_req_s']:.2f} req/s: "
-              f"{k['measured_over_simulated']:.2f}x")
+              f"(fitted step time, r2 {k['step_fit']['r2']:.2f}) "
+              f"{k['simulated_capacity_req_s']:.2f} req/s: {k['measured_over_simulated']:.2f}x"
+              + ("" if k["verdict"] == "conclusive" else f"; {k['verdict']}"))
     if "fairness" in payload:
         f = payload["fairness"]
-        print(f"noisy neighbour (heavy tenant at {f['heavy_rate_req_s']:.1f} req/s = "
-              f"{payload['config']['overload']:g}x the measured capacity "
-              f"{f['capacity_req_s']:.1f} req/s, light at a tenth of that), light tenant p99 "
-              f"TTFT with / without: fcfs {f['fcfs_light_p99_ttft_ratio']:.2f}x, fair "
-              f"{f['fair_light_p99_ttft_ratio']:.2f}x")
+        print(f"noisy neighbour (heavy tenant at {f['heavy_rate_req_s']:.1f} req/s, calibrated "
+              f"from a measured capacity of {f['capacity_req_s']:.1f} req/s, light at a tenth "
+              "of that): ", end="")
+        if f["verdict"] != "conclusive":
+            print(f["verdict"])
+        else:
+            print(f"light tenant p99 TTFT with / without: fcfs "
+                  f"{f['fcfs_light_p99_ttft_ratio']:.2f}x, fair "
+                  f"{f['fair_light_p99_ttft_ratio']:.2f}x")
     write_json(args.json, payload)
     if args.json:
         try:

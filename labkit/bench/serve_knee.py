@@ -103,7 +103,10 @@ def knee_report(measured: list[dict[str, Any]], simulated: list[dict[str, Any]],
                 fit: dict[str, float]) -> dict[str, Any]:
     """Capacity (the highest achieved requests/s over the sweep: where the curve flattens) of
     the server and of the simulated engine, and their ratio."""
+    from labkit.bench.saturation import knee_check
+
     cap_m = max(r["request_throughput"] or 0.0 for r in measured)
     cap_s = max(r["request_throughput"] or 0.0 for r in simulated)
     return {"measured_capacity_req_s": cap_m, "simulated_capacity_req_s": cap_s,
-            "measured_over_simulated": cap_m / cap_s if cap_s else None, "step_fit": fit}
+            "measured_over_simulated": cap_m / cap_s if cap_s else None, "step_fit": fit,
+            "verdict": knee_check(measured, cap_m)}
