@@ -44,3 +44,14 @@ def test_bench_dispatches_to_the_benchmark(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "memory", "--help"])
     assert e.value.code == 0 and "labkit bench memory" in capsys.readouterr().out
+
+
+def test_the_readme_example_repeats_a_line_as_the_readme_warns(capsys):
+    """The README's first `labkit generate` prints a line over and over and says why (a 5 M
+    parameter model, greedy): the warning must stay true of what a newcomer sees."""
+    from labkit.cli import main
+
+    assert main(["generate", "--model", "labkit-tiny", "--max-tokens", "40",
+                 "def fibonacci(n):"]) == 0
+    lines = [x.strip() for x in capsys.readouterr().out.splitlines() if x.strip()]
+    assert max(lines.count(x) for x in set(lines)) >= 3, lines
