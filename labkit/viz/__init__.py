@@ -4,6 +4,7 @@ Every widget takes a trace (dict, `Trace`, `SimResult` or `LLMEngine`), so it wo
 including one the learner makes. Needs the `lab` extra (ipywidgets 8, plotly, anywidget).
 """
 
+from labkit.viz import theme
 from labkit.viz.latency import LatencyWidget
 from labkit.viz.memory import MemoryWidget
 from labkit.viz.page_table import PageTableWidget
@@ -11,6 +12,8 @@ from labkit.viz.prefix_tree import PrefixTreeWidget
 from labkit.viz.quant import QuantWidget
 from labkit.viz.schedule import ScheduleWidget
 from labkit.viz.spec import SpecWidget
+
+theme.install()  # plotly's 100 px top margin put every figure far below its cell
 
 __all__ = [
     "LatencyWidget", "MemoryWidget", "PageTableWidget", "PrefixTreeWidget", "QuantWidget",
