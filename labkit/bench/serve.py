@@ -3,7 +3,8 @@
 Against ``--base-url`` (any OpenAI-compatible server), or, without it, a ``labkit serve`` child
 process it starts and stops itself. In one run:
 
-1. **rate sweep**: Poisson (or gamma, ``--burstiness``) arrivals at each ``--rates`` value; TTFT,
+1. **rate sweep**: Poisson (or gamma, ``--burstiness``) arrivals at fractions of the capacity
+   its all-at-once burst measured first (or at each ``--rates`` value); TTFT,
    TPOT, ITL and E2E percentiles against the achieved throughput: the latency knee;
 2. **fixed concurrency** (16): the headline numbers, under vLLM ``benchmark_serving`` field
    names, beside ``in_process_output_throughput``: the same requests through ``LLM.generate``
@@ -48,10 +49,13 @@ from labkit.bench.serve_client import BenchRequest, run_load, summarize
 from labkit.bench.serve_knee import fit_step_time, knee_report, simulate_rate
 from labkit.sim.workloads import prompt_texts
 
-QUICK = {"num_requests": 24, "max_tokens": 64, "rates": (4.0, 8.0, math.inf),
+# The sweep's rates are fractions of the capacity this run measures first (its all-at-once
+# burst): fixed rates missed the knee on a fast machine (issue 27: 4 and 8 req/s against 14.4 of
+# capacity, so the "knee" was never reached). ``--rates`` still takes absolute req/s.
+QUICK = {"num_requests": 24, "max_tokens": 64, "rate_fractions": (0.3, 0.7, 1.0, 1.5),
          "concurrency": 16, "conc_requests": 64, "c1_requests": 16, "light_n": 40,
          "heavy_mult": 10, "overload": 2.0, "fair_max_num_seqs": 4, "fair_max_tokens": 16}
-FULL = {"num_requests": 96, "max_tokens": 64, "rates": (2.0, 4.0, 8.0, 16.0, math.inf),
+FULL = {"num_requests": 96, "max_tokens": 64, "rate_fractions": (0.2, 0.4, 0.6, 0.8, 1.0, 1.5),
         "concurrency": 16, "conc_requests": 192, "c1_requests": 16, "light_n": 40,
         "heavy_mult": 10, "overload": 2.0, "fair_max_num_seqs": 4, "fair_max_tokens": 24}
 SERVER_ARGS = ["--max-num-seqs", "16", "--num-blocks", "512", "--dtype", "float32"]
@@ -203,6 +207,25 @@ def _variant_row(conc: dict, c1: dict, texts: list[str], ip: dict[str, Any]) -> 
             "greedy_text_matches": sum(a == b for a, b in zip(texts, ip["texts"]))}
 
 
+def _sweep(url: str, args: Any, reqs: list, cfg: dict[str, Any], bar: Any,
+           slo: dict[str, float]) -> list[dict[str, Any]]:
+    """The rate sweep, in order of offered rate. Without ``--rates``: the all-at-once burst
+    first, whose throughput is the capacity, then ``rate_fractions`` of it (so a knee lies
+    inside the sweep on any machine); ``cfg["rates"]`` is set to the rates used."""
+    def one(rate: float) -> dict[str, Any]:
+        res, dur = _load(url, args.model, reqs, bar, rate=rate, burstiness=args.burstiness,
+                         seed=args.seed)
+        return {"request_rate": rate, **summarize(res, dur, slo)}
+
+    if "rates" in cfg:
+        return [one(r) for r in cfg["rates"]]
+    burst = one(math.inf)
+    cap = burst["request_throughput"] or 1.0
+    rows = [one(round(f * cap, 2)) for f in cfg["rate_fractions"]] + [burst]
+    cfg["rates"] = tuple(r["request_rate"] for r in rows)
+    return rows
+
+
 def run(args: Any) -> dict[str, Any]:
     from labkit.serve.process import ServerProcess
 
@@ -211,6 +234,7 @@ def run(args: Any) -> dict[str, Any]:
         cfg["num_requests"] = args.num_requests
     if args.rates:
         cfg["rates"] = tuple(float(r) for r in args.rates.split(","))
+    n_rates = len(cfg["rates"]) if "rates" in cfg else 1 + len(cfg["rate_fractions"])
     # the concurrency run has its own, longer list (a few seconds of full batches, so the
     # ratio is not the ramp-up and the tail); the sweep's requests are its first ones
     conc_reqs = make_requests(max(cfg["conc_requests"], cfg["num_requests"]),
@@ -226,7 +250,7 @@ def run(args: Any) -> dict[str, Any]:
         for m, t in variants:
             engine_args(m, t)  # a bad mode fails before anything starts
     per_pass = len(conc_reqs) + cfg["c1_requests"]
-    total = (cfg["num_requests"] * len(cfg["rates"]) + per_pass * len(variants)
+    total = (cfg["num_requests"] * n_rates + per_pass * len(variants)
              + (8 * cfg["fair_max_num_seqs"] + 2 * cfg["light_n"] * (2 + cfg["heavy_mult"])
                 if own and args.fairness else 0))
     bar = tqdm(total=total, desc="bench serve", unit="req")
@@ -242,10 +266,8 @@ def run(args: Any) -> dict[str, Any]:
         url = args.base_url or srv.url
         try:
             _load(url, args.model, reqs[:2], None)  # warm-up
-            for rate in (cfg["rates"] if i == 0 else ()):
-                res, dur = _load(url, args.model, reqs, bar, rate=rate,
-                                 burstiness=args.burstiness, seed=args.seed)
-                sweep.append({"request_rate": rate, **summarize(res, dur, slo)})
+            if i == 0:
+                sweep = _sweep(url, args, reqs, cfg, bar, slo)
             passes[(mode, nt)] = _http_pass(url, args.model, conc_reqs,
                                             reqs[:cfg["c1_requests"]], cfg, slo, bar)
         finally:

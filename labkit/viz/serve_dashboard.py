@@ -15,8 +15,11 @@ import httpx
 
 from labkit.serve.metrics import parse_metrics
 
-SERIES = (("labkit:num_requests_running", "running"), ("labkit:num_requests_waiting", "waiting"),
-          ("labkit:kv_cache_usage_perc", "KV usage (0-1)"))
+# (metric, label, axis): request counts on the left axis, KV usage (a fraction) on its own
+# right axis, 0-100%: on the count axis a usage of 0.6 beside 4 running requests drew as flat.
+SERIES = (("labkit:num_requests_running", "running", "y"),
+          ("labkit:num_requests_waiting", "waiting", "y"),
+          ("labkit:kv_cache_usage_perc", "KV usage (right axis)", "y2"))
 
 
 class PollingDashboard(ABC):
@@ -71,10 +74,15 @@ class ServeDashboard(PollingDashboard):
         import plotly.graph_objects as go
 
         t = [h["t"] for h in self.history]
-        fig = go.Figure(layout={**self.size, "xaxis_title": "seconds", "margin": {"t": 30}})
-        for name, label in SERIES:
+        fig = go.Figure(layout={
+            **self.size, "xaxis_title": "seconds", "margin": {"t": 30},
+            "yaxis": {"title": "requests", "rangemode": "tozero"},
+            "yaxis2": {"title": "KV cache usage", "overlaying": "y", "side": "right",
+                       "range": [0, 1.05], "tickformat": ".0%", "showgrid": False},
+            "legend": {"orientation": "h", "y": 1.12}})
+        for name, label, axis in SERIES:
             fig.add_scatter(x=t, y=[h.get(name, 0.0) for h in self.history], mode="lines",
-                            name=label)
+                            name=label, yaxis=axis, line={"dash": "dot"} if axis == "y2" else {})
         return fig
 
     def snapshot(self) -> dict[str, float]:

@@ -43,3 +43,29 @@ def test_knee_check_wants_a_finite_rate_at_or_above_capacity():
     v = knee_check(sweep, capacity_req_s=12.6)
     assert v.startswith("inconclusive: ") and "4 req/s" in v
     assert knee_check([{"request_rate": math.inf}], 3.0).startswith("inconclusive: ")
+
+
+def test_the_sweep_offers_fractions_of_the_capacity_it_measured_first(monkeypatch):
+    """Fixed rates (4 and 8 req/s) never reached a 14 req/s server's knee; the sweep now
+    measures the burst first and offers fractions of it, so its top rate passes capacity."""
+    from types import SimpleNamespace
+
+    from labkit.bench import serve
+
+    offered = []
+
+    def fake_load(url, model, reqs, bar, rate=None, **kw):
+        offered.append(rate)
+        done = min(rate, 10.0)  # a server that finishes at most 10 req/s
+        return [RequestResult(ok=True, start=i / done, e2e=0.01) for i in range(20)], 20 / done
+
+    monkeypatch.setattr(serve, "_load", fake_load)
+    cfg = dict(serve.QUICK)
+    args = SimpleNamespace(model="m", burstiness=1.0, seed=0)
+    rows = serve._sweep("http://x", args, [None] * 20, cfg, None, {"ttft": 1e9, "tpot": 1e9})
+    assert offered[0] == math.inf  # the burst first
+    cap = rows[-1]["request_throughput"]
+    assert offered[1:] == [round(f * cap, 2) for f in serve.QUICK["rate_fractions"]]
+    assert [r["request_rate"] for r in rows] == list(cfg["rates"]) and rows[-1]["request_rate"] \
+        == math.inf
+    assert knee_check(rows, cap) == "conclusive"
