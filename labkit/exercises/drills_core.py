@@ -61,9 +61,11 @@ CORE = [
       "An A100-80GB serves Llama-2-7B in fp16. Roughly how many tokens of KV cache fit, and how "
       "many concurrent 2k-token requests is that?",
       "vLLM reserves a fraction of GPU memory (gpu_memory_utilization, 0.9 by default), subtracts "
-      "the weights (about 13.5 GB) and fills the rest with KV blocks: about 64 GB / 512 KiB = "
-      "roughly 120k tokens, so about 60 requests of 2k tokens. Batch size is bounded by KV "
-      "memory long before compute.",
+      "the weights (about 13.5 GB) and the peak activation memory of a profiling run (a forward "
+      "pass at max_num_batched_tokens), and fills the rest with KV blocks: about 64 GB / 512 KiB "
+      "= roughly 120k tokens before activations, so about 60 requests of 2k tokens. labkit's "
+      "max_kv_tokens ignores the activations, so its number is an upper bound; the profiling run "
+      "typically takes a few GB more. Batch size is bounded by KV memory long before compute.",
       """
       from labkit.sim.cost import max_kv_tokens
       tokens = max_kv_tokens("llama-2-7b", "a100-80gb", gpu_memory_utilization=0.9)
@@ -224,7 +226,14 @@ CORE = [
       "Running decodes first (one token each): they are cheap and delaying them shows up directly "
       "as TPOT spikes. Then unfinished prefills, then waiting requests in policy order; with "
       "chunked prefill the last admitted prompt gets whatever budget is left, so long prompts "
-      "never stall decodes for a whole step.",
+      "never stall decodes for a whole step. That is vLLM's V1 scheduler, and its V0 scheduler "
+      "with chunked prefill enabled; V0's default scheduler (chunked prefill off) did the "
+      "opposite: it batched as many waiting prefills as fit first and ran the decodes only in "
+      "steps with no prefill, so a burst of long prompts stalled every running stream. Decode-"
+      "first batching with chunked prefill is what Sarathi-Serve (OSDI'24) calls stall-free "
+      "batching; the other cure, running prefill and decode on different GPUs and shipping the "
+      "KV between them (prefill/decode disaggregation), comes from DistServe (OSDI'24) and "
+      "Splitwise (ISCA'24).",
       """
       from labkit.exercises.scheduler_step import Seq
       from labkit.exercises.solutions import schedule_step
@@ -241,8 +250,12 @@ CORE = [
       "For a 7B model with a 2k context on an A100 both cost on the order of 100 ms; prefill cost "
       "grows faster than linearly with context, so swap gains on long contexts, while recompute "
       "needs no CPU pool and no small-transfer overhead. vLLM's V0 engine offered both "
-      "(recompute by default, swap for beam search); its V1 engine only recomputes, and since "
-      "freed blocks keep their prefix-cache keys, the recompute often hits the cache.",
+      "(recompute by default, swap for beam search); its V1 engine only preempts by recompute, "
+      "and since freed blocks keep their prefix-cache keys, the recompute often hits the cache. "
+      "KV still moves to CPU memory in V1, just not as a preemption mode: its offloading KV "
+      "connector (--kv-offloading-size, native or LMCache backend) copies blocks to a CPU pool "
+      "and loads them back when a request, a recomputed one included, finds its prefix there, "
+      "so a transfer replaces the prefill. Which is cheaper is the same trade-off as above.",
       """
       from labkit.sim.cost import step_time
       from labkit.sim.presets import get_model_preset
@@ -281,6 +294,7 @@ CORE = [
       "textbook technique is hysteresis: stop admitting when usage crosses a high watermark and "
       "resume only below a lower one, so admission does not flap on and off every step and the "
       "headroom lets running sequences grow without being preempted. The servers differ. TGI "
+      "(in maintenance mode since December 2025; Hugging Face now recommends vLLM or SGLang) "
       "admits by token budget: a request joins the batch only if blocks for its prompt plus "
       "max_new_tokens can be reserved within max_batch_total_tokens (and its prefill fits "
       "max_batch_prefill_tokens), so a running request never runs out of KV and is never "

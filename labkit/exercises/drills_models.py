@@ -88,9 +88,14 @@ MODELS = [
       "Which quantization tool for which deployment?",
       "bitsandbytes (NF4/INT8) for quick loading and QLoRA fine-tuning in Transformers; GPTQ "
       "(GPTQModel, the maintained successor of AutoGPTQ) and AWQ (AutoAWQ is deprecated; vLLM's "
-      "llm-compressor carries its AWQ on) for 4-bit checkpoints served fast by vLLM or "
-      "TGI; llama.cpp's GGUF k-quants for CPUs, Apple silicon and edge devices; FP8 in TensorRT-"
-      "LLM or vLLM on Hopper GPUs. Evaluate with perplexity plus task benchmarks before shipping."),
+      "llm-compressor carries its AWQ on) for 4-bit checkpoints served fast by vLLM or SGLang "
+      "(TGI serves them too, but has been in maintenance mode since December 2025); llama.cpp's "
+      "GGUF k-quants for CPUs, Apple silicon and edge devices; FP8 in TensorRT-LLM or vLLM on "
+      "GPUs with FP8 tensor cores: Ada (L4, L40S), Hopper (H100, H200) and Blackwell (B200, "
+      "GB200, B300). FP4 formats (NVFP4, MXFP4) run on tensor cores only on Blackwell; Hopper "
+      "has FP8 but no FP4 tensor cores, so an FP4 checkpoint there is dequantized for the matmul "
+      "(weight-only, memory saved but no FP4 compute). Evaluate with perplexity plus task "
+      "benchmarks before shipping."),
     d("spec-speedup", "speculative-decoding",
       "Speculative decoding: how many tokens per target step, and what speed-up?",
       "With per-token acceptance rate a and g draft tokens, a target step emits "
@@ -217,10 +222,18 @@ MODELS = [
       """),
     d("llama-cpp-offload", "llama-cpp",
       "llama.cpp on a laptop with an 8 GB GPU: how does it run a model that does not fit?",
-      "It offloads as many transformer layers as fit to the GPU (n_gpu_layers) and runs the rest "
-      "on the CPU, reading weights straight from the memory-mapped GGUF file. Each token passes "
-      "through both, so speed sits between pure-CPU and pure-GPU; quantization decides how many "
-      "layers fit.",
+      "It keeps as much of the model as fits on the GPU and runs the rest on the CPU, reading "
+      "those weights straight from the memory-mapped GGUF file. Recent llama.cpp decides the "
+      "split itself: --fit (on by default) sets whatever you left unset, the number of GPU "
+      "layers (-ngl auto) and the context size, to fit the free device memory; -ngl N or -ngl "
+      "all still fixes the layer count by hand. Placement also goes per tensor, not only per "
+      "layer: -ot / --override-tensor sends the tensors whose names match a pattern to a chosen "
+      "buffer (say, some layers' FFN weights to the CPU), and for MoE models --n-cpu-moe N (or "
+      "--cpu-moe) keeps the expert weights of the first N layers (or of all) in system RAM. That "
+      "is the usual split for a big MoE on a small GPU: the experts are most of the bytes but "
+      "each token reads only the few it is routed to, while attention and the shared weights, "
+      "read by every token, stay on the GPU. Each token passes through both devices, so speed "
+      "sits between pure-CPU and pure-GPU; quantization decides how much fits.",
       """
       from labkit.quant.memory import estimate_memory
       layers = 80
@@ -228,6 +241,15 @@ MODELS = [
       fit = int(7e9 // per_layer)  # keep ~1 GB for KV and buffers
       print(f"~{per_layer / 1e6:.0f} MB per 4-bit layer -> {fit} of {layers} layers on the GPU")
       assert 10 < fit < layers
+      # Mixtral-8x7B (32 layers, 8 experts, top-2): what --cpu-moe leaves on the GPU
+      d_model, ffn, vocab = 4096, 14336, 32000
+      experts = 32 * 8 * 3 * d_model * ffn
+      dense = 32 * (2 * d_model * 4096 + 2 * d_model * 1024) + 2 * vocab * d_model
+      bits = 4.5  # Q4_0-like
+      print(f"experts {experts / (experts + dense):.0%} of the weights: {experts * bits / 8e9:.1f} "
+            f"GB in RAM, {2 / 8 * experts * bits / 8e9:.1f} GB of it read per token; dense part "
+            f"{dense * bits / 8e9:.1f} GB on the GPU")
+      assert experts > 0.9 * (experts + dense) and dense * bits / 8 < 7e9
       """),
     d("trtllm", "tensorrt-llm",
       "What does TensorRT-LLM buy you, and what became of its engine compilation?",
@@ -237,7 +259,8 @@ MODELS = [
       " was build time and engines tied to GPU and version. In the 1.x releases its default "
       "backend is PyTorch (no engine build, Hugging Face checkpoints load directly) and the "
       "newest releases removed the TensorRT engine backend; what you pick it for now is the same "
-      "library of hand-tuned NVIDIA kernels (attention, FP8/FP4/INT4 GEMMs on tensor cores), in-"
+      "library of hand-tuned NVIDIA kernels (attention, FP8/FP4/INT4 GEMMs on tensor cores, FP4 on"
+      " Blackwell only), in-"
       "flight (continuous) batching and a paged, reusable KV cache.",
       """
       hidden, bytes_per = 4096, 2

@@ -59,20 +59,26 @@ SERVING = [
       """),
     d("mig", "gpu-sharing",
       "MIG, time slicing or MPS: how do you share one GPU between models or tenants?",
-      "MIG (A100/H100/H200) cuts the GPU into up to 7 hardware-isolated instances, each with its "
-      "own memory and compute slices: strong isolation and predictable latency, fixed sizes. "
+      "MIG (A100, H100/H200, and Blackwell's B200/GB200/B300) cuts the GPU into up to 7 "
+      "hardware-isolated instances, each with its own memory and compute slices: strong "
+      "isolation and predictable latency, fixed sizes (a B200's 180 GB splits into slices of "
+      "23, 45 or 90 GB; an A100-80GB's into 10, 20 or 40 GB). "
       "Time slicing lets processes take turns on the whole GPU: no memory isolation, context "
       "switches, noisy neighbours. MPS runs kernels of several processes concurrently with "
       "limited isolation. For a small model per tenant MIG fits well if the model fits a slice.",
       """
       from labkit.quant.memory import estimate_memory
-      slices = {"1g.10gb": 10e9, "2g.20gb": 20e9, "3g.40gb": 40e9}  # A100-80GB profiles
+      profiles = {  # MIG user guide: A100-80GB and B200 (180 GB) GPU-instance profiles
+          "A100-80GB": {"1g.10gb": 10e9, "2g.20gb": 20e9, "3g.40gb": 40e9},
+          "B200": {"1g.23gb": 23e9, "2g.45gb": 45e9, "3g.90gb": 90e9},
+      }
       for fmt in ("fp16", "gptq"):
           need = estimate_memory("llama-2-7b", fmt, context_len=4096, batch_size=4).total_bytes
-          fits = [name for name, mem in slices.items() if need < mem * 0.9]
+          fits = {gpu: [name for name, mem in slices.items() if need < mem * 0.9]
+                  for gpu, slices in profiles.items()}
           print(f"Llama-2-7B {fmt} + KV for 4 x 4k: {need / 1e9:.1f} GB -> fits {fits}")
       assert estimate_memory("llama-2-7b", "gptq", 4096, 4).total_bytes < 0.9 * 20e9
-      assert estimate_memory("llama-2-7b", "fp16", 4096, 4).total_bytes > 0.9 * 20e9
+      assert 0.9 * 20e9 < estimate_memory("llama-2-7b", "fp16", 4096, 4).total_bytes < 0.9 * 45e9
       """),
     d("canary", "releases",
       "How do you roll out a new model version safely (canary / gray release)?",
@@ -126,14 +132,30 @@ SERVING = [
     d("autoscale", "autoscaling",
       "How many replicas does a load need, and what should trigger scaling?",
       "Size from measured per-replica throughput at the latency SLO: replicas = demand tokens/s "
-      "/ (replica tokens/s at the SLO) plus headroom. Scale on signals that lead latency: queue "
-      "length, KV cache usage and TTFT, not GPU utilization, which reads near 100% whether the "
-      "batch is 2 or 200. Cold starts are slow (pulling and loading GBs of weights), so keep "
-      "warm spares or scale early.",
+      "/ (replica tokens/s at the SLO) plus headroom. Scale on the demand itself: the arrival "
+      "rate (requests or tokens per second, the router's own count) against that per-replica "
+      "figure, and ahead of it with a forecast of the daily curve, because a new replica serves "
+      "only after a cold start (pulling and loading GBs of weights): a rule that reacts even to "
+      "arrivals is a cold start late on every ramp, so keep warm spares for what the forecast "
+      "misses. Queue length and TTFT do not lead latency, they are latency: both stay near zero "
+      "while a replica has free batch slots and climb once it is full, so they move after the "
+      "arrivals do and together with the SLO breach. In labkit's fleet simulator (one replica "
+      "with 16 batch slots, the load stepping from a third of its capacity to well above it) the "
+      "arrival rate crossed capacity before any request missed a 0.25 s TTFT SLO, the queue "
+      "reached 4 requests only around the first miss, and TTFT as measured showed the miss "
+      "later still, when that request's first token came. KV usage and in-flight requests rise "
+      "with the load sooner (in flight = rate x latency) but are capped by the batch limit and "
+      "the KV pool. Keep queue length and TTFT as the backstop and the alert (they also catch "
+      "what arrival counts miss: longer prompts, a slow replica), and never scale on GPU "
+      "utilization, which reads near 100% whether the batch is 2 or 200.",
       """
       import math
-      from labkit.sim.cost import step_time
+      from dataclasses import replace
       from labkit.quant.memory import estimate_memory
+      from labkit.router.policies import LeastOutstanding
+      from labkit.sim.cost import step_time
+      from labkit.sim.fleet import Fleet, FleetConfig
+      from labkit.sim.traces import poisson_trace
       batch = 64
       t = step_time("llama-2-7b", "a100-80gb", 0, batch, batch * 1024)
       per_replica = batch / t  # decode tokens/s at this batch
@@ -143,6 +165,30 @@ SERVING = [
       print(f"{per_replica:.0f} tokens/s per replica -> {replicas} replicas; "
             f"cold start >= {load_s:.0f} s of weight loading")
       assert replicas >= 2 and load_s > 5
+
+      # Which signal moves first? One simulated replica (16 batch slots); evenly spaced arrivals
+      # step from 4 to 20 requests/s at t = 6 s.
+      step, end, slo = 6.0, 10.0, 0.25
+      times = [i / 4 for i in range(int(step * 4))] + [step + i / 20 for i in range(80)]
+      mix = poisson_trace(rate=20, duration=12, num_tenants=8, seed=0).specs  # lengths only
+      specs = [replace(s, arrival_time=a) for s, a in zip(mix, times)]
+      reqs = Fleet(LeastOutstanding(), 1, FleetConfig(token_scale=16, max_num_seqs=16)).run(
+          specs, end).requests
+      capacity = sum(step + 2 <= r["arrival"] + r["e2e"] < end for r in reqs) / 2  # saturated
+      ticks = [k / 4 for k in range(4 * int(end) + 1)]
+      rate = {t: sum(t - 1 < r["arrival"] <= t for r in reqs) for t in ticks}  # last second
+      queue = {t: sum(r["arrival"] <= t < r["arrival"] + r["ttft"] for r in reqs) for t in ticks}
+      late = [r for r in reqs if r["ttft"] > slo]
+      t_rate = min(t for t in ticks if rate[t] >= capacity)
+      t_queue = min(t for t in ticks if queue[t] >= 4)
+      t_miss = min(r["arrival"] for r in late)  # the first request over the SLO arrives
+      t_seen = min(r["arrival"] + r["ttft"] for r in late)  # ... and its TTFT is measured
+      print(f"capacity {capacity:.1f} requests/s; queue at a third of it <= "
+            f"{max(queue[t] for t in ticks if 2 <= t < step)}")
+      print(f"after the step at {step:.0f} s: arrivals >= capacity at {t_rate:.2f} s, first "
+            f"request over the {slo} s TTFT SLO arrives at {t_miss:.2f} s, queue >= 4 at "
+            f"{t_queue:.2f} s, TTFT shows the miss at {t_seen:.2f} s")
+      assert t_rate < t_miss and abs(t_queue - t_miss) <= 0.5 and t_queue < t_seen
       """),
     d("failover", "failover",
       "A replica dies in the middle of streaming a response. What should the system do?",

@@ -23,7 +23,9 @@ SYSTEMS: dict[str, str] = {
     "Megatron": r"\bMegatron\b", "Llama Guard": r"\bLlama Guard\b", "Prometheus": r"\bPrometheus\b",
     "MIG": r"\bMIG\b", "MPS": r"\bMPS\b", "SmoothQuant": r"\bSmoothQuant\b",
     "LLM.int8": r"\bLLM\.int8\b", "QLoRA": r"\bQLoRA\b", "PagedAttention": r"\bPagedAttention\b",
-    "S3": r"\bS3\b", "Mixtral": r"\bMixtral\b",
+    "S3": r"\bS3\b", "Mixtral": r"\bMixtral\b", "LMCache": r"\bLMCache\b",
+    "Sarathi-Serve": r"\bSarathi(-Serve)?\b", "DistServe": r"\bDistServe\b",
+    "Splitwise": r"\bSplitwise\b",
 }
 
 VLLM = "vllm-project/vllm: "
@@ -35,11 +37,15 @@ PAGED_PAPER = "https://arxiv.org/abs/2309.06180 (Kwon et al., PagedAttention, SO
 QLORA_PAPER = "https://arxiv.org/abs/2305.14314 (Dettmers et al., QLoRA)"
 BNB_4BIT = "bitsandbytes-foundation/bitsandbytes: bitsandbytes/functional.py (quantize_4bit)"
 MIG_GUIDE = "https://docs.nvidia.com/datacenter/tesla/mig-user-guide/"
+# Hugging Face put TGI in maintenance mode on 2025-12-11; every drill naming TGI says so.
+TGI_MAINTENANCE = TGI + ("README.md (maintenance-mode notice, 2025-12-11, PRs #3344/#3345: minor "
+                         "fixes only; recommends vLLM, SGLang, llama.cpp or MLX)")
 
 SOURCES: dict[str, list[Claim]] = {
     "kv-capacity": [
         Claim("vLLM", "gpu_memory_utilization defaults to 0.9; KV blocks fill what the weights "
-              "and a profiling run leave of that share",
+              "and the peak memory of a profiling run (activations of a max_num_batched_tokens "
+              "forward, non-torch memory) leave of that share",
               VLLM + "vllm/config/cache.py (CacheConfig.gpu_memory_utilization); "
               "vllm/v1/worker/gpu_worker.py (determine_available_memory)"),
     ],
@@ -76,6 +82,18 @@ SOURCES: dict[str, list[Claim]] = {
               "admits waiting ones; chunked prefill cuts the last prompt to the budget left",
               VLLM + "vllm/v1/core/sched/scheduler.py (schedule: running loop, then waiting "
               "loop, token_budget)"),
+        Claim("vLLM", "V0's default scheduler batched waiting prefills first and scheduled decodes "
+              "only in steps without a prefill; its chunked-prefill scheduler ran decodes first",
+              VLLM + "vllm/core/scheduler.py (V0, _schedule_default, _schedule_chunked_prefill; "
+              "removed with V0)"),
+        Claim("Sarathi-Serve", "chunked prefills with stall-free (decode-first) batching; not "
+              "disaggregation", "https://arxiv.org/abs/2403.02310 (Agrawal et al., Sarathi-Serve, "
+              "OSDI 2024)"),
+        Claim("DistServe", "prefill and decode on separate GPUs (disaggregation), each sized for "
+              "its own latency target", "https://arxiv.org/abs/2401.09670 (Zhong et al., "
+              "DistServe, OSDI 2024)"),
+        Claim("Splitwise", "prompt and token phases on separate machines, KV shipped between them",
+              "https://arxiv.org/abs/2311.18677 (Patel et al., Splitwise, ISCA 2024)"),
     ],
     "sched-preempt": [
         Claim("vLLM", "V1 preempts by freeing the victim's blocks and resetting its computed "
@@ -84,6 +102,15 @@ SOURCES: dict[str, list[Claim]] = {
               "num_computed_tokens = 0); vllm/v1/core/kv_cache_manager.py (free)"),
         Claim("vLLM", "V0 chose recompute for single-sequence groups and swap for beam search",
               VLLM + "vllm/core/scheduler.py (V0, _preempt; removed with V0)"),
+        Claim("vLLM", "V1 offloads KV blocks to a CPU pool through its offloading KV connector "
+              "(--kv-offloading-size with the native backend, or LMCache) and loads a prefix "
+              "found there back instead of recomputing it",
+              VLLM + "vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py; "
+              "vllm/config/cache.py (kv_offloading_size, kv_offloading_backend); "
+              "https://blog.vllm.ai/2026/01/08/kv-offloading-connector.html"),
+        Claim("LMCache", "a KV connector backend that stores vLLM's KV in CPU memory or on disk",
+              "https://github.com/LMCache/LMCache (README); " + VLLM
+              + "vllm/distributed/kv_transfer/kv_connector/v1/lmcache_connector.py"),
     ],
     "watermark": [
         Claim("TGI", "a request is admitted only if blocks for input + max_new_tokens can be "
@@ -99,6 +126,8 @@ SOURCES: dict[str, list[Claim]] = {
               "scheduler preempts the last running request when a decode cannot get one",
               VLLM + "vllm/v1/core/kv_cache_manager.py (allocate_slots); "
               "vllm/v1/core/sched/scheduler.py (schedule)"),
+        Claim("TGI", "in maintenance mode since December 2025", TGI_MAINTENANCE),
+        Claim("SGLang", "one of the engines TGI's maintenance notice recommends", TGI_MAINTENANCE),
     ],
     "quant-per-channel": [
         Claim("LLM.int8", "outlier feature dimensions are kept in fp16 (mixed-precision "
@@ -125,13 +154,21 @@ SOURCES: dict[str, list[Claim]] = {
         Claim("AutoAWQ", "officially deprecated; AWQ adopted by vLLM's llm-compressor",
               "https://github.com/casper-hansen/AutoAWQ (README notice); "
               "huggingface/transformers issue #38078"),
-        Claim("vLLM", "serves GPTQ, AWQ and FP8 checkpoints; FP8 compute on Hopper and newer",
-              "https://docs.vllm.ai/en/latest/features/quantization/"),
+        Claim("vLLM", "serves GPTQ, AWQ and FP8 checkpoints; FP8 compute on Ada, Hopper and "
+              "Blackwell (compute capability 8.9+); NVFP4 on Blackwell",
+              "https://docs.vllm.ai/en/latest/features/quantization/; "
+              "https://docs.vllm.ai/en/latest/features/quantization/supported_hardware.html"),
+        Claim("SGLang", "serves GPTQ, AWQ and FP8 checkpoints",
+              "sgl-project/sglang: python/sglang/srt/layers/quantization/ (gptq.py, awq.py, "
+              "fp8.py)"),
         Claim("TGI", "serves GPTQ and AWQ checkpoints (--quantize gptq / awq)",
               TGI + "docs/source/conceptual/quantization.md"),
+        Claim("TGI", "in maintenance mode since December 2025", TGI_MAINTENANCE),
         Claim("llama.cpp", "GGUF k-quants for CPU, Metal and edge back ends",
               LLAMA_CPP + "ggml/src/ggml-quants.c; tools/quantize/README.md"),
-        Claim("TensorRT-LLM", "FP8 on Hopper", TRTLLM_DOCS + "features/quantization.html"),
+        Claim("TensorRT-LLM", "FP8 on Ada, Hopper and Blackwell; NVFP4 on Blackwell only",
+              TRTLLM_DOCS + "features/quantization.html; https://developer.nvidia.com/blog/"
+              "introducing-nvfp4-for-efficient-and-accurate-low-precision-inference/"),
     ],
     "gguf": [
         Claim("llama.cpp", "GGUF: key-value metadata then aligned tensor data, memory-mappable",
@@ -146,6 +183,14 @@ SOURCES: dict[str, list[Claim]] = {
               "the model file is memory-mapped by default (use_mmap)",
               LLAMA_CPP + "common/arg.cpp (--n-gpu-layers, --no-mmap); include/llama.h "
               "(llama_model_params)"),
+        Claim("llama.cpp", "--fit (default on) adjusts the arguments the user left unset (GPU "
+              "layers, context size) to the free device memory; -ngl takes N, auto (default) "
+              "or all", LLAMA_CPP + "common/arg.cpp (-fit, --fit-target, --fit-ctx, "
+              "--n-gpu-layers); https://github.com/ggml-org/llama.cpp/pull/16653"),
+        Claim("llama.cpp", "-ot/--override-tensor pattern=buffer places single tensors; "
+              "--n-cpu-moe N / --cpu-moe keep the MoE expert weights of the first N (or all) "
+              "layers on the CPU", LLAMA_CPP + "common/arg.cpp (--override-tensor, --n-cpu-moe, "
+              "--cpu-moe)"),
     ],
     "trtllm": [
         Claim("TensorRT-LLM", "in the 1.x releases tensorrt_llm.LLM runs the PyTorch backend (the "
@@ -157,6 +202,8 @@ SOURCES: dict[str, list[Claim]] = {
               "TensorRT-LLM's custom kernels", TRTLLM_DOCS + "torch.html"),
         Claim("TensorRT-LLM", "in-flight batching and a paged, reusable KV cache",
               TRTLLM_DOCS + "features/paged-attention-ifb-scheduler.html"),
+        Claim("TensorRT-LLM", "FP4 (NVFP4) GEMMs need Blackwell tensor cores",
+              TRTLLM_DOCS + "features/quantization.html"),
     ],
     "frameworks": [
         Claim("Transformers", "the default DynamicCache grows by torch.cat each step; "
@@ -192,16 +239,20 @@ SOURCES: dict[str, list[Claim]] = {
               "vllm/v1/engine/async_llm.py (generate: abort on CancelledError)"),
     ],
     "mig": [
-        Claim("MIG", "A100/H100/H200 split into up to 7 isolated instances; A100-80GB profiles "
-              "1g.10gb, 2g.20gb, 3g.40gb, 4g.40gb, 7g.80gb", MIG_GUIDE),
+        Claim("MIG", "A100, H100/H200 and Blackwell B200/GB200/B300 split into up to 7 isolated "
+              "instances; A100-80GB profiles 1g.10gb, 2g.20gb, 3g.40gb, 4g.40gb, 7g.80gb; B200 "
+              "(180 GB) profiles 1g.23gb, 1g.45gb, 2g.45gb, 3g.90gb, 4g.90gb, 7g.180gb",
+              MIG_GUIDE + "supported-gpus.html; " + MIG_GUIDE + "supported-mig-profiles.html; "
+              "https://www.nvidia.com/en-us/data-center/hgx/ (B300: up to 7 MIG instances)"),
         Claim("MPS", "kernels from several processes run concurrently, limited isolation",
               "https://docs.nvidia.com/deploy/mps/"),
     ],
     "monitoring": [
         Claim("Prometheus", "vLLM and TGI expose TTFT, TPOT, queue, KV usage and preemption "
-              "metrics on /metrics in Prometheus format",
+              "metrics on /metrics in Prometheus format (TGI is in maintenance mode since "
+              "December 2025: new deployments use vLLM or SGLang)",
               "https://docs.vllm.ai/en/latest/usage/metrics.html; " + TGI
-              + "router/src/server.rs (/metrics)"),
+              + "router/src/server.rs (/metrics); " + TGI_MAINTENANCE),
     ],
     "tp-split": [
         Claim("Megatron", "column-parallel then row-parallel linears: one all-reduce after "

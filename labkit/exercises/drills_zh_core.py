@@ -35,9 +35,11 @@ ZH_CORE: dict[str, tuple[str, str]] = {
     "kv-capacity": (
         "一张 A100-80GB 用 fp16 跑 Llama-2-7B，大概能放多少 token 的 KV 缓存？相当于多少个并发的 "
         "2k token 请求？",
-        "vLLM 先按 gpu_memory_utilization（默认 0.9）划出一部分显存，减掉权重（约 13.5 GB），剩下"
-        "的全部切成 KV 块：约 64 GB / 512 KiB，大约 120k 个 token，也就是 60 个左右 2k token 的请"
-        "求。批大小远在算力打满之前就先被 KV 显存卡住了。",
+        "vLLM 先按 gpu_memory_utilization（默认 0.9）划出一部分显存，减掉权重（约 13.5 GB）和一次"
+        "profiling 试跑（按 max_num_batched_tokens 做一次前向）的激活值峰值显存，剩下的全部切成 KV "
+        "块：不算激活值时约 64 GB / 512 KiB，大约 120k 个 token，也就是 60 个左右 2k token 的请求"
+        "。labkit 的 max_kv_tokens 没有扣激活值，所以它的数字是上限；profiling 试跑通常还要再占几 "
+        "GB。批大小远在算力打满之前就先被 KV 显存卡住了。",
     ),
     "paged-why": (
         "PagedAttention（分页注意力）解决的是什么问题？这个问题有多大？",
@@ -101,7 +103,12 @@ ZH_CORE: dict[str, tuple[str, str]] = {
         "先调度正在运行的 decode（每条一个 token）：它们便宜，而一旦被耽误，会直接表现为 TPOT 的"
         "尖刺。然后是还没做完的 prefill，再按策略顺序接纳等待队列里的请求；开了分块 prefill（"
         "chunked prefill）时，最后接纳的那条提示词拿走剩下的预算，长提示词就不会让 decode 整整停"
-        "一步。",
+        "一步。这是 vLLM V1 调度器的做法，V0 调度器打开分块 prefill 时也是这样；V0 的默认调度器（"
+        "不开分块 prefill）正好相反：先把能放下的等待中的 prefill 尽量组成一批，只有在没有 prefill "
+        "的步里才跑 decode，所以一波长提示词会让所有正在输出的流一起卡住。decode 优先加分块 "
+        "prefill 的组批方式，就是 Sarathi-Serve（OSDI'24）说的无停顿组批（stall-free batching）；"
+        "另一种解法是把 prefill 和 decode 放到不同的 GPU 上，在它们之间传 KV（PD 分离，prefill/"
+        "decode disaggregation），出自 DistServe（OSDI'24）和 Splitwise（ISCA'24）。",
     ),
     "sched-preempt": (
         "生成到一半 KV 块用完了。被抢占的请求是重算（recompute）还是换出（swap）？",
@@ -109,8 +116,11 @@ ZH_CORE: dict[str, tuple[str, str]] = {
         "换出是把它的 KV 经 PCIe（~25 GB/s）拷到 CPU 内存，之后再拷回来。7B 模型、2k 上下文、"
         "A100 上，两者都是 100 ms 量级；prefill 的开销随上下文增长得比线性更快，所以长上下文时换"
         "出更划算，而重算不需要 CPU 内存池，也没有大量小块传输的开销。vLLM 的 V0 引擎两种都支持（"
-        "默认重算，beam search 用换出）；V1 引擎只做重算，而且释放的块保留了前缀缓存的键，重算时"
-        "经常能直接命中缓存。",
+        "默认重算，beam search 用换出）；V1 引擎抢占时只做重算，而且释放的块保留了前缀缓存的键，"
+        "重算时经常能直接命中缓存。但 V1 里 KV 照样会搬到 CPU 内存，只是不再作为抢占方式：它的 "
+        "KV 卸载连接器（offloading connector，--kv-offloading-size，native 或 LMCache 后端）把块"
+        "拷到 CPU 内存池，请求（包括被重算的请求）在那里找到自己的前缀时再加载回来，用一次传输代"
+        "替 prefill。哪个更便宜，还是上面那笔账。",
     ),
     "sched-sjf": (
         "FCFS、优先级调度、短作业优先（SJF）：哪个的平均等待时间最短？代价是什么？",
@@ -122,8 +132,9 @@ ZH_CORE: dict[str, tuple[str, str]] = {
         "准入控制里的 KV 高低水位线是什么？TGI 和 vLLM 实际是怎么做的？",
         "KV 快满的时候还接纳新请求，只会在之后引发抢占。教科书式的做法是迟滞（hysteresis）：使用"
         "率超过高水位线就停止接纳，降到低水位线以下才恢复，这样准入不会每一步都来回抖动，留出的余"
-        "量也让运行中的序列能继续增长而不被抢占。各家服务器的实际做法不一样。TGI 按 token 预算准"
-        "入：只有在 max_batch_total_tokens 之内能为它的提示词加 max_new_tokens 预留出块（并且 "
+        "量也让运行中的序列能继续增长而不被抢占。各家服务器的实际做法不一样。TGI（2025 年十二月"
+        "起进入维护模式，Hugging Face 现在推荐 vLLM 或 SGLang）按 token 预算准入："
+        "只有在 max_batch_total_tokens 之内能为它的提示词加 max_new_tokens 预留出块（并且 "
         "prefill 放得进 max_batch_prefill_tokens），请求才会加入批次，所以运行中的请求永远不会缺 "
         "KV，也不会被抢占，代价是并发度：为 max_new_tokens 预留的块，大多数请求根本用不完；"
         "waiting_served_ratio（默认 0.3）和 max_waiting_tokens（默认 20）决定什么时候暂停 decode "

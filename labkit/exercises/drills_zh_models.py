@@ -41,9 +41,13 @@ ZH_MODELS: dict[str, tuple[str, str]] = {
         "不同的部署场景各用什么量化工具？",
         "bitsandbytes（NF4/INT8）适合在 Transformers 里快速加载和做 QLoRA 微调；GPTQ（GPTQModel，"
         "AutoGPTQ 仍在维护的继任者）和 AWQ（AutoAWQ 已停止维护，AWQ 由 vLLM 的 llm-compressor 接"
-        "手）产出 4-bit checkpoint，用 vLLM 或 TGI 高速推理；llama.cpp 的 GGUF k-quant 面向 CPU、"
-        "Apple 芯片和边缘设备；Hopper GPU 上在 TensorRT-LLM 或 vLLM 里用 FP8。上线前用困惑度（"
-        "perplexity）加上任务基准评测精度损失。",
+        "手）产出 4-bit checkpoint，用 vLLM 或 SGLang 高速推理（TGI 也能跑，但它从 2025 年十二月起"
+        "已进入维护模式）；llama.cpp 的 GGUF k-quant 面向 CPU、Apple 芯片和边缘设备；在有 FP8 "
+        "tensor core 的 GPU 上用 TensorRT-LLM 或 vLLM 跑 FP8：Ada（L4、L40S）、Hopper（H100、"
+        "H200）和 Blackwell（B200、GB200、B300）。FP4 格式（NVFP4、MXFP4）只有 Blackwell 的 tensor "
+        "core 能直接算；Hopper 有 FP8、没有 FP4 tensor core，FP4 checkpoint 在它上面要先反量化再"
+        "做矩阵乘（只量化权重：省显存，但没有 FP4 算力）。上线前用困惑度（perplexity）加上任务基准"
+        "评测精度损失。",
     ),
     "spec-speedup": (
         "投机解码：目标模型每一步能产出多少 token？加速比是多少？",
@@ -101,9 +105,15 @@ ZH_MODELS: dict[str, tuple[str, str]] = {
     ),
     "llama-cpp-offload": (
         "llama.cpp 在一台只有 8 GB 显卡的笔记本上，怎么跑一个显存放不下的模型？",
-        "它把放得下的那些 Transformer 层卸载到 GPU 上（n_gpu_layers），其余的层在 CPU 上跑，权重"
-        "直接从 mmap 的 GGUF 文件里读。每个 token 两边都要走一遍，所以速度介于纯 CPU 和纯 GPU 之"
-        "间；量化决定了能放多少层到 GPU 上。",
+        "模型能放进 GPU 的部分放在 GPU 上，其余的在 CPU 上跑，这部分权重直接从 mmap 的 GGUF 文件"
+        "里读。新版 llama.cpp 会自己决定怎么分：--fit（默认打开）把你没设置的参数，GPU 层数（-ngl "
+        "auto）和上下文长度，调到刚好放进空闲显存；-ngl N 或 -ngl all 仍然可以手动指定层数。放置"
+        "还可以按张量、而不只是按层来做：-ot / --override-tensor 把名字匹配某个模式的张量放到指定"
+        "的 buffer（比如把某些层的 FFN 权重放到 CPU），MoE 模型还可以用 --n-cpu-moe N（或 "
+        "--cpu-moe）把前 N 层（或全部层）的专家权重留在内存里。这是小显卡跑大 MoE 的常见分法：专"
+        "家占了大部分字节，但每个 token 只读被路由到的那几个；注意力和共享权重每个 token 都要读，"
+        "留在 GPU 上。每个 token 两边都要走一遍，所以速度介于纯 CPU 和纯 GPU 之间；量化决定了能放"
+        "多少进 GPU。",
     ),
     "trtllm": (
         "TensorRT-LLM 能给你带来什么？它的引擎编译后来怎么样了？",
@@ -112,7 +122,8 @@ ZH_MODELS: dict[str, tuple[str, str]] = {
         "开销，还有 kernel 自动调优。代价是构建时间长，引擎和 GPU 型号、版本绑死。到 1.x 版本，它"
         "的默认后端是 PyTorch（不用构建引擎，直接加载 Hugging Face checkpoint），最新版本干脆移除"
         "了 TensorRT 引擎后端；现在选它，看中的还是那套 NVIDIA 手工调优的 kernel（注意力，tensor "
-        "core 上的 FP8/FP4/INT4 GEMM）、in-flight（连续）批处理，以及分页、可复用的 KV 缓存。",
+        "core 上的 FP8/FP4/INT4 GEMM，FP4 只在 Blackwell 上）、"
+        "in-flight（连续）批处理，以及分页、可复用的 KV 缓存。",
     ),
     "frameworks": (
         "为什么 vLLM 比直接用 Hugging Face Transformers 的 generate 快？什么时候该选别的框架？",

@@ -1,12 +1,16 @@
 """Scheduler: iteration-level (continuous) batching under a per-step token budget.
 
-Each call to ``schedule()`` decides one engine step, the way vLLM's scheduler does:
+Each call to ``schedule()`` decides one engine step, the way vLLM's V1 scheduler does (and its V0
+scheduler with chunked prefill; V0's default scheduler batched waiting prefills first and ran
+decodes only in steps without one):
 
 1. **Running sequences first** (decode-first), in policy order: each gets its next chunk (one
    token when decoding; a slice of the prompt when a chunked prefill is in progress) if the token
    budget ``max_num_batched_tokens`` allows. When the block pool cannot hold the chunk, the worst
    sequence (by policy) is *preempted*: by recompute (free its blocks, requeue; its KV is rebuilt
-   by a later prefill) or by swap (its blocks are copied to a CPU pool and back later).
+   by a later prefill; vLLM V1's only mode) or by swap (its blocks are copied to a CPU pool and
+   back later, as vLLM V0 did for beam search; V1 moves KV to CPU through its offloading KV
+   connector instead, outside preemption).
 2. If nothing was preempted: swapped sequences come back first, then waiting requests are admitted
    in policy order while ``max_num_seqs``, the token budget, the pool and the KV watermark allow.
    A new request first picks up its longest prefix-cache hit.
@@ -14,9 +18,13 @@ Each call to ``schedule()`` decides one engine step, the way vLLM's scheduler do
 Policies order the waiting queue, the running queue and the choice of preemption victim:
 ``fcfs`` (arrival), ``priority`` (lower value first, then arrival), ``sjf`` (shortest prompt).
 
-Watermark admission (TGI-style hysteresis): once KV usage reaches ``watermark_high`` no new
-request is admitted until usage falls to ``watermark_low``; running work is never blocked. It
-trades some batch size for fewer preemptions.
+Watermark admission (hysteresis, the textbook technique; neither TGI nor vLLM does this): once
+KV usage reaches ``watermark_high`` no new request is admitted until usage falls to
+``watermark_low``; running work is never blocked. It trades some batch size for fewer
+preemptions. What the servers do instead (the ``watermark`` drill, with sources): vLLM V0 kept a
+single watermark, a fraction of the blocks (1%) that must stay free after an admission, and V1
+keeps none; TGI admits by token budget, reserving blocks for prompt + ``max_new_tokens`` within
+``max_batch_total_tokens``, so it never preempts.
 
 ``batching="static"``: take a batch of up to max_num_seqs waiting requests when nothing runs, run
 it to completion, then the next — the baseline continuous batching is compared with.

@@ -8,9 +8,16 @@ every ``interval_s`` read a per-replica metric from the ready replicas and ask f
 clamped to ``[min_replicas, max_replicas]``. Metrics: ``outstanding`` (requests in a replica,
 running + waiting: Knative's concurrency), ``waiting`` (its queue), ``kv`` (KV-cache usage,
 0..1), or ``rps`` (requests per second routed to it over the last ``window_s``: Knative's RPS
-target). The first three are symptoms: they grow only once a replica is busy, and past its knee
-the queue grows without bound, so the recommendation overshoots. Arrivals measure the load
-itself, linearly, and are the router's own count.
+target). Arrivals measure the load itself, linearly, and are the router's own count: they move
+first. The other three respond to the load through the replica. ``waiting`` (and the TTFT it
+sets) is a symptom of overload: near zero while the replica has free batch slots, it climbs only
+once the batch is full, so it lags the arrivals and comes with the SLO breach, not before it
+(the ``autoscale`` drill's step load in this simulator: arrivals cross capacity 0.85 s before
+the first request misses a 0.25 s TTFT SLO, the queue reaches 4 within 0.5 s of that miss, and
+the miss shows in measured TTFT later still). ``outstanding`` and ``kv`` rise with the load
+sooner (in flight = rate x latency), but not linearly (latency grows with the batch), ``kv``
+is capped by the pool and the batch limit, and past the knee ``outstanding`` grows without
+bound with the queue, so the recommendation overshoots.
 Three damping rules keep it from flapping, as the HPA's do:
 
 - **tolerance**: within ``tolerance`` of the target (10%), keep the current count;
