@@ -133,7 +133,7 @@ def check(schedule_step: Callable[..., dict]) -> object:
                 steps += 1
         return (f"{len(cases)} queue states planned right, and at all {steps} steps of "
                 f"{len(ENGINE_RUNS)} real engine runs your plan equals labkit's scheduler: "
-                "decode-first with chunked prefill, as vLLM schedules.")
+                "decode-first with chunked prefill, as vLLM V1 schedules.")
 
     return run_check("schedule_step", body)
 

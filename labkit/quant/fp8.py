@@ -2,8 +2,9 @@
 
 Unlike INT8's uniform grid, FP8's levels are dense near zero and sparse far out (relative error
 is ~constant, about 2^-4), which suits weights' bell-shaped distributions. One fp32 scale per
-output channel maps the row's max |w| to 448 so the whole range is used. Hopper GPUs multiply
-FP8 natively; here it is a storage format dequantized before the matmul.
+output channel maps the row's max |w| to 448 so the whole range is used. Ada (L4, L40S), Hopper
+and Blackwell GPUs multiply FP8 natively (Blackwell also FP4: NVFP4/MXFP4); here it is a storage
+format dequantized before the matmul.
 """
 
 from __future__ import annotations
