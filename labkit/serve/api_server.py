@@ -2,10 +2,14 @@
 
 Every request passes the same gates, cheapest first, and each refusal is an OpenAI error body:
 
-1. draining (SIGTERM received)          -> 503 (``/health`` answers 503 too)
-2. ``Authorization: Bearer KEY``          -> 401 unless it matches a key (constant time)
-3. body larger than ``max_body_bytes``    -> 413 before it is read whole
-4. JSON and fields                        -> 400 naming the field; unknown model -> 404
+1. ``Authorization: Bearer KEY``          -> 401 unless it matches a key (constant time)
+2. draining (SIGTERM received)          -> 503 (``/health`` answers 503 too)
+3. body larger than ``max_body_bytes``    -> 413 before it is read whole; body not in within
+   ``--request-read-timeout`` of the request's first byte -> 408, connection closed
+   (:mod:`labkit.serve.read_timeout` bounds the headers); client gone while its body is read
+   -> nothing to answer: counted as an abort (reason ``disconnect_reading_body``), one log line
+4. JSON and fields                        -> 400 naming the field (a lone surrogate included);
+   unknown model -> 404
 5. prompt too long for the context        -> 400 ``context_length_exceeded``
 6. queue full (``--max-waiting``)         -> 429 + Retry-After
 7. the key's token bucket (requests/s, tokens/s; cost = prompt + max_tokens) -> 429 + Retry-After
@@ -13,13 +17,25 @@ Every request passes the same gates, cheapest first, and each refusal is an Open
 
 Only then is the request accepted; from there its outcome is exactly one of finished, aborted
 (client disconnect, step error, shutdown) or timed out, so the counters add up:
-``accepted = finished + aborted + timed out``.
+``accepted = finished + aborted + timed out`` (``state.counts``; in ``/metrics``,
+``request_accepted = e2e_request_latency_count + request_aborted`` without reason
+``disconnect_reading_body``, timeouts being aborts of reason ``timeout``).
+
+The queue (``--max-waiting N``): a request waits when the running batch's ``max_num_seqs``
+slots are taken, so the server holds at most ``max_num_seqs + N`` sequences (``n`` per prompt)
+and refuses the next with 429. It counts what it has sent to the engine core and not yet seen
+finish (``AsyncLLM.num_seqs_in_flight``), not the engine's waiting queue: that is a snapshot
+from the last step, in which a burst that arrived since is not yet, and in which requests the
+next step will run still count as waiting. Sixteen requests at once with 4 slots and
+``--max-waiting 6``: 10 admitted (4 run, 6 wait), 6 refused, whatever the engine is doing
+meanwhile. When KV blocks, not slots, limit the batch, more wait than this count says.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -28,6 +44,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from labkit.serve import protocol, serving
 from labkit.serve.async_llm import AsyncLLM
@@ -35,7 +52,10 @@ from labkit.serve.chat import chatml
 from labkit.serve.limits import Authenticator
 from labkit.serve.metrics import ServerMetrics
 from labkit.serve.protocol import APIError, bad
+from labkit.serve.read_timeout import READ_DEADLINE, timeout_message
 from labkit.utils import freeze_gc_heap
+
+log = logging.getLogger("uvicorn.error")  # the server's log: uvicorn's handler and --log-level
 
 
 @dataclass
@@ -50,6 +70,9 @@ class ServeConfig:
     max_body_bytes: int = 1 << 20
     max_n: int = 16
     drain_timeout: float = 30.0
+    # headers and body must be in within this many seconds of the request's first byte (None:
+    # no bound); labkit.serve.read_timeout
+    request_read_timeout: float | None = 30.0
     bucket: Any = None  # the token-bucket class (None: labkit.serve.limits.TokenBucket)
     # freeze the startup heap once the engine core runs (labkit.utils.freeze_gc_heap): on in
     # `labkit serve`, whose process is the server's alone; off for a server started inside a
@@ -69,8 +92,9 @@ class ServerState:
         self.auth = Authenticator(config.api_keys, config.rate_limit_rps,
                                   config.rate_limit_tps, bucket=config.bucket)
         self.draining = False
+        # accepted = finished + aborted + timed_out; the rest never were accepted
         self.counts = {"accepted": 0, "finished": 0, "aborted": 0, "timed_out": 0,
-                       "rejected": 0}
+                       "rejected": 0, "client_gone": 0, "read_timeout": 0}
         self._next_id = 0
         self.max_model_len: int = llm.max_model_len  # the engine process's handshake, or
         self.vocab_size: int | None = llm.vocab_size  # the engine itself (thread mode)
@@ -79,9 +103,35 @@ class ServerState:
         self._next_id += 1
         return f"srv-{self._next_id}"
 
-    def num_waiting(self) -> int:
-        s = self.llm.stats
-        return s.get("num_waiting", 0) + s.get("num_pending", 0) + self.llm.num_pending_adds
+    def num_queued(self, extra_seqs: int = 0) -> int:
+        """Sequences that would wait for a running slot with ``extra_seqs`` more: those held
+        beyond the batch's ``max_num_seqs`` (module docstring). An engine that does not say
+        its batch size falls back to the engine's waiting count of the last step."""
+        cap = self.llm.max_num_seqs
+        if cap is None:
+            s = self.llm.stats
+            return (s.get("num_waiting", 0) + s.get("num_pending", 0) +
+                    self.llm.num_pending_adds + extra_seqs)
+        return max(0, self.llm.num_seqs_in_flight + extra_seqs - cap)
+
+    def on_read_timeout(self, client: Any) -> None:
+        """A request not in within the read timeout was answered 408 and closed."""
+        self.counts["read_timeout"] += 1
+        self.metrics.errors.labels(self.config.model_name, "408").inc()
+        log.info("%s: request not received within %g s (--request-read-timeout): 408, "
+                 "connection closed", _peer(client), self.config.request_read_timeout)
+
+
+def _peer(client: Any) -> str:
+    return f"{client[0]}:{client[1]}" if client else "client"
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its request body was read whole."""
+
+    def __init__(self, received: int, expected: str | None) -> None:
+        super().__init__(f"{received} of {expected or 'unknown'} body bytes received")
+        self.received, self.expected = received, expected
 
 
 def _reject(state: ServerState, reason: str) -> None:
@@ -95,19 +145,33 @@ def error_response(e: APIError, state: ServerState | None = None) -> JSONRespons
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes."""
+async def read_body(request: Request, limit: int, timeout: float | None = None) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes, and with
+    408 if it is not in by the request's read deadline (the one the HTTP protocol left in the
+    scope, counted from the request's first byte; else ``timeout`` s from now). Raises
+    ClientGone if the client disconnects first."""
     cl = request.headers.get("content-length")
     too_big = APIError(413, f"request body exceeds {limit} bytes", "invalid_request_error",
                        None, "request_too_large")
     if cl is not None and cl.isdigit() and int(cl) > limit:
         raise too_big
+    deadline = request.scope.get(READ_DEADLINE)
+    if deadline is None and timeout is not None:
+        deadline = asyncio.get_running_loop().time() + timeout
     chunks, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise too_big
-        chunks.append(part)
+    try:
+        async with asyncio.timeout_at(deadline):
+            async for part in request.stream():
+                size += len(part)
+                if size > limit:
+                    raise too_big
+                chunks.append(part)
+    except TimeoutError:
+        raise APIError(408, timeout_message(timeout or 0.0, "request body"),
+                       "invalid_request_error", None, "request_read_timeout",
+                       {"Connection": "close"}) from None
+    except ClientDisconnect:
+        raise ClientGone(size, cl) from None
     return b"".join(chunks)
 
 
@@ -141,24 +205,26 @@ def _tokenize(state: ServerState, parsed: protocol.ParsedRequest) -> list[list[i
 async def _admit(state: ServerState, request: Request, kind: str) -> serving.Call:
     """Run gates 1-8 and submit; returns the accepted call or raises APIError."""
     cfg, m = state.config, state.metrics
+    tenant = state.auth.tenant(request.headers.get("authorization"))
+    if tenant is None:
+        raise _unauthorized()
     if state.draining:
         _reject(state, "draining")
         raise APIError(503, "the server is shutting down", "server_unavailable", None,
                        "draining", _retry_after(5))
-    tenant = state.auth.tenant(request.headers.get("authorization"))
-    if tenant is None:
-        raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
-                       "authentication_error", None, "invalid_api_key")
-    d = protocol.parse_json(await read_body(request, cfg.max_body_bytes))
+    d = protocol.parse_json(await read_body(request, cfg.max_body_bytes,
+                                            cfg.request_read_timeout))
     parsed = protocol.parse_request(d, kind, served_model=cfg.model_name,
                                     vocab_size=state.vocab_size, max_n=cfg.max_n)
     parsed.extra["return_token_ids"] = protocol._bool(d, "return_token_ids")
     ids = _tokenize(state, parsed)
     parsed.extra["prompt_token_ids"] = ids  # echoed with return_token_ids (router failover)
-    if cfg.max_waiting is not None and state.num_waiting() + len(ids) > cfg.max_waiting:
+    seqs = parsed.params.n * len(ids)
+    if cfg.max_waiting is not None and state.num_queued(seqs) > cfg.max_waiting:
         _reject(state, "queue_full")
-        raise APIError(429, f"the queue is full ({cfg.max_waiting} waiting); retry later",
-                       "rate_limit_exceeded", None, "queue_full", _retry_after(1))
+        raise APIError(429, f"the queue is full ({cfg.max_waiting} sequences may wait beyond "
+                       "the running batch); retry later", "rate_limit_exceeded", None,
+                       "queue_full", _retry_after(1))
     cost = sum(len(i) for i in ids) + parsed.params.max_tokens * parsed.params.n * len(ids)
     wait = state.auth.limit(tenant, cost)
     if wait:
@@ -171,16 +237,12 @@ async def _admit(state: ServerState, request: Request, kind: str) -> serving.Cal
     call = serving.Call(parsed, [], [len(i) for i in ids], time.monotonic(),
                         cfg.queue_timeout, cfg.request_timeout, protocol.new_id(kind),
                         protocol.now_s())
-    try:
-        for p_ids in ids:
-            call.streams.append(await state.llm.add_request(
-                state.new_request_id(), p_ids, parsed.params, parsed.priority, tenant))
-    except ValueError as e:
-        call.abort_all()
+    try:  # all at once: counted in flight before the next request's admission check
+        call.streams = await state.llm.add_requests([
+            (state.new_request_id(), p_ids, parsed.params, parsed.priority, tenant)
+            for p_ids in ids])
+    except ValueError as e:  # add_requests aborted the ones it had added
         raise bad(str(e), None, "invalid_prompt") from None
-    except Exception:
-        call.abort_all()
-        raise
     state.counts["accepted"] += 1
     m.accepted.labels(cfg.model_name).inc()
     m.prompt_tokens.labels(cfg.model_name).inc(sum(call.prompt_lens))
@@ -215,7 +277,17 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
     try:
         call = await _admit(state, request, kind)
     except APIError as e:
+        if e.status == 408:
+            state.counts["read_timeout"] += 1
+            log.info("%s: %s %s: %s: 408, connection closed", _peer(request.client),
+                     request.method, request.url.path, e.message)
         return error_response(e, state)
+    except ClientGone as e:  # a client drop, not a server error: no 500, no traceback
+        state.counts["client_gone"] += 1
+        state.metrics.aborts.labels(state.config.model_name, "disconnect_reading_body").inc()
+        log.info("%s: %s %s: client disconnected while sending its body (%s); not admitted",
+                 _peer(request.client), request.method, request.url.path, e)
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
     itl = state.metrics.itl.labels(state.config.model_name).observe
     watcher = asyncio.create_task(serving.watch_disconnect(request.receive, call))
     if call.parsed.stream:
@@ -238,6 +310,11 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
         watcher.cancel()
         _finish(state, call)
     return JSONResponse(result)
+
+
+def _unauthorized() -> APIError:
+    return APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                    "authentication_error", None, "invalid_api_key")
 
 
 def build_app(llm: AsyncLLM, tokenizer: Any, config: ServeConfig | None = None,

@@ -91,8 +91,10 @@ class ServerMetrics:
                                 registry=r)
         self.timeouts = Counter(P + "request_timeout", "Requests dropped by a timeout, by kind "
                                 "(queue, request)", m + ["kind"], registry=r)
-        self.aborts = Counter(P + "request_aborted", "Requests aborted in the engine, by reason "
-                              "(disconnect, timeout, step_error, shutdown)", m + ["reason"],
+        self.aborts = Counter(P + "request_aborted", "Requests aborted, by reason: in the "
+                              "engine (disconnect, timeout, step_error, shutdown) or before "
+                              "admission, the client gone while its body was being read "
+                              "(disconnect_reading_body: never accepted)", m + ["reason"],
                               registry=r)
         self.accepted = Counter(P + "request_accepted", "Requests admitted to the engine", m,
                                 registry=r)
