@@ -2,7 +2,9 @@
 
 Every request passes the same gates, cheapest first, and each refusal is an OpenAI error body:
 
-1. ``Authorization: Bearer KEY``          -> 401 unless it matches a key (constant time)
+1. ``Authorization: Bearer KEY``          -> 401 unless it matches a key (constant time); with
+   ``--api-key`` set this guards every ``/v1`` route, ``/v1/models`` included, as vLLM's
+   middleware does (``/health`` and ``/metrics`` stay open, for probes and scrapers)
 2. draining (SIGTERM received)          -> 503 (``/health`` answers 503 too)
 3. body larger than ``max_body_bytes``    -> 413 before it is read whole; body not in within
    ``--request-read-timeout`` of the request's first byte -> 408, connection closed
@@ -205,7 +207,7 @@ def _tokenize(state: ServerState, parsed: protocol.ParsedRequest) -> list[list[i
 async def _admit(state: ServerState, request: Request, kind: str) -> serving.Call:
     """Run gates 1-8 and submit; returns the accepted call or raises APIError."""
     cfg, m = state.config, state.metrics
-    tenant = state.auth.tenant(request.headers.get("authorization"))
+    tenant = state.auth.tenant(request.headers.get("authorization"))  # V1KeyGuard checked it
     if tenant is None:
         raise _unauthorized()
     if state.draining:
@@ -312,6 +314,26 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
     return JSONResponse(result)
 
 
+class V1KeyGuard:
+    """ASGI middleware: with API keys configured, every ``/v1`` path (routes and unknown ones
+    alike, before routing, as vLLM's ``authentication`` middleware) needs a valid key; other
+    paths (``/health``, ``/metrics``) and CORS preflights stay open."""
+
+    def __init__(self, app: Any, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if (scope["type"] == "http" and self.state.auth.enabled and
+                scope.get("method") != "OPTIONS" and (path == "/v1" or
+                                                      path.startswith("/v1/"))):
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+            if self.state.auth.tenant(given.decode("latin-1") if given else None) is None:
+                await error_response(_unauthorized(), self.state)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def _unauthorized() -> APIError:
     return APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
                     "authentication_error", None, "invalid_api_key")
@@ -334,6 +356,7 @@ def build_app(llm: AsyncLLM, tokenizer: Any, config: ServeConfig | None = None,
 
     app = FastAPI(title="labkit serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     state = app.state.serve = ServerState(llm, tokenizer, config, chat_template)
+    app.add_middleware(V1KeyGuard, state=state)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -189,6 +189,24 @@ def test_read_timeout_flag_and_default():
     assert p.parse_args(["m", "--request-read-timeout", "5"]).request_read_timeout == 5.0
 
 
+# ---- 4. --api-key protects every /v1 route; /health and /metrics stay open ------------------
+def test_api_key_protects_every_v1_route(labkit_tiny):
+    with _server(labkit_tiny, api_keys={"k-alice": "alice"}) as srv:
+        key = {"Authorization": "Bearer k-alice"}
+        for path in ("/v1/models", "/v1/nothing"):
+            r = httpx.get(srv.url + path)
+            assert r.status_code == 401, path
+            assert r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer nope"}
+                         ).status_code == 401
+        r = httpx.get(srv.url + "/v1/models", headers=key)
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == NAME
+        r = httpx.post(srv.url + "/v1/completions", json={"model": NAME, "prompt": "x"})
+        assert r.status_code == 401
+        assert httpx.get(srv.url + "/health").status_code == 200
+        assert httpx.get(srv.url + "/metrics").status_code == 200
+
+
 # ---- 6. continuous_usage_stats, unknown fields -----------------------------------------------
 def test_continuous_usage_stats_puts_usage_on_every_chunk(server):
     body = {"model": NAME, "prompt": "def f():", "max_tokens": 5, "ignore_eos": True,
