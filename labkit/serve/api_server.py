@@ -20,7 +20,7 @@ Every request passes the same gates, cheapest first, and each refusal is an Open
 Only then is the request accepted; from there its outcome is exactly one of finished, aborted
 (client disconnect, step error, shutdown) or timed out, so the counters add up:
 ``accepted = finished + aborted + timed out`` (``state.counts``; in ``/metrics``,
-``request_accepted = e2e_request_latency_count + request_aborted`` without reason
+``request_accepted = request_success + request_aborted`` without reason
 ``disconnect_reading_body``, timeouts being aborts of reason ``timeout``).
 
 The queue (``--max-waiting N``): a request waits when the running batch's ``max_num_seqs``
@@ -260,8 +260,10 @@ def _finish(state: ServerState, call: serving.Call) -> None:
     kind, _, why = call.outcome.partition(":")
     if kind == "finished":
         state.counts["finished"] += 1
-        for r in call.reasons.values():
-            m.request_success.labels(name, r).inc()
+        reasons = list(call.reasons.values())
+        m.request_success.labels(name, request_finish_reason(reasons)).inc()
+        for r in reasons:
+            m.sequence_success.labels(name, r).inc()
         m.e2e.labels(name).observe(time.monotonic() - call.arrival)
     elif kind == "timeout":
         state.counts["timed_out"] += 1
@@ -273,6 +275,16 @@ def _finish(state: ServerState, call: serving.Call) -> None:
     if call.first_token_time is not None:
         m.ttft.labels(name).observe(call.first_token_time - call.arrival)
         m.queue.labels(name).observe(max(0.0, call.first_step_start - call.arrival))
+
+
+def request_finish_reason(reasons: list[str]) -> str:
+    """The ``finished_reason`` label of a finished request (``request_success``): its
+    choices' reason when they agree; else ``length`` if any choice was cut (by max_tokens or
+    the context: the answer is incomplete somewhere), else ``stop``."""
+    rs = set(reasons)
+    if "length" in rs:
+        return "length"
+    return rs.pop() if len(rs) == 1 else "stop"
 
 
 async def _generate(state: ServerState, request: Request, kind: str) -> Response:

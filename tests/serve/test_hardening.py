@@ -207,6 +207,35 @@ def test_api_key_protects_every_v1_route(labkit_tiny):
         assert httpx.get(srv.url + "/metrics").status_code == 200
 
 
+# ---- 5. request_success_total counts requests -----------------------------------------------
+def test_request_success_counts_requests_not_choices(server):
+    def counts():
+        return (metric(server, "labkit:request_success_total"),
+                metric(server, "labkit:sequence_success_total"),
+                metric(server, "labkit:request_accepted_total"))
+
+    base = {"model": NAME, "max_tokens": 3, "ignore_eos": True}
+    for extra, seqs in (({"prompt": "def f():", "n": 2}, 2),
+                        ({"prompt": ["import os", "x = 1"]}, 2),
+                        ({"prompt": ["a", "b"], "n": 2, "stream": True}, 4)):
+        b = counts()
+        r = httpx.post(server.url + "/v1/completions", json={**base, **extra}, timeout=60)
+        assert r.status_code == 200
+        idle(server)
+        a = counts()
+        assert a[0] - b[0] == 1 == a[2] - b[2], (extra, a, b)  # one request, one success
+        assert a[1] - b[1] == seqs
+    assert metric(server, "labkit:request_success_total", finished_reason="length") >= 3
+
+
+def test_multi_choice_finish_reason_is_length_when_any_choice_was_cut():
+    from labkit.serve.api_server import request_finish_reason
+
+    assert request_finish_reason(["stop", "stop"]) == "stop"
+    assert request_finish_reason(["stop", "length"]) == "length"
+    assert request_finish_reason(["length"]) == "length"
+
+
 # ---- 6. continuous_usage_stats, unknown fields -----------------------------------------------
 def test_continuous_usage_stats_puts_usage_on_every_chunk(server):
     body = {"model": NAME, "prompt": "def f():", "max_tokens": 5, "ignore_eos": True,
