@@ -6,10 +6,11 @@ Every request passes the same gates, cheapest first, and each refusal is an Open
    ``--api-key`` set this guards every ``/v1`` route, ``/v1/models`` included, as vLLM's
    middleware does (``/health`` and ``/metrics`` stay open, for probes and scrapers)
 2. draining (SIGTERM received)          -> 503 (``/health`` answers 503 too)
-3. body larger than ``max_body_bytes``    -> 413 before it is read whole; body not in within
-   ``--request-read-timeout`` of the request's first byte -> 408, connection closed
-   (:mod:`labkit.serve.read_timeout` bounds the headers); client gone while its body is read
-   -> nothing to answer: counted as an abort (reason ``disconnect_reading_body``), one log line
+3. body larger than ``max_body_bytes``    -> 413 before it is read whole; headers and body
+   not in within ``--request-read-timeout`` of the request's first byte -> 408, connection
+   closed (by the HTTP protocol, :mod:`labkit.serve.read_timeout`); client gone while its body
+   is read -> nothing to answer: counted as an abort (reason ``disconnect_reading_body``), one
+   log line
 4. JSON and fields                        -> 400 naming the field (a lone surrogate included);
    unknown model -> 404
 5. prompt too long for the context        -> 400 ``context_length_exceeded``
@@ -54,7 +55,7 @@ from labkit.serve.chat import chatml
 from labkit.serve.limits import Authenticator
 from labkit.serve.metrics import ServerMetrics
 from labkit.serve.protocol import APIError, bad
-from labkit.serve.read_timeout import READ_DEADLINE, timeout_message
+from labkit.serve.read_timeout import READ_TIMED_OUT
 from labkit.utils import freeze_gc_heap
 
 log = logging.getLogger("uvicorn.error")  # the server's log: uvicorn's handler and --log-level
@@ -73,7 +74,7 @@ class ServeConfig:
     max_n: int = 16
     drain_timeout: float = 30.0
     # headers and body must be in within this many seconds of the request's first byte (None:
-    # no bound); labkit.serve.read_timeout
+    # no bound); enforced by the HTTP protocol (labkit.serve.launcher.uvicorn_config)
     request_read_timeout: float | None = 30.0
     bucket: Any = None  # the token-bucket class (None: labkit.serve.limits.TokenBucket)
     # freeze the startup heap once the engine core runs (labkit.utils.freeze_gc_heap): on in
@@ -116,16 +117,20 @@ class ServerState:
                     self.llm.num_pending_adds + extra_seqs)
         return max(0, self.llm.num_seqs_in_flight + extra_seqs - cap)
 
-    def on_read_timeout(self, client: Any) -> None:
-        """A request not in within the read timeout was answered 408 and closed."""
+    def on_read_timeout(self, client: Any, what: str = "request") -> None:
+        """A request not in whole within the read timeout was answered 408 and closed."""
         self.counts["read_timeout"] += 1
         self.metrics.errors.labels(self.config.model_name, "408").inc()
-        log.info("%s: request not received within %g s (--request-read-timeout): 408, "
-                 "connection closed", _peer(client), self.config.request_read_timeout)
+        log.info("%s: %s not received within %g s (--request-read-timeout): 408, connection "
+                 "closed", _peer(client), what, self.config.request_read_timeout)
 
 
 def _peer(client: Any) -> str:
     return f"{client[0]}:{client[1]}" if client else "client"
+
+
+class ReadTimedOut(Exception):
+    """The request did not arrive whole in time; the HTTP protocol answered 408 and closed."""
 
 
 class ClientGone(Exception):
@@ -147,32 +152,25 @@ def error_response(e: APIError, state: ServerState | None = None) -> JSONRespons
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-async def read_body(request: Request, limit: int, timeout: float | None = None) -> bytes:
-    """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes, and with
-    408 if it is not in by the request's read deadline (the one the HTTP protocol left in the
-    scope, counted from the request's first byte; else ``timeout`` s from now). Raises
-    ClientGone if the client disconnects first."""
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes. Raises
+    ClientGone if the connection closes first (ReadTimedOut if the server closed it: the
+    HTTP protocol has answered 408)."""
     cl = request.headers.get("content-length")
     too_big = APIError(413, f"request body exceeds {limit} bytes", "invalid_request_error",
                        None, "request_too_large")
     if cl is not None and cl.isdigit() and int(cl) > limit:
         raise too_big
-    deadline = request.scope.get(READ_DEADLINE)
-    if deadline is None and timeout is not None:
-        deadline = asyncio.get_running_loop().time() + timeout
     chunks, size = [], 0
     try:
-        async with asyncio.timeout_at(deadline):
-            async for part in request.stream():
-                size += len(part)
-                if size > limit:
-                    raise too_big
-                chunks.append(part)
-    except TimeoutError:
-        raise APIError(408, timeout_message(timeout or 0.0, "request body"),
-                       "invalid_request_error", None, "request_read_timeout",
-                       {"Connection": "close"}) from None
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise too_big
+            chunks.append(part)
     except ClientDisconnect:
+        if request.scope.get(READ_TIMED_OUT):
+            raise ReadTimedOut from None
         raise ClientGone(size, cl) from None
     return b"".join(chunks)
 
@@ -214,8 +212,7 @@ async def _admit(state: ServerState, request: Request, kind: str) -> serving.Cal
         _reject(state, "draining")
         raise APIError(503, "the server is shutting down", "server_unavailable", None,
                        "draining", _retry_after(5))
-    d = protocol.parse_json(await read_body(request, cfg.max_body_bytes,
-                                            cfg.request_read_timeout))
+    d = protocol.parse_json(await read_body(request, cfg.max_body_bytes))
     parsed = protocol.parse_request(d, kind, served_model=cfg.model_name,
                                     vocab_size=state.vocab_size, max_n=cfg.max_n)
     parsed.extra["return_token_ids"] = protocol._bool(d, "return_token_ids")
@@ -291,11 +288,9 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
     try:
         call = await _admit(state, request, kind)
     except APIError as e:
-        if e.status == 408:
-            state.counts["read_timeout"] += 1
-            log.info("%s: %s %s: %s: 408, connection closed", _peer(request.client),
-                     request.method, request.url.path, e.message)
         return error_response(e, state)
+    except ReadTimedOut:  # answered (408), counted and logged by the protocol
+        return Response(status_code=408)  # the connection is closed: nobody reads this
     except ClientGone as e:  # a client drop, not a server error: no 500, no traceback
         state.counts["client_gone"] += 1
         state.metrics.aborts.labels(state.config.model_name, "disconnect_reading_body").inc()

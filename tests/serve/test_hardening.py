@@ -149,11 +149,25 @@ def _read_all(s: socket.socket) -> bytes:
         out += chunk
 
 
+def _read_response(s: socket.socket) -> bytes:
+    """One whole response with a Content-Length (the connection stays open)."""
+    out = b""
+    while b"\r\n\r\n" not in out:
+        out += s.recv(65536)
+    head, body = out.split(b"\r\n\r\n", 1)
+    length = next(int(ln.split(b":")[1]) for ln in head.split(b"\r\n")
+                  if ln.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        body += s.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
 @pytest.mark.parametrize("http", ["h11", "httptools"])
 def test_stalled_connections_are_closed_within_the_read_timeout(labkit_tiny, http):
     with _server(labkit_tiny, http=http, request_read_timeout=0.5) as srv:
         addr = ("127.0.0.1", srv.port)
         before = metric(srv, "labkit:request_errors_total", status="408")
+        gone = {"reason": "disconnect_reading_body"}
         with socket.create_connection(addr, timeout=10) as s:  # nothing sent: closed, no reply
             assert _read_all(s) == b""
         with socket.create_connection(addr, timeout=10) as s:  # half the headers
@@ -171,10 +185,14 @@ def test_stalled_connections_are_closed_within_the_read_timeout(labkit_tiny, htt
         assert err["code"] == "request_read_timeout" and "body" in err["message"]
         with socket.create_connection(addr, timeout=10) as s:  # a kept-alive connection
             s.sendall(_raw_request("/health", b"").replace(b"POST", b"GET"))
-            assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
+            assert _read_response(s).startswith(b"HTTP/1.1 200 ")
             s.sendall(b"GET /health HTTP/1.1\r\nHo")  # its next request stalls
             assert _read_all(s).startswith(b"HTTP/1.1 408 ")
         assert metric(srv, "labkit:request_errors_total", status="408") == before + 3
+        # the server closed those: not client drops, not 500s
+        assert metric(srv, "labkit:request_aborted_total", **gone) == 0
+        assert metric(srv, "labkit:request_errors_total", status="500") == 0
+        assert srv.state.counts["read_timeout"] == 3
         # a request sent whole is served as before
         r = httpx.post(srv.url + "/v1/completions", json={"model": NAME, "prompt": "x",
                                                          "max_tokens": 1})
