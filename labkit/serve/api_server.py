@@ -2,10 +2,17 @@
 
 Every request passes the same gates, cheapest first, and each refusal is an OpenAI error body:
 
-1. draining (SIGTERM received)          -> 503 (``/health`` answers 503 too)
-2. ``Authorization: Bearer KEY``          -> 401 unless it matches a key (constant time)
-3. body larger than ``max_body_bytes``    -> 413 before it is read whole
-4. JSON and fields                        -> 400 naming the field; unknown model -> 404
+1. ``Authorization: Bearer KEY``          -> 401 unless it matches a key (constant time); with
+   ``--api-key`` set this guards every ``/v1`` route, ``/v1/models`` included, as vLLM's
+   middleware does (``/health`` and ``/metrics`` stay open, for probes and scrapers)
+2. draining (SIGTERM received)          -> 503 (``/health`` answers 503 too)
+3. body larger than ``max_body_bytes``    -> 413 before it is read whole; headers and body
+   not in within ``--request-read-timeout`` of the request's first byte -> 408, connection
+   closed (by the HTTP protocol, :mod:`labkit.serve.read_timeout`); client gone while its body
+   is read -> nothing to answer: counted as an abort (reason ``disconnect_reading_body``), one
+   log line
+4. JSON and fields                        -> 400 naming the field (a lone surrogate included);
+   unknown model -> 404
 5. prompt too long for the context        -> 400 ``context_length_exceeded``
 6. queue full (``--max-waiting``)         -> 429 + Retry-After
 7. the key's token bucket (requests/s, tokens/s; cost = prompt + max_tokens) -> 429 + Retry-After
@@ -13,13 +20,25 @@ Every request passes the same gates, cheapest first, and each refusal is an Open
 
 Only then is the request accepted; from there its outcome is exactly one of finished, aborted
 (client disconnect, step error, shutdown) or timed out, so the counters add up:
-``accepted = finished + aborted + timed out``.
+``accepted = finished + aborted + timed out`` (``state.counts``; in ``/metrics``,
+``request_accepted = request_success + request_aborted`` without reason
+``disconnect_reading_body``, timeouts being aborts of reason ``timeout``).
+
+The queue (``--max-waiting N``): a request waits when the running batch's ``max_num_seqs``
+slots are taken, so the server holds at most ``max_num_seqs + N`` sequences (``n`` per prompt)
+and refuses the next with 429. It counts what it has sent to the engine core and not yet seen
+finish (``AsyncLLM.num_seqs_in_flight``), not the engine's waiting queue: that is a snapshot
+from the last step, in which a burst that arrived since is not yet, and in which requests the
+next step will run still count as waiting. Sixteen requests at once with 4 slots and
+``--max-waiting 6``: 10 admitted (4 run, 6 wait), 6 refused, whatever the engine is doing
+meanwhile. When KV blocks, not slots, limit the batch, more wait than this count says.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -28,6 +47,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from labkit.serve import protocol, serving
 from labkit.serve.async_llm import AsyncLLM
@@ -35,7 +55,10 @@ from labkit.serve.chat import chatml
 from labkit.serve.limits import Authenticator
 from labkit.serve.metrics import ServerMetrics
 from labkit.serve.protocol import APIError, bad
+from labkit.serve.read_timeout import READ_TIMED_OUT
 from labkit.utils import freeze_gc_heap
+
+log = logging.getLogger("uvicorn.error")  # the server's log: uvicorn's handler and --log-level
 
 
 @dataclass
@@ -50,6 +73,9 @@ class ServeConfig:
     max_body_bytes: int = 1 << 20
     max_n: int = 16
     drain_timeout: float = 30.0
+    # headers and body must be in within this many seconds of the request's first byte (None:
+    # no bound); enforced by the HTTP protocol (labkit.serve.launcher.uvicorn_config)
+    request_read_timeout: float | None = 30.0
     bucket: Any = None  # the token-bucket class (None: labkit.serve.limits.TokenBucket)
     # freeze the startup heap once the engine core runs (labkit.utils.freeze_gc_heap): on in
     # `labkit serve`, whose process is the server's alone; off for a server started inside a
@@ -69,8 +95,9 @@ class ServerState:
         self.auth = Authenticator(config.api_keys, config.rate_limit_rps,
                                   config.rate_limit_tps, bucket=config.bucket)
         self.draining = False
+        # accepted = finished + aborted + timed_out; the rest never were accepted
         self.counts = {"accepted": 0, "finished": 0, "aborted": 0, "timed_out": 0,
-                       "rejected": 0}
+                       "rejected": 0, "client_gone": 0, "read_timeout": 0}
         self._next_id = 0
         self.max_model_len: int = llm.max_model_len  # the engine process's handshake, or
         self.vocab_size: int | None = llm.vocab_size  # the engine itself (thread mode)
@@ -79,9 +106,39 @@ class ServerState:
         self._next_id += 1
         return f"srv-{self._next_id}"
 
-    def num_waiting(self) -> int:
-        s = self.llm.stats
-        return s.get("num_waiting", 0) + s.get("num_pending", 0) + self.llm.num_pending_adds
+    def num_queued(self, extra_seqs: int = 0) -> int:
+        """Sequences that would wait for a running slot with ``extra_seqs`` more: those held
+        beyond the batch's ``max_num_seqs`` (module docstring). An engine that does not say
+        its batch size falls back to the engine's waiting count of the last step."""
+        cap = self.llm.max_num_seqs
+        if cap is None:
+            s = self.llm.stats
+            return (s.get("num_waiting", 0) + s.get("num_pending", 0) +
+                    self.llm.num_pending_adds + extra_seqs)
+        return max(0, self.llm.num_seqs_in_flight + extra_seqs - cap)
+
+    def on_read_timeout(self, client: Any, what: str = "request") -> None:
+        """A request not in whole within the read timeout was answered 408 and closed."""
+        self.counts["read_timeout"] += 1
+        self.metrics.errors.labels(self.config.model_name, "408").inc()
+        log.info("%s: %s not received within %g s (--request-read-timeout): 408, connection "
+                 "closed", _peer(client), what, self.config.request_read_timeout)
+
+
+def _peer(client: Any) -> str:
+    return f"{client[0]}:{client[1]}" if client else "client"
+
+
+class ReadTimedOut(Exception):
+    """The request did not arrive whole in time; the HTTP protocol answered 408 and closed."""
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its request body was read whole."""
+
+    def __init__(self, received: int, expected: str | None) -> None:
+        super().__init__(f"{received} of {expected or 'unknown'} body bytes received")
+        self.received, self.expected = received, expected
 
 
 def _reject(state: ServerState, reason: str) -> None:
@@ -96,18 +153,25 @@ def error_response(e: APIError, state: ServerState | None = None) -> JSONRespons
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes."""
+    """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes. Raises
+    ClientGone if the connection closes first (ReadTimedOut if the server closed it: the
+    HTTP protocol has answered 408)."""
     cl = request.headers.get("content-length")
     too_big = APIError(413, f"request body exceeds {limit} bytes", "invalid_request_error",
                        None, "request_too_large")
     if cl is not None and cl.isdigit() and int(cl) > limit:
         raise too_big
     chunks, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise too_big
-        chunks.append(part)
+    try:
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise too_big
+            chunks.append(part)
+    except ClientDisconnect:
+        if request.scope.get(READ_TIMED_OUT):
+            raise ReadTimedOut from None
+        raise ClientGone(size, cl) from None
     return b"".join(chunks)
 
 
@@ -141,24 +205,25 @@ def _tokenize(state: ServerState, parsed: protocol.ParsedRequest) -> list[list[i
 async def _admit(state: ServerState, request: Request, kind: str) -> serving.Call:
     """Run gates 1-8 and submit; returns the accepted call or raises APIError."""
     cfg, m = state.config, state.metrics
+    tenant = state.auth.tenant(request.headers.get("authorization"))  # V1KeyGuard checked it
+    if tenant is None:
+        raise _unauthorized()
     if state.draining:
         _reject(state, "draining")
         raise APIError(503, "the server is shutting down", "server_unavailable", None,
                        "draining", _retry_after(5))
-    tenant = state.auth.tenant(request.headers.get("authorization"))
-    if tenant is None:
-        raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
-                       "authentication_error", None, "invalid_api_key")
     d = protocol.parse_json(await read_body(request, cfg.max_body_bytes))
     parsed = protocol.parse_request(d, kind, served_model=cfg.model_name,
                                     vocab_size=state.vocab_size, max_n=cfg.max_n)
     parsed.extra["return_token_ids"] = protocol._bool(d, "return_token_ids")
     ids = _tokenize(state, parsed)
     parsed.extra["prompt_token_ids"] = ids  # echoed with return_token_ids (router failover)
-    if cfg.max_waiting is not None and state.num_waiting() + len(ids) > cfg.max_waiting:
+    seqs = parsed.params.n * len(ids)
+    if cfg.max_waiting is not None and state.num_queued(seqs) > cfg.max_waiting:
         _reject(state, "queue_full")
-        raise APIError(429, f"the queue is full ({cfg.max_waiting} waiting); retry later",
-                       "rate_limit_exceeded", None, "queue_full", _retry_after(1))
+        raise APIError(429, f"the queue is full ({cfg.max_waiting} sequences may wait beyond "
+                       "the running batch); retry later", "rate_limit_exceeded", None,
+                       "queue_full", _retry_after(1))
     cost = sum(len(i) for i in ids) + parsed.params.max_tokens * parsed.params.n * len(ids)
     wait = state.auth.limit(tenant, cost)
     if wait:
@@ -171,16 +236,12 @@ async def _admit(state: ServerState, request: Request, kind: str) -> serving.Cal
     call = serving.Call(parsed, [], [len(i) for i in ids], time.monotonic(),
                         cfg.queue_timeout, cfg.request_timeout, protocol.new_id(kind),
                         protocol.now_s())
-    try:
-        for p_ids in ids:
-            call.streams.append(await state.llm.add_request(
-                state.new_request_id(), p_ids, parsed.params, parsed.priority, tenant))
-    except ValueError as e:
-        call.abort_all()
+    try:  # all at once: counted in flight before the next request's admission check
+        call.streams = await state.llm.add_requests([
+            (state.new_request_id(), p_ids, parsed.params, parsed.priority, tenant)
+            for p_ids in ids])
+    except ValueError as e:  # add_requests aborted the ones it had added
         raise bad(str(e), None, "invalid_prompt") from None
-    except Exception:
-        call.abort_all()
-        raise
     state.counts["accepted"] += 1
     m.accepted.labels(cfg.model_name).inc()
     m.prompt_tokens.labels(cfg.model_name).inc(sum(call.prompt_lens))
@@ -196,8 +257,10 @@ def _finish(state: ServerState, call: serving.Call) -> None:
     kind, _, why = call.outcome.partition(":")
     if kind == "finished":
         state.counts["finished"] += 1
-        for r in call.reasons.values():
-            m.request_success.labels(name, r).inc()
+        reasons = list(call.reasons.values())
+        m.request_success.labels(name, request_finish_reason(reasons)).inc()
+        for r in reasons:
+            m.sequence_success.labels(name, r).inc()
         m.e2e.labels(name).observe(time.monotonic() - call.arrival)
     elif kind == "timeout":
         state.counts["timed_out"] += 1
@@ -211,11 +274,29 @@ def _finish(state: ServerState, call: serving.Call) -> None:
         m.queue.labels(name).observe(max(0.0, call.first_step_start - call.arrival))
 
 
+def request_finish_reason(reasons: list[str]) -> str:
+    """The ``finished_reason`` label of a finished request (``request_success``): its
+    choices' reason when they agree; else ``length`` if any choice was cut (by max_tokens or
+    the context: the answer is incomplete somewhere), else ``stop``."""
+    rs = set(reasons)
+    if "length" in rs:
+        return "length"
+    return rs.pop() if len(rs) == 1 else "stop"
+
+
 async def _generate(state: ServerState, request: Request, kind: str) -> Response:
     try:
         call = await _admit(state, request, kind)
     except APIError as e:
         return error_response(e, state)
+    except ReadTimedOut:  # answered (408), counted and logged by the protocol
+        return Response(status_code=408)  # the connection is closed: nobody reads this
+    except ClientGone as e:  # a client drop, not a server error: no 500, no traceback
+        state.counts["client_gone"] += 1
+        state.metrics.aborts.labels(state.config.model_name, "disconnect_reading_body").inc()
+        log.info("%s: %s %s: client disconnected while sending its body (%s); not admitted",
+                 _peer(request.client), request.method, request.url.path, e)
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
     itl = state.metrics.itl.labels(state.config.model_name).observe
     watcher = asyncio.create_task(serving.watch_disconnect(request.receive, call))
     if call.parsed.stream:
@@ -240,6 +321,31 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
     return JSONResponse(result)
 
 
+class V1KeyGuard:
+    """ASGI middleware: with API keys configured, every ``/v1`` path (routes and unknown ones
+    alike, before routing, as vLLM's ``authentication`` middleware) needs a valid key; other
+    paths (``/health``, ``/metrics``) and CORS preflights stay open."""
+
+    def __init__(self, app: Any, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if (scope["type"] == "http" and self.state.auth.enabled and
+                scope.get("method") != "OPTIONS" and (path == "/v1" or
+                                                      path.startswith("/v1/"))):
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+            if self.state.auth.tenant(given.decode("latin-1") if given else None) is None:
+                await error_response(_unauthorized(), self.state)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _unauthorized() -> APIError:
+    return APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                    "authentication_error", None, "invalid_api_key")
+
+
 def build_app(llm: AsyncLLM, tokenizer: Any, config: ServeConfig | None = None,
               chat_template: Any = None) -> FastAPI:
     """The FastAPI app; starting it (uvicorn) starts the engine core, stopping it stops it."""
@@ -257,6 +363,7 @@ def build_app(llm: AsyncLLM, tokenizer: Any, config: ServeConfig | None = None,
 
     app = FastAPI(title="labkit serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     state = app.state.serve = ServerState(llm, tokenizer, config, chat_template)
+    app.add_middleware(V1KeyGuard, state=state)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -139,12 +139,14 @@ class AsyncLLM:
             self.max_model_len, self.vocab_size = hs["max_model_len"], hs["vocab_size"]
             self.tokenizer, self.stats = hs["tokenizer"], hs["stats"]
             self.engine_threads: int | None = hs["num_threads"]
+            self.max_num_seqs: int | None = hs.get("max_num_seqs")
         else:
             self.engine, self.core_proc = engine, None
             self.max_model_len, self.vocab_size = engine.max_model_len, engine.vocab_size
             self.tokenizer = getattr(engine, "tokenizer", None)
             self.stats: dict[str, Any] = dict(engine.stats())
             self.engine_threads = None
+            self.max_num_seqs = max_num_seqs_of(engine)
 
     @property
     def mode(self) -> str:
@@ -218,22 +220,51 @@ class AsyncLLM:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    @property
+    def num_seqs_in_flight(self) -> int:
+        """Sequences (``n`` per request) sent to the core and not yet finished, counted the
+        moment ``add_request(s)`` is called: admission control reads it, so a burst that
+        arrives before the core has added (let alone scheduled) anything still counts."""
+        return (sum(s.n for s in self._streams.values()) +
+                sum(s.n for _, s in self._pending.values() if s is not None))
+
     # ---- the event-loop side ----------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | list[int],
                           params: SamplingParams, priority: int = 0,
                           cache_salt: str | None = None) -> RequestStream:
         """Queue a request; raises the engine's ValueError (bad prompt or params) here."""
+        (stream,) = await self.add_requests([(request_id, prompt, params, priority,
+                                              cache_salt)])
+        return stream
+
+    async def add_requests(self, requests: list[tuple[str, str | list[int], SamplingParams,
+                                                      int, str | None]]
+                           ) -> list[RequestStream]:
+        """Queue several requests ``(request_id, prompt, params, priority, cache_salt)`` at
+        once: all are sent (and counted in :attr:`num_seqs_in_flight`) before the first
+        await, so an admission check followed by this call cannot be overtaken by another
+        request. All or nothing: if the core refuses one, the others are aborted and the
+        first error is raised."""
         if not self.is_running:
             raise EngineDeadError(f"engine loop is not running ({self.dead!r})")
-        stream = RequestStream(self, request_id, params.n)
-        fut, cid = self._future(stream)
-        self.num_pending_adds += 1
-        try:
+        sent = []
+        for request_id, prompt, params, priority, cache_salt in requests:
+            stream = RequestStream(self, request_id, params.n)
+            fut, cid = self._future(stream)
             self._send(("add", cid, request_id, prompt, params, priority, cache_salt))
-            await fut
+            sent.append((fut, stream))
+        self.num_pending_adds += len(sent)
+        try:
+            results = await asyncio.gather(*(f for f, _ in sent), return_exceptions=True)
         finally:
-            self.num_pending_adds -= 1
-        return stream
+            self.num_pending_adds -= len(sent)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for (_, stream), r in zip(sent, results):
+                if not isinstance(r, BaseException):
+                    await stream.aclose()
+            raise errors[0]
+        return [stream for _, stream in sent]
 
     def abort(self, request_id: str) -> None:
         """Abort from the event loop (idempotent, never waits for the engine)."""
@@ -308,6 +339,8 @@ class AsyncLLM:
             _, cid, error, result = msg
             fut, stream = self._pending.pop(cid, (None, None))
             if fut is None or fut.done():
+                if error is None and stream is not None:  # added for a caller that left
+                    self.abort(stream.request_id)
                 return
             if error is not None:
                 fut.set_exception(error)
@@ -329,3 +362,9 @@ class AsyncLLM:
             if not fut.done():
                 fut.set_exception(exc)
         self._pending.clear()
+
+
+def max_num_seqs_of(engine: Any) -> int | None:
+    """The engine's running-batch size (``SchedulerConfig.max_num_seqs``), if it has one."""
+    sched = getattr(getattr(engine, "config", None), "scheduler", None)
+    return getattr(sched, "max_num_seqs", None)

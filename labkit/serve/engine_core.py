@@ -254,6 +254,7 @@ def _core_main(spec: EngineSpec, cmd_conn: Any, out_conn: Any) -> None:
     eng.record_trace = spec.record_trace
     frozen = freeze_gc_heap()  # no 100+ ms full collections of the startup heap under load
     out_conn.send(("ready", {"max_model_len": eng.max_model_len, "vocab_size": eng.vocab_size,
+                             "max_num_seqs": eng.config.scheduler.max_num_seqs,
                              "stats": dict(eng.stats()), "tokenizer": tok,
                              "num_threads": torch.get_num_threads(), "gc_frozen": frozen}))
     cmds: queue.SimpleQueue = queue.SimpleQueue()

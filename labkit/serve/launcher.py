@@ -22,6 +22,7 @@ from labkit.serve.api_server import ServeConfig, build_app
 from labkit.serve.async_llm import AsyncLLM
 from labkit.serve.engine_core import EngineSpec, build_engine, chat_template_for
 from labkit.serve.limits import parse_api_keys
+from labkit.serve.read_timeout import read_timeout_protocol
 
 ENGINE_FLAGS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "policy",
                 "max_model_len", "preemption_mode", "num_cpu_blocks", "kv_cache_bytes",
@@ -55,6 +56,17 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def uvicorn_config(app: Any, host: str, port: int, http: str = "auto",
+                   **kw: Any) -> uvicorn.Config:
+    """uvicorn's config for the app, its HTTP protocol bounding how long a request may take
+    to arrive (``ServeConfig.request_read_timeout``; labkit.serve.read_timeout)."""
+    state = app.state.serve
+    timeout = state.config.request_read_timeout
+    proto: Any = http if timeout is None else \
+        read_timeout_protocol(timeout, http, on_timeout=state.on_read_timeout)
+    return uvicorn.Config(app, host=host, port=port, http=proto, **kw)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -73,14 +85,15 @@ class ServerThread:
     engine process, if any, stopped."""
 
     def __init__(self, engine: Any, tokenizer: Any, config: ServeConfig | None = None,
-                 port: int | None = None, chat_template: Any = None) -> None:
+                 port: int | None = None, chat_template: Any = None,
+                 http: str = "auto") -> None:
         self.llm = AsyncLLM(engine)
         if self.llm.process and tokenizer is None:
             tokenizer = self.llm.tokenizer
         self.app = build_app(self.llm, tokenizer, config, chat_template)
         self.state = self.app.state.serve
         self.port = port or free_port()
-        ucfg = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+        ucfg = uvicorn_config(self.app, "127.0.0.1", self.port, http, log_level="warning",
                               timeout_graceful_shutdown=5, lifespan="on")
         self.server = DrainingServer(ucfg, self.app)
         self.server.install_signal_handlers = lambda: None  # not the main thread
@@ -192,13 +205,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate-limit-tps", type=float, default=None, help="per key, tokens/s")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S")
+    p.add_argument("--request-read-timeout", type=float, default=30.0, metavar="S",
+                   help="a request's headers and body must arrive within S seconds of its "
+                   "first byte (else 408 and the connection is closed; a connection that "
+                   "sends nothing is closed after S seconds)")
     add_engine_args(p)
     return p
 
 
 def _positive(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for name in ("max_waiting", "queue_timeout", "request_timeout", "rate_limit_rps",
-                 "rate_limit_tps"):
+                 "rate_limit_tps", "request_read_timeout"):
         v = getattr(args, name)
         if v is not None and not v > 0:
             p.error(f"--{name.replace('_', '-')} must be > 0, got {v}")
@@ -229,10 +246,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = ServeConfig(args.served_model_name or str(args.model), args.max_waiting,
                       args.queue_timeout, args.request_timeout, keys, args.rate_limit_rps,
                       args.rate_limit_tps, args.max_body_bytes, drain_timeout=args.drain_timeout,
-                      freeze_gc=True)
+                      freeze_gc=True, request_read_timeout=args.request_read_timeout)
     app = build_app(llm, tok, cfg, render)
-    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level="info", timeout_graceful_shutdown=5), app)
+    server = DrainingServer(uvicorn_config(app, args.host, args.port, log_level="info",
+                                           timeout_graceful_shutdown=5), app)
     print(f"labkit serve: {cfg.model_name} on http://{args.host}:{args.port}  "
           f"(blocks={llm.stats['num_blocks']}, policy={args.policy}, engine in a "
           f"{llm.mode})", flush=True)

@@ -8,8 +8,10 @@ users feel (TTFT and inter-token latency histograms). The names follow vLLM's
 - gauges, read from ``engine.stats()`` after every step: requests running / waiting / swapped,
   KV-cache usage (used blocks / all blocks, 0..1), requests the engine holds state for;
 - counters: prefix-cache queries and hits (tokens), preemptions, prompt and generation tokens,
-  finished requests by finish reason, rejections (429/503) by reason, timeouts by kind, aborts
-  by reason;
+  finished requests by finish reason (``request_success``: one per HTTP request, however many
+  choices it has) and finished sequences by finish reason (``sequence_success``: one per choice,
+  ``n`` x prompts per request), rejections (429/503) by reason, timeouts by kind, aborts by
+  reason;
 - histograms (seconds): TTFT, inter-token latency, end-to-end latency and queue time. The
   engine's public API does not say when a request was first scheduled, so queue time here is
   arrival to the start of the step that produced its first token (equal to vLLM's queue time
@@ -84,15 +86,23 @@ class ServerMetrics:
                                      m, registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated", m,
                                          registry=r)
-        self.request_success = Counter(P + "request_success", "Sequences (choices) finished, "
-                                       "by finish reason", m + ["finished_reason"], registry=r)
+        self.request_success = Counter(
+            P + "request_success", "Requests finished, by finish reason: one per HTTP request "
+            "(a request whose choices ended differently counts as length if any choice was "
+            "cut by max_tokens or the context, else stop)", m + ["finished_reason"],
+            registry=r)
+        self.sequence_success = Counter(
+            P + "sequence_success", "Sequences (choices) finished, by finish reason: n per "
+            "prompt of each finished request", m + ["finished_reason"], registry=r)
         self.rejected = Counter(P + "request_rejected", "Requests refused before admission, "
                                 "by reason (queue_full, rate_limit, draining)", m + ["reason"],
                                 registry=r)
         self.timeouts = Counter(P + "request_timeout", "Requests dropped by a timeout, by kind "
                                 "(queue, request)", m + ["kind"], registry=r)
-        self.aborts = Counter(P + "request_aborted", "Requests aborted in the engine, by reason "
-                              "(disconnect, timeout, step_error, shutdown)", m + ["reason"],
+        self.aborts = Counter(P + "request_aborted", "Requests aborted, by reason: in the "
+                              "engine (disconnect, timeout, step_error, shutdown) or before "
+                              "admission, the client gone while its body was being read "
+                              "(disconnect_reading_body: never accepted)", m + ["reason"],
                               registry=r)
         self.accepted = Counter(P + "request_accepted", "Requests admitted to the engine", m,
                                 registry=r)

@@ -2,14 +2,32 @@
 
 Parsing is done by hand rather than by pydantic models so that every client mistake becomes an
 ``APIError`` with OpenAI's error body (``{"error": {"message", "type", "param", "code"}}``), a 4xx
-status and a message naming the field, and never a 500 or a framework-shaped 422. Fields labkit
-cannot honour (``logprobs``, ``echo``, penalties...) are refused with 400 instead of silently
-ignored: a client that asked for them would otherwise get a different answer than it thinks.
+status and a message naming the field, and never a 500 or a framework-shaped 422.
+
+Which fields pass:
+
+- fields labkit reads (``KNOWN``) are checked and honoured;
+- fields that would change the answer and that labkit does not implement are refused with 400
+  (``unsupported``) instead of silently ignored, because a client that asked for them would
+  otherwise get a different answer than it thinks: OpenAI's ``logprobs``, ``echo``, penalties,
+  tools... and vLLM's sampling extras (``repetition_penalty``, ``min_p``, ``min_tokens``,
+  guided decoding, beam search...). A neutral value (``repetition_penalty: 1``, ``min_p: 0``,
+  ``logprobs: false``) asks for nothing and passes;
+- any other field is ignored with one warning line in the server log naming it, as vLLM does
+  (its ``extra="allow"`` request models log "fields were present in the request but ignored"):
+  clients send their own bookkeeping (``metadata``, ``store``, tags), and refusing it would
+  break them for nothing. The same holds inside ``stream_options``.
+
+Every string in the body must be valid Unicode: JSON may spell a lone UTF-16 surrogate
+(``"\\ud800"``, what a client that cut a string inside an emoji sends), which decodes to a
+Python ``str`` that cannot be encoded, tokenized or logged; it is a 400 ``invalid_unicode``
+naming its field (``prompt[1]``, ``messages[0].content``, ``stop[2]``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 import uuid
@@ -38,10 +56,25 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
     return APIError(400, message, "invalid_request_error", param, code)
 
 
+log = logging.getLogger("uvicorn.error")  # the server's log: uvicorn's handler and --log-level
+
 # fields that change the answer and that labkit does not implement: refuse, never ignore
 UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "logit_bias", "tools",
-               "tool_choice", "functions", "function_call", "response_format", "best_of")
+               "tool_choice", "functions", "function_call", "response_format", "best_of",
+               # vLLM's extensions
+               "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+               "guided_decoding_backend", "structured_outputs", "prompt_logprobs", "bad_words",
+               "allowed_token_ids", "logits_processors", "use_beam_search")
 ZERO_ONLY = ("presence_penalty", "frequency_penalty")
+# vLLM's sampling extras: refused unless they hold their neutral value (which asks for nothing)
+NEUTRAL_ONLY = {"repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0,
+                "length_penalty": 1.0}
+# fields parse_request reads (beside the above): anything else is ignored with a warning
+KNOWN = frozenset({"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n",
+                   "top_k", "seed", "stream", "stream_options", "user", "priority",
+                   "stop_token_ids", "stop", "temperature", "top_p", "ignore_eos",
+                   "return_token_ids"})
+STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 
 
 @dataclass
@@ -58,6 +91,8 @@ class ParsedRequest:
     user: str | None = None
     max_tokens_given: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
+    ignored: list[str] = field(default_factory=list)  # unknown fields, ignored with a warning
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -65,9 +100,53 @@ def parse_json(body: bytes) -> dict[str, Any]:
         d = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise bad("the request body is nested too deeply") from None
     if not isinstance(d, dict):
         raise bad(f"the request body must be a JSON object, got {type(d).__name__}")
+    where = lone_surrogate(d)
+    if where is not None:
+        path, pos = where
+        raise bad(f"{path} is not valid Unicode: it holds a lone UTF-16 surrogate at character "
+                  f"{pos} (a \\ud800-\\udfff escape without its pair; a client that cut a "
+                  "string inside a character sends one): send whole characters", path,
+                  "invalid_unicode")
     return d
+
+
+def _utf8_error(s: str) -> int | None:
+    """The index of the first character that UTF-8 cannot encode (a lone surrogate)."""
+    if s.isascii():
+        return None
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+def lone_surrogate(d: Any) -> tuple[str, int] | None:
+    """(field path, character index) of the first string, or key, in a decoded JSON value that
+    holds a lone surrogate, else None. Paths read like ``messages[1].content``; iterative, so a
+    deep body cannot overflow the stack."""
+    stack: list[tuple[str, Any]] = [("", d)]
+    while stack:
+        path, x = stack.pop()
+        if isinstance(x, str):
+            pos = _utf8_error(x)
+            if pos is not None:
+                return path or "body", pos
+        elif isinstance(x, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(x))))
+        elif isinstance(x, dict):
+            items = []
+            for k, v in x.items():
+                pos = _utf8_error(k)
+                if pos is not None:
+                    return f"{path + '.' if path else ''}{ascii(k)} (a key)", pos
+                items.append((f"{path}.{k}" if path else k, v))
+            stack.extend(reversed(items))
+    return None
 
 
 def _is_int(x: Any) -> bool:
@@ -181,6 +260,13 @@ def parse_request(d: dict[str, Any], kind: str, *, served_model: str,
         if _num(d, name, 0.0, -2.0, 2.0) != 0.0:
             raise bad(f"{name} is not supported by labkit's server (only 0)", name,
                       "unsupported")
+    for name, neutral in NEUTRAL_ONLY.items():
+        x = d.get(name)
+        if x is not None and (isinstance(x, bool) or x != neutral):
+            raise bad(f"{name} is not supported by labkit's server (only {neutral:g}, which "
+                      f"changes nothing), got {x!r}", name, "unsupported")
+    ignored = [k for k in d if k not in KNOWN and k not in UNSUPPORTED and
+               k not in ZERO_ONLY and k not in NEUTRAL_ONLY]
     if kind == "chat":
         prompts: list[Any] = [messages_of(d.get("messages"))]
         mt_name = "max_completion_tokens" if d.get("max_completion_tokens") is not None \
@@ -200,7 +286,13 @@ def parse_request(d: dict[str, Any], kind: str, *, served_model: str,
     if so is not None and (not isinstance(so, dict) or not stream):
         raise bad("stream_options is an object and only allowed with stream=true",
                   "stream_options")
-    include_usage = _bool(so or {}, "include_usage")
+    so = so or {}
+    include_usage = _bool(so, "include_usage")
+    continuous = so.get("continuous_usage_stats")
+    if continuous is not None and not isinstance(continuous, bool):
+        raise bad(f"stream_options.continuous_usage_stats must be true or false, got "
+                  f"{continuous!r}", "stream_options.continuous_usage_stats")
+    ignored += [f"stream_options.{k}" for k in so if k not in STREAM_OPTIONS]
     user = d.get("user")
     if user is not None and not isinstance(user, str):
         raise bad(f"user must be a string, got {user!r}", "user")
@@ -213,8 +305,12 @@ def parse_request(d: dict[str, Any], kind: str, *, served_model: str,
         top_p=_num(d, "top_p", 1.0, 0.0, 1.0, lo_open=True), top_k=top_k,
         max_tokens=max_tokens or 1, stop=_stop(d.get("stop")), stop_token_ids=stop_ids,
         seed=seed, ignore_eos=_bool(d, "ignore_eos"))
+    if ignored:  # vLLM's behaviour: the request is served, the log says what was dropped
+        log.warning("ignored fields labkit does not know: %s", ", ".join(ignored))
+    # vLLM: usage on every chunk only when include_usage asks for usage at all
     return ParsedRequest(kind, model, prompts, params, stream, include_usage, priority, user,
-                         max_tokens is not None)
+                         max_tokens is not None, continuous_usage=include_usage and
+                         bool(continuous), ignored=ignored)
 
 
 # ---- responses ------------------------------------------------------------------------------
@@ -243,8 +339,11 @@ def response(kind: str, rid: str, model: str, created: int, texts: list[str],
 
 
 def chunk(kind: str, rid: str, model: str, created: int, index: int, text: str | None,
-          reason: str | None, *, role: bool = False, with_usage: bool = False) -> dict[str, Any]:
-    """One SSE chunk for one choice; ``text=None`` with a reason is the closing chunk."""
+          reason: str | None, *, role: bool = False, with_usage: bool = False,
+          use: dict[str, int] | None = None) -> dict[str, Any]:
+    """One SSE chunk for one choice; ``text=None`` with a reason is the closing chunk.
+    ``with_usage``: the chunk carries ``usage`` (``use``, or null as OpenAI sends it on every
+    chunk but the last)."""
     if kind == "chat":
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else \
             ({} if text is None else {"content": text})
@@ -257,7 +356,7 @@ def chunk(kind: str, rid: str, model: str, created: int, index: int, text: str |
         obj = "text_completion"
     out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [c]}
     if with_usage:
-        out["usage"] = None  # OpenAI sends usage: null on every chunk but the last
+        out["usage"] = use  # None: OpenAI's usage: null on every chunk but the last
     return out
 
 

@@ -193,18 +193,25 @@ async def stream_events(call: Call, itl: Callable[[float], None] | None = None
             ch["choices"][0]["prompt_token_ids"] = p.extra["prompt_token_ids"][c // call.n]
         return ch
 
+    def use(c: int) -> dict[str, int] | None:
+        """continuous_usage_stats: vLLM's usage on every chunk, for the chunk's choice (its
+        prompt's tokens and the tokens that choice generated so far); else null."""
+        if not p.continuous_usage:
+            return None
+        return protocol.usage(call.prompt_lens[c // call.n], len(call.token_ids.get(c, ())))
+
     if kind == "chat":
         for c in range(len(call.streams) * call.n):
             yield protocol.sse(with_prompt_ids(protocol.chunk(
                 kind, call.id, p.model, call.created, c, None, None, role=True,
-                with_usage=p.include_usage), c))
+                with_usage=p.include_usage, use=use(c)), c))
     try:
         async for i, item in merged(call):
             for c, text, toks, reason in account(call, i, item, itl):
                 if not text and reason is None and not (ids and toks):
                     continue  # nothing a client can see yet (held-back tail, partial UTF-8)
                 ch = protocol.chunk(kind, call.id, p.model, call.created, c, text, reason,
-                                    with_usage=p.include_usage)
+                                    with_usage=p.include_usage, use=use(c))
                 if ids:
                     ch["choices"][0]["token_ids"] = toks
                 yield protocol.sse(with_prompt_ids(ch, c))

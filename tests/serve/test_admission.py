@@ -192,7 +192,9 @@ def test_metrics_parse_and_match_what_was_served(labkit_tiny):
 
     assert val("labkit:prompt_tokens", _suffix="_total") == usage[0]
     assert val("labkit:generation_tokens", _suffix="_total") == usage[1] == 3 * 2 * 7
-    assert val("labkit:request_success", finished_reason="length", _suffix="_total") == 6
+    # three requests of n=2: three finished requests, six finished sequences
+    assert val("labkit:request_success", finished_reason="length", _suffix="_total") == 3
+    assert val("labkit:sequence_success", finished_reason="length", _suffix="_total") == 6
     assert val("labkit:request_accepted", _suffix="_total") == 3
     assert val("labkit:request_errors", status="400", _suffix="_total") == 1
     assert val("labkit:time_to_first_token_seconds", _suffix="_count") == 3
