@@ -260,7 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(args.model, dtype="float32", num_blocks=512)
     compared = check_greedy(rep, llm)
     accepted = _metric(metrics, "labkit:request_accepted_total")
+    # a client that left while its body was still being read was never accepted: its abort
+    # (reason disconnect_reading_body) is not one of the accepted requests' ends
     done = (_metric(metrics, "labkit:request_aborted_total")
+            - _metric(metrics, "labkit:request_aborted_total",
+                      reason="disconnect_reading_body")
             + _metric(metrics, "labkit:e2e_request_latency_seconds_count"))
     trend = memory_trend(rep.samples)
     flat = all(t.get("flat", True) for t in trend.values()) and bool(trend)
@@ -277,8 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
-def _metric(text: str, name: str) -> float:
+def _metric(text: str, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels``."""
     from prometheus_client.parser import text_string_to_metric_families
 
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name)
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))

@@ -230,7 +230,8 @@ def test_dashboard_draws_what_metrics_says_as_a_small_figure_view(server, client
     for t, (name, _, axis) in zip(traces, SERIES):
         assert list(t["y"]) == [h.get(name, 0.0) for h in dash.history]
         # KV usage is a fraction: its own 0-100% axis, not drawn flat on the request counts
-        assert t.get("yaxis", "y") == ("y2" if name.endswith("kv_cache_usage_perc") else "y")
+        assert t.get("yaxis", "y") == axis == ("y2" if name.endswith("kv_cache_usage_perc")
+                                               else "y")
     layout = out["data"][PLOTLY_MIME]["layout"]
     assert layout["yaxis2"]["overlaying"] == "y" and layout["yaxis2"]["range"][1] <= 1.1
     assert ">finished<" in dash.table.value

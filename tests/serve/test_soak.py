@@ -70,3 +70,15 @@ def test_soak_200_requests(labkit_tiny):
         assert trend[key]["max"] <= 2 * 16, trend  # about what is in flight, never the total
     assert trend["timing_records"]["max"] <= FINISHED_RECORDS  # a bounded record of the past
     assert trend["rss_kb"]["flat"], trend["rss_kb"]  # ~4 MiB / 1000 measured here; limit 16
+
+
+def test_the_soak_identity_leaves_out_clients_that_left_before_being_accepted():
+    """A client that drops mid-body is an abort (reason disconnect_reading_body) but was never
+    accepted: accepted = finished + the other aborts (issue 27's disconnect accounting)."""
+    from labkit.bench.serve_soak import _metric
+
+    text = ('# TYPE labkit:request_aborted counter\n'
+            'labkit:request_aborted_total{model_name="m",reason="disconnect"} 3.0\n'
+            'labkit:request_aborted_total{model_name="m",reason="disconnect_reading_body"} 2.0\n')
+    assert _metric(text, "labkit:request_aborted_total") == 5.0
+    assert _metric(text, "labkit:request_aborted_total", reason="disconnect_reading_body") == 2.0
