@@ -202,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("rest", nargs=argparse.REMAINDER)
     r.set_defaults(func=lambda a: _delegate("labkit.router.proxy", a.rest))
 
+    pf = sub.add_parser("profile", help="where a step's time goes: labkit profile MODEL "
+                        "--batch N --steps K [--trace PATH]", add_help=False)
+    pf.set_defaults(func=lambda a: _delegate("labkit.engine.profile_cli", a.rest))
+    pf.add_argument("rest", nargs=argparse.REMAINDER)
+
     cl = sub.add_parser("cluster", help="N replicas + a router: labkit cluster up N",
                         add_help=False)
     cl.add_argument("rest", nargs=argparse.REMAINDER)
@@ -212,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
 _PASSTHROUGH = {"train": "labkit.train.cli", "drill": "labkit.exercises.drills",
                 "serve": "labkit.serve.launcher", "router": "labkit.router.proxy",
                 "distill": "labkit.compress.cli", "prune": "labkit.compress.prune_cli",
-                "cluster": "labkit.router.cluster"}
+                "cluster": "labkit.router.cluster", "profile": "labkit.engine.profile_cli"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -35,7 +35,6 @@ Absolute numbers are for this machine only; the ratios are the result.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from pathlib import Path
@@ -45,9 +44,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from labkit.bench.common import bench_parser, environment, print_table, write_json
-from labkit.bench.serve_client import BenchRequest, run_load, summarize
+from labkit.bench.serve_client import BenchRequest, make_requests, summarize
+from labkit.bench.serve_client import load as _load
 from labkit.bench.serve_knee import fit_step_time, knee_report, simulate_rate
-from labkit.sim.workloads import prompt_texts
 
 # The sweep's rates are fractions of the capacity this run measures first (its all-at-once
 # burst): fixed rates missed the knee on a fast machine (issue 27: 4 and 8 req/s against 14.4 of
@@ -76,18 +75,6 @@ def engine_args(mode: str, threads: int) -> list[str]:
     if mode not in ("thread", "process"):
         raise ValueError(f"--engine-modes: {mode!r} is not thread or process")
     return ["--engine-threads", str(threads), "--engine-mode", mode]
-
-
-def make_requests(n: int, max_tokens: int, dataset: str = "code_prompts", api_key: str | None
-                  = None, tag: str = "", offset: int = 0) -> list[BenchRequest]:
-    texts = prompt_texts(dataset)
-    return [BenchRequest(texts[(offset + i) % len(texts)], max_tokens, api_key, tag)
-            for i in range(n)]
-
-
-def _load(url: str, model: str, reqs: list[BenchRequest], bar: Any, **kw: Any) -> tuple:
-    return asyncio.run(run_load(url, model, reqs, extra={"ignore_eos": True}, progress=bar,
-                                **kw))
 
 
 def in_process(model_path: str, reqs: list[BenchRequest], max_num_seqs: int,

@@ -207,3 +207,20 @@ def summarize(results: list[RequestResult], duration: float,
         "status_counts": {str(s): sum(1 for r in results if r.status == s)
                           for s in sorted({r.status for r in results})},
     }
+
+
+def make_requests(n: int, max_tokens: int, dataset: str = "code_prompts", api_key: str | None
+                  = None, tag: str = "", offset: int = 0) -> list[BenchRequest]:
+    """``n`` requests over a prompt set of ``datasets/workloads/`` (cycled from ``offset``)."""
+    from labkit.sim.workloads import prompt_texts
+
+    texts = prompt_texts(dataset)
+    return [BenchRequest(texts[(offset + i) % len(texts)], max_tokens, api_key, tag)
+            for i in range(n)]
+
+
+def load(url: str, model: str, reqs: list[BenchRequest], bar: Any, **kw: Any) -> tuple:
+    """``run_load`` to completion from synchronous code (``ignore_eos``: exact lengths)."""
+    return asyncio.run(run_load(url, model, reqs, extra={"ignore_eos": True}, progress=bar,
+                                **kw))
+

@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from labkit.bench.serve import _load, make_requests
-from labkit.bench.serve_client import run_load, summarize
+from labkit.bench.serve_client import load as _load
+from labkit.bench.serve_client import make_requests, run_load, summarize
 
 
 async def _two_tenants(url: str, light: list, heavy: list, rate: float, k: float,

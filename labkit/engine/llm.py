@@ -27,11 +27,12 @@ class LLM:
     model object or a ``(model, tokenizer)`` pair; the settings are :class:`EngineConfig`'s flat
     fields (``block_size``, ``max_num_seqs``, ``enable_prefix_caching``, ``policy``,
     ``kv_cache_dtype``, ``attention_backend``, ``speculative_config``, ...), checked once there.
-    ``dtype`` ("auto" | "float32" | "bfloat16" | "float16") and ``device`` place the model."""
+    ``dtype`` ("auto" | "float32" | "bfloat16" | "float16") and ``device`` place the model.
+    ``profile=True`` times each step's phases (``llm.profiler``, ``labkit.engine.profiler``)."""
 
     def __init__(self, model: Any = "labkit-tiny", *, tokenizer: Any = None,
                  device: str | torch.device | None = None, dtype: Any = None,
-                 **engine_settings: Any) -> None:
+                 profile: bool = False, **engine_settings: Any) -> None:
         name = ""
         dtype = _torch_dtype(dtype)
         if isinstance(model, (tuple, list)):
@@ -54,6 +55,11 @@ class LLM:
         self.tokenizer = tokenizer
         self.llm_engine = LLMEngine.from_model(model, tokenizer, name=name, **engine_settings)
         self._counter = 0
+        self.profiler = None  # profile=True: a StepProfiler timing every step's phases
+        if profile:
+            from labkit.engine.profiler import StepProfiler
+
+            self.profiler = StepProfiler().attach(self.llm_engine)
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer: Any = None, **kw: Any) -> LLM:
