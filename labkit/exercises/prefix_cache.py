@@ -236,6 +236,10 @@ def check_on_engine(block_hashes: Callable[..., list],
 # curious learner) re-introduce a bug into one engine and see the scenario catch it: the
 # negative control that shows each check can fail.
 
+NANO_VLLM = "https://github.com/GeeeekExplorer/nano-vllm/"
+BUG_REPORTS = {  # where each was reported
+    "fully_cached": NANO_VLLM + "pull/199", "stale_hash": NANO_VLLM + "issues/163",
+    "same_step_twins": NANO_VLLM + "issues/219"}
 PREFIX_CACHE_BUGS = {
     "fully_cached": "a fully cached prompt leaves zero tokens to compute (no logits to sample)",
     "stale_hash": "a stale hash entry points at a block that was freed and reused for other "
@@ -257,7 +261,10 @@ class Scenario:
     def __str__(self) -> str:
         mark = "✓ survived" if self.survived else "✗ FAILED"
         lines = [f"{mark}  {self.name}: {self.bug}", f"    {self.evidence}"]
-        lines += [f"    problem: {p}" for p in self.problems[:5]]
+        lines += [f"    problem: {p if len(p) <= 160 else p[:159] + '…'}"
+                  for p in self.problems[:3]]
+        if len(self.problems) > 3:
+            lines.append(f"    ... and {len(self.problems) - 3} more")
         return "\n".join(lines)
 
 
