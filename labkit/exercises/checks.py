@@ -62,18 +62,19 @@ def strict_mode() -> bool:
 def run_check(exercise: str, body: Callable[[], str], *, record: bool = True,
               quiet: bool = False) -> CheckResult:
     """Run a checker body; it returns a celebration line or raises ``CheckFailure``."""
+    attempted = True
     try:
         message = "✓ " + exercise + ": " + body()
         passed = True
     except CheckFailure as f:
         message, passed = "✗ " + exercise + ": " + f.report(), False
-    except NotImplementedError as e:
+    except NotImplementedError as e:  # the untouched stub: not an attempt (progress says so)
         todo = str(e) or "replace the `raise NotImplementedError` with your code"
         message = f"· {exercise}: not implemented yet — {todo} and run the check again."
-        passed = False
+        passed = attempted = False
     result = CheckResult(exercise, passed, message)
     if record:
-        progress.record(exercise, passed)
+        progress.record(exercise, passed, attempted=attempted)
     if not quiet:
         print(message)
     if strict_mode() and not passed:

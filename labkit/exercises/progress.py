@@ -60,11 +60,19 @@ def load_progress() -> dict[str, dict[str, Any]]:
     return data if isinstance(data, dict) else {}
 
 
-def record(exercise: str, passed: bool) -> dict[str, Any]:
-    """Store one attempt. Once passed, an exercise stays passed (``passed_at`` keeps the first)."""
+def record(exercise: str, passed: bool, attempted: bool = True) -> dict[str, Any]:
+    """Store one attempt. Once passed, an exercise stays passed (``passed_at`` keeps the first).
+
+    ``attempted=False`` is a check of an untouched stub (it still raises NotImplementedError, or
+    a Triton kernel stored nothing): not an attempt, so nothing is stored and the exercise stays
+    "not tried". A fresh Run All of an exercise notebook must not mark every stub failed."""
     if exercise not in EXERCISES:
         raise ValueError(f"unknown exercise {exercise!r}; valid: {', '.join(EXERCISES)}")
     data = load_progress()
+    if not attempted:
+        if passed:
+            raise ValueError("an unattempted check cannot pass")
+        return data.get(exercise, {"passed": False, "attempts": 0})
     entry = data.get(exercise, {"passed": False, "attempts": 0})
     entry["attempts"] = int(entry.get("attempts", 0)) + 1
     entry["last_attempt"] = time.time()

@@ -170,9 +170,13 @@ class SpecControls(widgets.VBox):
         self.prompts, self.model_name, self.draft, self.max_tokens = prompts, model, draft, \
             max_tokens
         self.llm_kw = llm_kw
-        self.gamma = widgets.IntSlider(value=gamma, min=1, max=8, description="γ (draft len)")
+        # the label takes the width it needs ('initial'), not ipywidgets' fixed default that
+        # squeezed "γ (draft len)" over the slider; the slider keeps room to drag
+        label = {"description_width": "initial"}
+        self.gamma = widgets.IntSlider(value=gamma, min=1, max=8, description="γ (draft len)",
+                                       style=label, layout=widgets.Layout(width="340px"))
         self.method = widgets.ToggleButtons(options=["draft_model", "ngram"], value=method,
-                                            description="method")
+                                            description="method", style=label)
         self.run_button = widgets.Button(description="Run", button_style="primary")
         self.status = widgets.HTML()
         self.run_button.on_click(lambda _: self.run())
