@@ -65,6 +65,12 @@ class LLM:
     def from_model(cls, model: torch.nn.Module, tokenizer: Any = None, **kw: Any) -> LLM:
         return cls((model, tokenizer), **kw)
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``LLM.reset_prefix_cache()``: True once every cached prefix is forgotten;
+        False (nothing changed) while requests hold blocks
+        (:meth:`LLMEngine.reset_prefix_cache`)."""
+        return self.llm_engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Stop worker processes (tensor parallelism); they also stop when the LLM is garbage
         collected or the interpreter exits."""

@@ -255,6 +255,17 @@ class LLMEngine:
                                   ids) from exc
 
     # ---- introspection --------------------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, e.g. after the weights changed in place: the cache keys
+        are token ids, not weights, so a stale hit would serve KV the old model computed. As
+        vLLM's, it refuses (returns False, changes nothing) while any request holds blocks:
+        those blocks' keys would survive the reset and their KV is the old model's."""
+        pool = self.block_manager.pool
+        if pool.num_used:
+            return False
+        pool.reset_prefix_cache()
+        return True
+
     def stats(self) -> dict[str, Any]:
         s = self.block_manager.stats()
         sched = self.scheduler

@@ -247,3 +247,28 @@ def test_scenario_catches_its_bug(name):
     """Negative control: the reported bug, put back into one engine, fails its scenario."""
     result = prefix_cache.SCENARIOS[name](prefix_cache.BUG_PATCHES[name])
     assert not result.survived and result.problems, str(result)
+
+
+def test_reset_prefix_cache_refuses_while_blocks_are_held_then_forgets_everything():
+    """vLLM's LLM.reset_prefix_cache(): False and no change while a request holds blocks (their
+    keys would survive the reset); True once idle, after which nothing hits."""
+    import labkit
+
+    llm = labkit.LLM("labkit-tiny", dtype="float32", block_size=8, num_blocks=64)
+    eng = llm.llm_engine
+    prompt = llm.tokenizer.encode("# a shared system prompt for every request\n" * 2)
+    sp = labkit.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate(prompt_token_ids=[prompt], sampling_params=sp)
+    pool = eng.block_manager.pool
+    keys = dict(pool.hash_to_block)
+    assert keys and pool.num_cached > 0
+    eng.add_request("held", prompt, sp)
+    eng.step()  # the request now holds blocks (its prefix hit the cache)
+    assert pool.num_used > 0
+    assert llm.reset_prefix_cache() is False and pool.hash_to_block == keys  # nothing changed
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert llm.reset_prefix_cache() is True
+    assert pool.num_cached == 0 and not pool.hash_to_block
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=sp)[0]
+    assert out.num_cached_tokens == 0
