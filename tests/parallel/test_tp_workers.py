@@ -65,8 +65,7 @@ def test_workers_exit_when_the_driver_is_killed(checkpoints):
         import json, sys, time
         from labkit.model.loader import load_config
         from pathlib import Path
-        from labkit.model.loader import models_dir
-from labkit.parallel.shard_worker import ShardFactory
+        from labkit.parallel.shard_worker import ShardFactory
         from labkit.parallel.workers import WorkerGroup
         cfg = load_config(Path({str(folder)!r}))
         g = WorkerGroup(2, ShardFactory(cfg, folder={str(folder)!r}), timeout_s=30)
