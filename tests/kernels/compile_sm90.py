@@ -92,9 +92,26 @@ def variants():
     yield dq._sum_splits, {"out_ptr": "*fp16", "ws_ptr": "*fp32"}, {"BLOCK": 1024}, 4, 1
 
 
-def main() -> int:
+GROUPS = ("attention", "quant", "small")
+
+
+def _group(fn) -> str:
+    """Which of the test's three parts compiles ``fn`` (one subprocess each, so pytest -n 2
+    balances ~30 compilations across its workers instead of one worker doing all of them)."""
+    if fn in (paged_attention._paged_decode_kernel, paged_attention._merge_splits_kernel,
+              paged_prefill._paged_prefill_kernel):
+        return "attention"
+    if fn in (dq._gptq_kernel, dq._awq_kernel, dq._w8a16_kernel, dq._sum_splits,
+              gv._gptq_gemv_kernel, gv._awq_gemv_kernel, gv._w8a16_gemv_kernel):
+        return "quant"
+    return "small"
+
+
+def main(group: str | None = None) -> int:
     failed = 0
     for fn, types, consts, warps, stages in variants():
+        if group is not None and _group(fn) != group:
+            continue
         label = f"{fn.__name__} {types.get('k_cache_ptr', '')} {consts}".replace("  ", " ")
         try:
             kernel = compile_sm90(fn, types, consts, warps, stages)
@@ -115,4 +132,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else None))
