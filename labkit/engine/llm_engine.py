@@ -245,8 +245,11 @@ class LLMEngine:
             lps = lps[:len(o.new_token_ids)]
             decode_tokens(lps, self.tokenizer if detok else None)
             seq.logprobs.extend(lps)
+        plps = seq.request.prompt_logprobs
+        if plps is not None and seq.num_output_tokens > len(o.new_token_ids):
+            plps = None  # sent with this sequence's first output already
         return StepOutput(seq.request_id, seq.seq_id, seq.index, o.new_token_ids, delta,
-                          reason is not None, reason, lps)
+                          reason is not None, reason, lps, plps)
 
     def _carry_prompt_logprobs(self, result: ModelRunnerOutput) -> None:
         for rid, entries in result.prompt_logprobs.items():

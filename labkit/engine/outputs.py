@@ -59,3 +59,5 @@ class StepOutput:
     finished: bool
     finish_reason: str | None
     logprobs: SampleLogprobs | None = None  # of new_token_ids, when the request asked
+    #: on a sequence's first output, when the request asked: the whole prompt's
+    prompt_logprobs: PromptLogprobs | None = None

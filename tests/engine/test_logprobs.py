@@ -182,3 +182,24 @@ def test_speculative_engine_refuses_logprobs_at_add_request(tiny_model):
     with pytest.raises(SamplingParamsError, match="logprobs"):
         llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(logprobs=1))
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_step_outputs_carry_logprobs_for_streaming(tiny_model, prompts):
+    """What a server streams: each StepOutput's logprobs match its new tokens, the prompt's
+    come with the first output only, and a request that did not ask gets None."""
+    from labkit.engine.llm_engine import LLMEngine
+
+    eng = LLMEngine.from_model(tiny_model, None, block_size=4)
+    eng.add_request("a", prompts[0], SamplingParams(temperature=0, max_tokens=4, logprobs=2,
+                                                    prompt_logprobs=1, ignore_eos=True))
+    eng.add_request("b", prompts[1], SamplingParams(temperature=0, max_tokens=4,
+                                                    ignore_eos=True))
+    seen: dict[str, list] = {"a": [], "b": []}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            seen[o.request_id].append(o)
+    a, b = seen["a"], seen["b"]
+    assert [len(o.logprobs) for o in a] == [len(o.new_token_ids) for o in a]
+    assert a[0].prompt_logprobs is not None and len(a[0].prompt_logprobs) == len(prompts[0])
+    assert all(o.prompt_logprobs is None for o in a[1:])
+    assert all(o.logprobs is None and o.prompt_logprobs is None for o in b)
