@@ -203,3 +203,25 @@ def test_step_outputs_carry_logprobs_for_streaming(tiny_model, prompts):
     assert a[0].prompt_logprobs is not None and len(a[0].prompt_logprobs) == len(prompts[0])
     assert all(o.prompt_logprobs is None for o in a[1:])
     assert all(o.logprobs is None and o.prompt_logprobs is None for o in b)
+
+
+def test_a_batch_without_logprobs_pays_nothing(tiny_model, prompts, monkeypatch):
+    """No logprob maths and no extra logits rows unless a request asks: the forward keeps one
+    row per sampling chunk, and the log-softmax / top-k helpers are never called."""
+    import labkit.engine.model_runner as mr
+
+    def boom(*a, **k):
+        raise AssertionError("logprobs computed for a request that did not ask")
+
+    monkeypatch.setattr(mr, "processed_logprobs", boom)
+    monkeypatch.setattr(mr, "token_entry", boom)
+    monkeypatch.setattr(mr, "split_prompt_rows", boom)
+    llm = LLM.from_model(tiny_model, None, block_size=4, enable_prefix_caching=True)
+    runner = llm.llm_engine.executor.runner
+    rows_seen: list[list[list[int]]] = []
+    forward = runner.forward
+    runner.forward = lambda chunks, rows, **kw: (rows_seen.append(rows), forward(chunks, rows,
+                                                                                 **kw))[1]
+    sp = SamplingParams(temperature=0.8, seed=1, max_tokens=4, ignore_eos=True)
+    llm.generate(prompt_token_ids=prompts[:4], sampling_params=sp)
+    assert all(len(r) <= 1 for rows in rows_seen for r in rows)
