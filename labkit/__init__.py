@@ -25,6 +25,7 @@ _LAZY = {
     "LLM": "labkit.engine.llm",
     "LLMEngine": "labkit.engine.llm_engine",
     "SamplingParams": "labkit.engine.sampling_params",
+    "Logprob": "labkit.engine.outputs",
     "SamplingParamsError": "labkit.errors",
     "InvalidPromptError": "labkit.errors",
     "EngineConfigError": "labkit.errors",

@@ -43,7 +43,7 @@ INVALID = [
     b"{oops", b'{"prompt": "x", "max_tokens": 0}', b'{"prompt": "x", "model": "nope"}',
     b'{"prompt": [], "max_tokens": 4}', b'{"prompt": "x", "temperature": "hot"}',
     b'{"prompt": "x", "n": -1}', b'{"prompt": "x", "stop": [3]}', b'["not", "an", "object"]',
-    b'{"prompt": "x", "max_tokens": 100000}', b'{"prompt": "x", "logprobs": 3}',
+    b'{"prompt": "x", "max_tokens": 100000}', b'{"prompt": "x", "logprobs": 99}',
 ]
 
 

@@ -40,6 +40,10 @@ class ModelRunnerOutput:
     spec_records: list[dict[str, Any]] = field(default_factory=list)
     #: tensor parallelism: this step's collectives, ``{kind: {"count", "bytes"}}`` (rank 0's)
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: per seq id, one ``{token_id: Logprob}`` per sampled token (requests with ``logprobs``)
+    logprobs: dict[str, list[Any]] = field(default_factory=dict)
+    #: per request id, the prompt tokens this step scored (requests with ``prompt_logprobs``)
+    prompt_logprobs: dict[str, list[Any]] = field(default_factory=dict)
 
 
 class Executor(ABC):
@@ -47,6 +51,8 @@ class Executor(ABC):
     name: ClassVar[str] = "model"
     #: False when token ids are placeholders (the simulator): the trace then stores no prompt ids
     real_tokens: ClassVar[bool] = True
+    #: True when ``execute`` fills ``logprobs`` / ``prompt_logprobs`` for requests that ask
+    supports_logprobs: ClassVar[bool] = False
 
     @abstractmethod
     def apply_block_ops(self, ops: BlockOps) -> None:

@@ -168,9 +168,12 @@ def make_request_output(engine: LLMEngine, request_id: str,
         if not text and tok is not None and s.output_token_ids and req.params.detokenize \
                 and not req.params.stop:  # '' after a stop-string cut is the answer
             text = tok.decode(s.output_token_ids)
-        outs.append(CompletionOutput(s.index, text, list(s.output_token_ids), s.finish_reason))
+        lps = None if s.logprobs is None else list(s.logprobs)
+        outs.append(CompletionOutput(s.index, text, list(s.output_token_ids), s.finish_reason,
+                                     lps))
+    plps = None if req.prompt_logprobs is None else list(req.prompt_logprobs)
     return RequestOutput(request_id, prompt, list(req.prompt_token_ids), outs, req.is_finished,
-                         req.seqs[0].num_cached_tokens)
+                         req.seqs[0].num_cached_tokens, prompt_logprobs=plps)
 
 
 def _torch_dtype(dtype: Any) -> torch.dtype | None:

@@ -36,7 +36,8 @@ import torch
 
 from labkit.config import EngineConfig
 from labkit.engine.clock import WallClock
-from labkit.engine.executor import Executor, executor_factory
+from labkit.engine.executor import Executor, ModelRunnerOutput, executor_factory
+from labkit.engine.logprobs import decode_tokens
 from labkit.engine.outputs import StepOutput
 from labkit.engine.sampling_params import SamplingParams
 from labkit.engine.trace import Trace, TraceObserver
@@ -132,6 +133,11 @@ class LLMEngine:
             raise SamplingParamsError(f"params must be a SamplingParams, got {type(params)}")
         params.validate()
         check_request_args(request_id, params, self.vocab_size, cache_salt, arrival_time)
+        if (params.logprobs is not None or params.prompt_logprobs is not None) \
+                and not self.executor.supports_logprobs:
+            raise SamplingParamsError(f"logprobs / prompt_logprobs are not computed by the "
+                                      f"{type(self.executor).__name__} (speculative decoding, "
+                                      "the simulator): run without them")
         request_id = str(request_id)
         if request_id in self.requests:
             raise InvalidPromptError(f"duplicate request id {request_id!r}: ids must be unique "
@@ -203,7 +209,8 @@ class LLMEngine:
             result = self.executor.execute(out)
             t1 = self.clock.now()
             seq_outputs = self.scheduler.update_from_output(out, result.sampled_token_ids, t1)
-            outputs = [self._step_output(o) for o in seq_outputs]
+            self._carry_prompt_logprobs(result)
+            outputs = [self._step_output(o, result) for o in seq_outputs]
         except BaseException as exc:
             self._fail_step(out, t0, exc)
             raise
@@ -227,13 +234,28 @@ class LLMEngine:
         elif self.block_manager.events:  # aborts freed blocks since the last step: log them
             self.observer.on_step(sched, out, t0, 0.0, {}, [])
 
-    def _step_output(self, o: SeqOutput) -> StepOutput:
+    def _step_output(self, o: SeqOutput, result: ModelRunnerOutput) -> StepOutput:
         seq, reason = o.seq, o.finish_reason
         delta = ""
-        if self.tokenizer is not None and seq.request.params.detokenize:
+        detok = self.tokenizer is not None and seq.request.params.detokenize
+        if detok:
             delta, _ = update_text(self.tokenizer, seq, finished=reason is not None)
+        lps = result.logprobs.get(seq.seq_id)
+        if lps is not None:  # carried as sampled; only the tokens the stop checker kept
+            lps = lps[:len(o.new_token_ids)]
+            decode_tokens(lps, self.tokenizer if detok else None)
+            seq.logprobs.extend(lps)
+        plps = seq.request.prompt_logprobs
+        if plps is not None and seq.num_output_tokens > len(o.new_token_ids):
+            plps = None  # sent with this sequence's first output already
         return StepOutput(seq.request_id, seq.seq_id, seq.index, o.new_token_ids, delta,
-                          reason is not None, reason)
+                          reason is not None, reason, lps, plps)
+
+    def _carry_prompt_logprobs(self, result: ModelRunnerOutput) -> None:
+        for rid, entries in result.prompt_logprobs.items():
+            req = self.requests[rid]
+            decode_tokens(entries, self.tokenizer if req.params.detokenize else None)
+            req.prompt_logprobs.extend(entries)
 
     def _fail_step(self, out: SchedulerOutput, t0: float, exc: BaseException) -> None:
         """A step raised after scheduling. Its block copies / swaps may be half applied and its

@@ -22,10 +22,11 @@ import torch
 
 from labkit.config import CacheConfig
 from labkit.engine.executor import Executor, ModelRunnerOutput
+from labkit.engine.logprobs import prompt_rows, split_prompt_rows, token_entry
 from labkit.kv.attention import AttentionBackend
 from labkit.kv.block_manager import BlockOps
 from labkit.kv.cache import PagedKVCache
-from labkit.model.sampling import sample_token
+from labkit.model.sampling import processed_logprobs, sample_token
 from labkit.sched.request import Sequence
 from labkit.sched.scheduler import SchedulerOutput
 
@@ -81,12 +82,16 @@ class ModelRunner:
             self.kv_cache.meta = None
 
     @staticmethod
-    def sample(logits: torch.Tensor, groups: list[list[Sequence]]) -> dict[str, list[int]]:
+    def sample(logits: torch.Tensor, groups: list[list[Sequence]],
+               logprobs: dict[str, list] | None = None) -> dict[str, list[int]]:
         """Row i of ``logits`` gives the next token of every sequence in ``groups[i]`` (a
-        prompt's n samples share its last row). Greedy rows share one argmax over the batch."""
+        prompt's n samples share its last row). Greedy rows share one argmax over the batch.
+        Given a ``logprobs`` dict, sequences whose request asked for logprobs get their
+        token's entry there, from the same row (computed once per row)."""
         results: dict[str, list[int]] = {}
         greedy = None
         for i, seqs in enumerate(groups):
+            row_lp = None
             for s in seqs:
                 p = s.request.params
                 if p.temperature == 0:
@@ -96,6 +101,11 @@ class ModelRunner:
                 else:
                     results[s.seq_id] = [sample_token(logits[i], p.temperature, p.top_k,
                                                       p.top_p, s.generator)]
+                k = getattr(p, "logprobs", None)
+                if logprobs is not None and k is not None:
+                    if row_lp is None:
+                        row_lp = processed_logprobs(logits[i], p.temperature, p.top_k, p.top_p)
+                    logprobs[s.seq_id] = [token_entry(row_lp, results[s.seq_id][0], k)]
         return results
 
 
@@ -128,6 +138,8 @@ def step_chunks(out: SchedulerOutput, drafts: dict[str, list[int]] | None = None
 class ModelExecutor(Executor):
     """The real model, one packed forward per step."""
 
+    supports_logprobs = True
+
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
 
@@ -147,7 +159,15 @@ class ModelExecutor(Executor):
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         chunks, rows, groups = step_chunks(scheduler_output)
+        result = ModelRunnerOutput()
         if not chunks:
-            return ModelRunnerOutput()
-        logits = self.runner.forward(chunks, rows)
-        return ModelRunnerOutput(self.runner.sample(logits, groups))
+            return result
+        extra = prompt_rows(scheduler_output)  # prompt_logprobs requests' extra rows, if any
+        if any(extra):
+            logits = self.runner.forward(chunks, [e + r for e, r in zip(extra, rows)])
+            logits, result.prompt_logprobs = split_prompt_rows(logits, extra, rows,
+                                                               scheduler_output)
+        else:
+            logits = self.runner.forward(chunks, rows)
+        result.sampled_token_ids = self.runner.sample(logits, groups, result.logprobs)
+        return result

@@ -10,6 +10,8 @@ from typing import Any
 from labkit.errors import SamplingParamsError
 from labkit.utils import is_int as _is_int
 
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs (and OpenAI's top_logprobs limit)
+
 
 def _is_real(x: Any) -> bool:
     return isinstance(x, Real) and not isinstance(x, bool)
@@ -32,6 +34,14 @@ class SamplingParams:
     ``labkit.model.generate.generate(..., seed=seed + i)`` would. ``stop`` strings end a sample
     (the stop string is cut from the text); ``stop_token_ids`` and EOS end it too (the stopping
     token is kept in ``token_ids``, like vLLM). ``detokenize=False`` skips text (benchmarks).
+
+    ``logprobs=k`` (0..MAX_LOGPROBS) returns, per generated token, the sampled token's logprob
+    and the k most likely tokens' (``CompletionOutput.logprobs``). They are of the distribution
+    actually sampled from: after temperature, top-k and top-p (vLLM's ``processed_logprobs``;
+    filtered-out tokens are -inf); greedy requests (temperature 0) get the raw ``log_softmax``
+    of the logits. ``prompt_logprobs=k`` returns each prompt token's logprob given its prefix
+    (``RequestOutput.prompt_logprobs``, the first one None), from the raw logits; such a request
+    skips the prefix cache lookup (a cached prefix has no logits). None (default) = not computed.
     """
 
     n: int = 1
@@ -44,6 +54,8 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     detokenize: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -83,6 +95,11 @@ class SamplingParams:
             raise SamplingParamsError(
                 f"stop_token_ids must be a list of token ids (ints >= 0), got "
                 f"{self.stop_token_ids!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+                raise SamplingParamsError(f"{name} must be None or an int in [0, {MAX_LOGPROBS}] "
+                                          f"(how many top tokens to return), got {k!r}")
         if self.stop and not self.detokenize:
             raise SamplingParamsError(
                 "stop strings are matched on text: they need detokenize=True")

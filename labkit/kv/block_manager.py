@@ -108,8 +108,10 @@ class BlockManager:
 
         At most (num_tokens - 1) tokens may hit: the last token is always recomputed so the step
         produces logits to sample from. A fully cached, block-aligned prompt therefore reuses all
-        blocks but the last, which is recomputed into a fresh block (as vLLM does)."""
-        if not self.enable_prefix_caching or seq.num_computed_tokens:
+        blocks but the last, which is recomputed into a fresh block (as vLLM does). A sequence
+        with ``skip_reading_prefix_cache`` (prompt logprobs) gets no hit."""
+        if not self.enable_prefix_caching or seq.num_computed_tokens \
+                or getattr(seq, "skip_reading_prefix_cache", False):
             return [], []
         n = len(seq.token_ids) - 1
         hashes = hash_prompt_blocks(seq.token_ids[: n - n % self.block_size], self.block_size,

@@ -65,3 +65,22 @@ def sample_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0,
     if probs.device.type != "cpu":
         probs = probs.cpu()  # one RNG stream per request, on the CPU, whatever the device
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def processed_logprobs(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0,
+                       top_p: float = 1.0) -> torch.Tensor:
+    """Log-probabilities [..., V] (float32) of the distribution ``sample_token`` draws from.
+
+    vLLM's ``processed_logprobs``: ``log_softmax(logits / temperature)`` with the tokens top-k /
+    top-p filtered out at -inf, so they agree with what was actually sampled. Greedy
+    (temperature 0) has no distribution to speak of (a one-hot): it gets the raw
+    ``log_softmax(logits)``, the model's own view, as vLLM returns for greedy requests.
+    """
+    logits = logits.float()
+    if temperature == 0:
+        return torch.log_softmax(logits, dim=-1)
+    scaled = logits / temperature
+    if (top_k <= 0 or top_k >= logits.shape[-1]) and top_p >= 1.0:
+        return torch.log_softmax(scaled, dim=-1)
+    kept = apply_sampling_filters(logits, temperature, top_k, top_p) > 0
+    return torch.log_softmax(scaled.masked_fill(~kept, float("-inf")), dim=-1)

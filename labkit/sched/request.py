@@ -49,6 +49,9 @@ class Sequence:
         self.num_cached_tokens = 0  # prefix-cache hit tokens at first admission
         self.output_text = ""
         self.streamed_text = ""  # the part of output_text streams have been sent (detokenizer)
+        # one {token_id: Logprob} per output token, when the request asked (params.logprobs)
+        self.logprobs: list | None = None if getattr(request.params, "logprobs", None) is None \
+            else []
         self.sort_key: tuple = ()
 
     @property
@@ -64,6 +67,13 @@ class Sequence:
             else:
                 self._generator.seed()
         return self._generator
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """vLLM's rule: prompt logprobs need logits at every prompt position, and a cached
+        prefix has none, so such a request computes its whole prompt (it still writes the
+        cache for others)."""
+        return self.request.prompt_logprobs is not None
 
     @property
     def num_tokens(self) -> int:
@@ -110,6 +120,9 @@ class Request:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.static_batch = False  # static batching: taken into the current batch
+        # prompt logprobs scored so far (params.prompt_logprobs); the first token has no prefix
+        self.prompt_logprobs: list | None = None \
+            if getattr(params, "prompt_logprobs", None) is None else [None]
 
     @property
     def prompt_len(self) -> int:

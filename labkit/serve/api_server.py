@@ -235,7 +235,7 @@ async def _admit(state: ServerState, request: Request, kind: str) -> serving.Cal
                        "rate_limit_exceeded", None, "rate_limit", _retry_after(wait))
     call = serving.Call(parsed, [], [len(i) for i in ids], time.monotonic(),
                         cfg.queue_timeout, cfg.request_timeout, protocol.new_id(kind),
-                        protocol.now_s())
+                        protocol.now_s(), tokenizer=state.tokenizer)
     try:  # all at once: counted in flight before the next request's admission check
         call.streams = await state.llm.add_requests([
             (state.new_request_id(), p_ids, parsed.params, parsed.priority, tenant)

@@ -9,7 +9,7 @@ Which fields pass:
 - fields labkit reads (``KNOWN``) are checked and honoured;
 - fields that would change the answer and that labkit does not implement are refused with 400
   (``unsupported``) instead of silently ignored, because a client that asked for them would
-  otherwise get a different answer than it thinks: OpenAI's ``logprobs``, ``echo``, penalties,
+  otherwise get a different answer than it thinks: OpenAI's penalties, ``suffix``,
   tools... and vLLM's sampling extras (``repetition_penalty``, ``min_p``, ``min_tokens``,
   guided decoding, beam search...). A neutral value (``repetition_penalty: 1``, ``min_p: 0``,
   ``logprobs: false``) asks for nothing and passes;
@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from labkit.engine.sampling_params import SamplingParams
+from labkit.serve.logprobs import FieldError, LogprobsAsk, parse_logprobs
 
 
 class APIError(Exception):
@@ -59,7 +60,7 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
 log = logging.getLogger("uvicorn.error")  # the server's log: uvicorn's handler and --log-level
 
 # fields that change the answer and that labkit does not implement: refuse, never ignore
-UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "logit_bias", "tools",
+UNSUPPORTED = ("suffix", "logit_bias", "tools",
                "tool_choice", "functions", "function_call", "response_format", "best_of",
                # vLLM's extensions
                "guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -73,7 +74,7 @@ NEUTRAL_ONLY = {"repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0,
 KNOWN = frozenset({"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n",
                    "top_k", "seed", "stream", "stream_options", "user", "priority",
                    "stop_token_ids", "stop", "temperature", "top_p", "ignore_eos",
-                   "return_token_ids"})
+                   "return_token_ids", "logprobs", "top_logprobs", "echo"})
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 
 
@@ -92,6 +93,8 @@ class ParsedRequest:
     max_tokens_given: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
+    logprobs: LogprobsAsk = field(default_factory=LogprobsAsk)
+    echo_only: bool = False  # echo with max_tokens 0: the prompt scored, nothing generated
     ignored: list[str] = field(default_factory=list)  # unknown fields, ignored with a warning
 
 
@@ -277,7 +280,11 @@ def parse_request(d: dict[str, Any], kind: str, *, served_model: str,
         prompts = _prompts(d["prompt"], vocab_size)
         mt_name = "max_tokens"
     default_mt = None if kind == "chat" else 16
-    max_tokens = _int(d, mt_name, default_mt, 1)
+    try:
+        ask = parse_logprobs(d, kind)
+    except FieldError as e:
+        raise bad(*e.args) from None
+    max_tokens = _int(d, mt_name, default_mt, 0 if ask.echo else 1)
     n = _int(d, "n", 1, 1, max_n)
     top_k = _int(d, "top_k", 0, -1)
     seed = _int(d, "seed", None, -(2**63), 2**63 - 1)
@@ -304,13 +311,15 @@ def parse_request(d: dict[str, Any], kind: str, *, served_model: str,
         n=n, temperature=_num(d, "temperature", 1.0, 0.0, 2.0),
         top_p=_num(d, "top_p", 1.0, 0.0, 1.0, lo_open=True), top_k=top_k,
         max_tokens=max_tokens or 1, stop=_stop(d.get("stop")), stop_token_ids=stop_ids,
-        seed=seed, ignore_eos=_bool(d, "ignore_eos"))
+        seed=seed, ignore_eos=_bool(d, "ignore_eos"), logprobs=ask.k,
+        prompt_logprobs=ask.k if ask.echo else None)
     if ignored:  # vLLM's behaviour: the request is served, the log says what was dropped
         log.warning("ignored fields labkit does not know: %s", ", ".join(ignored))
     # vLLM: usage on every chunk only when include_usage asks for usage at all
     return ParsedRequest(kind, model, prompts, params, stream, include_usage, priority, user,
                          max_tokens is not None, continuous_usage=include_usage and
-                         bool(continuous), ignored=ignored)
+                         bool(continuous), ignored=ignored, logprobs=ask,
+                         echo_only=max_tokens == 0)
 
 
 # ---- responses ------------------------------------------------------------------------------

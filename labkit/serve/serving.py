@@ -24,6 +24,7 @@ from typing import Any
 
 from labkit.serve import protocol
 from labkit.serve.async_llm import RequestStream, StreamItem
+from labkit.serve.logprobs import CompletionLogprobs, chat_logprobs
 from labkit.serve.protocol import APIError, ParsedRequest
 
 
@@ -53,6 +54,11 @@ class Call:
     last_token_time: dict[int, float] = field(default_factory=dict)  # per choice (ITL)
     first_step_start: float | None = None
     first_token_time: float | None = None
+    tokenizer: Any = None  # echo's prompt text and a logprob token's text when not decoded
+    logprobs: dict[int, list] = field(default_factory=dict)  # per choice, per token
+    prompt_logprobs: dict[int, list] = field(default_factory=dict)  # per prompt (echo)
+    shapers: dict[int, CompletionLogprobs] = field(default_factory=dict)  # text_offset so far
+    started: set[int] = field(default_factory=set)  # choices that sent their first chunk
 
     def abort_all(self) -> None:
         for s in self.streams:
@@ -144,8 +150,9 @@ async def merged(call: Call) -> AsyncIterator[tuple[int, StreamItem]]:
 
 
 def account(call: Call, i: int, item: StreamItem, itl: Callable[[float], None] | None = None
-            ) -> list[tuple[int, str, list[int], str | None]]:
-    """Fold one item into the call's state; returns (choice, text, ids, reason) deltas."""
+            ) -> list[tuple[int, str, list[int], str | None, list | None]]:
+    """Fold one item into the call's state; returns (choice, text, ids, reason, logprobs)
+    deltas. An echo-only request (max_tokens 0) keeps none of the token it had to generate."""
     now = time.monotonic()
     deltas = []
     for o in item.outputs:
@@ -156,14 +163,49 @@ def account(call: Call, i: int, item: StreamItem, itl: Callable[[float], None] |
             if itl is not None and c in call.last_token_time:
                 itl(now - call.last_token_time[c])
             call.last_token_time[c] = now
+        if o.prompt_logprobs is not None:
+            call.prompt_logprobs.setdefault(i, o.prompt_logprobs)
+        if call.parsed.echo_only:
+            reason = "length" if o.finished else None
+            if reason:
+                call.reasons[c] = reason
+            deltas.append((c, "", [], reason, None))
+            continue
+        if o.logprobs is not None:
+            call.logprobs.setdefault(c, []).extend(o.logprobs)
         call.completion_tokens += len(o.new_token_ids)
         call.texts.setdefault(c, []).append(o.text_delta)
         call.token_ids.setdefault(c, []).extend(o.new_token_ids)
         if o.finished:
             call.reasons[c] = o.finish_reason or "stop"
         deltas.append((c, o.text_delta, o.new_token_ids, o.finish_reason if o.finished
-                       else None))
+                       else None, o.logprobs))
     return deltas
+
+
+def choice_logprobs(call: Call, c: int, toks: list[int], lps: list | None
+                    ) -> tuple[str, dict[str, Any] | None]:
+    """(echo text to put first, the ``logprobs`` object) for choice ``c``'s tokens ``toks``.
+    A choice's first call (its whole answer, or its first chunk) carries the echoed prompt."""
+    p, ask = call.parsed, call.parsed.logprobs
+    first = c not in call.started
+    call.started.add(c)
+    if ask.chat:
+        return "", None if ask.k is None else chat_logprobs(toks, lps or [], ask.k,
+                                                             call.tokenizer)
+    prefix, ids, entries = "", list(toks), list(lps or [])
+    if ask.echo and first:
+        i = c // call.n
+        pids = p.extra["prompt_token_ids"][i]
+        prompt = p.prompts[i]
+        prefix = prompt if isinstance(prompt, str) else \
+            call.tokenizer.decode(pids) if call.tokenizer is not None else ""
+        plps = call.prompt_logprobs.get(i) or [None] * len(pids)
+        ids, entries = pids + ids, list(plps) + entries
+    if ask.k is None:
+        return prefix, None
+    shaper = call.shapers.setdefault(c, CompletionLogprobs())
+    return prefix, shaper.shape(ids, entries, call.tokenizer)
 
 
 def error_for(exc: BaseException) -> APIError:
@@ -207,11 +249,14 @@ async def stream_events(call: Call, itl: Callable[[float], None] | None = None
                 with_usage=p.include_usage, use=use(c)), c))
     try:
         async for i, item in merged(call):
-            for c, text, toks, reason in account(call, i, item, itl):
-                if not text and reason is None and not (ids and toks):
+            for c, text, toks, reason, lps in account(call, i, item, itl):
+                if not text and reason is None and not ((ids or lps) and toks) and \
+                        not (p.logprobs.echo and c not in call.started):
                     continue  # nothing a client can see yet (held-back tail, partial UTF-8)
-                ch = protocol.chunk(kind, call.id, p.model, call.created, c, text, reason,
-                                    with_usage=p.include_usage, use=use(c))
+                prefix, lp_obj = choice_logprobs(call, c, toks, lps)
+                ch = protocol.chunk(kind, call.id, p.model, call.created, c, prefix + text,
+                                    reason, with_usage=p.include_usage, use=use(c))
+                ch["choices"][0]["logprobs"] = lp_obj
                 if ids:
                     ch["choices"][0]["token_ids"] = toks
                 yield protocol.sse(with_prompt_ids(ch, c))
@@ -244,6 +289,11 @@ async def collect(call: Call, itl: Callable[[float], None] | None = None) -> dic
     texts = ["".join(call.texts.get(c, [])) for c in range(k)]
     body = protocol.response(call.parsed.kind, call.id, call.parsed.model, call.created, texts,
                              [call.reasons.get(c) for c in range(k)], call.usage)
+    for c, ch in enumerate(body["choices"]):
+        prefix, ch["logprobs"] = choice_logprobs(call, c, call.token_ids.get(c, []),
+                                                 call.logprobs.get(c))
+        if prefix:
+            ch["text"] = prefix + ch["text"]
     if call.parsed.extra.get("return_token_ids"):
         for c, ch in enumerate(body["choices"]):
             ch["token_ids"] = call.token_ids.get(c, [])

@@ -59,6 +59,26 @@ def test_greedy_http_equals_in_process_generate(server, labkit_tiny):
 
 
 @pytest.mark.slow
+def test_logprobs_and_echo_cross_the_process_boundary(server, labkit_tiny):
+    """Logprob dicts are pickled with the step's outputs: same numbers as in-process."""
+    want = LLM(labkit_tiny, num_blocks=128).generate(
+        [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=6, logprobs=2,
+                                     prompt_logprobs=2))[0]
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": NAME, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0,
+        "logprobs": 2, "echo": True}).json()["choices"][0]
+    c = want.outputs[0]
+    assert r["text"] == PROMPTS[0] + c.text
+    lps = r["logprobs"]["token_logprobs"]
+    ids = want.prompt_token_ids + c.token_ids
+    entries = want.prompt_logprobs + c.logprobs
+    assert lps[0] is None and len(lps) == len(ids)
+    for got, t, e in zip(lps[1:], ids[1:], entries[1:]):
+        assert got == pytest.approx(e[t].logprob, abs=1e-4)
+    idle(server)
+
+
+@pytest.mark.slow
 def test_engine_process_freezes_its_startup_heap(server):
     # torch, the model and the engine: far more than a bare interpreter's ~10^4 objects
     assert server.llm.core_proc.handshake["gc_frozen"] > 50_000
