@@ -223,7 +223,9 @@ def _sliding_layers(arch: str, d: dict[str, Any]) -> tuple[int | None, list[str]
     Qwen2 (transformers' Qwen2Config): the window counts only with ``use_sliding_window``; a
     missing ``layer_types`` slides layers ``i >= max_window_layers`` (default 28). Mistral:
     ``sliding_window`` for every layer. Llama has no window in transformers; labkit reads one
-    only beside a ``layer_types`` list (its own configs, which name the sliding layers).
+    only beside a ``layer_types`` list. transformers' Llama and Mistral read no ``layer_types``;
+    labkit honours one where a config carries it (its own configs, which name the sliding
+    layers), so a config without one means exactly what it means to transformers.
     """
     window, layer_types = d.get("sliding_window"), d.get("layer_types")
     if arch == "Qwen2ForCausalLM":
