@@ -197,3 +197,24 @@ def test_fused_qkv_transform_needs_only_the_seam():
             gu = torch.cat([m.gate_proj.weight, m.up_proj.weight])
             m.gate_up = lambda x, gu=gu: F.linear(x, gu).chunk(2, dim=-1)
         torch.testing.assert_close(model(ids), before, atol=1e-6, rtol=1e-6)
+
+
+def test_qwen2_sliding_checkpoint_through_the_engine_equals_transformers(tmp_path):
+    """labkit.LLM on the loaded folder (paged KV, prefix cache, 8-token chunked prefill, block 4)
+    against transformers' own greedy generate, prompts past the window of 8. (The folder has no
+    tokenizer, so the model is loaded and handed over.)"""
+    from labkit import LLM, SamplingParams
+
+    hf, path = qwen2_checkpoint(tmp_path, "qwen2-max-window-layers", seed=2)
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(0, 97, (12,), generator=g).tolist()
+    prompts = [shared + [4, 5], shared + [6], torch.randint(0, 97, (19,), generator=g).tolist()]
+    llm = LLM.from_model(load_model(path), block_size=4, max_num_batched_tokens=8)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        assert o.outputs[0].token_ids == ref
+    assert llm.llm_engine.stats()["prefix_hit_tokens"] > 0
