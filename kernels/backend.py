@@ -7,7 +7,8 @@ which is how the tests check the engine end to end).
 ``k_scale``/``v_scale`` (the engine passes them for ``kv_cache_dtype="int8"``) mark an INT8 cache,
 as for the torch backend: ``reshape_and_cache`` quantizes in the kernel (the same codes and
 scales as ``labkit.kv.ops.quantize_kv_per_head``) and the attention kernels dequantize the
-tiles they read (``labkit.kernels.int8_kv``).
+tiles they read (``labkit.kernels.int8_kv``). ``sliding_window`` (given per layer by the paged
+cache, from the model's layer specs) is the kernels' window mask; None is full attention.
 """
 
 from __future__ import annotations
@@ -34,24 +35,18 @@ class TritonBackend:
                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                meta: object = None, sliding_window: int | None = None) -> torch.Tensor:
-        _no_window(sliding_window)
         return paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                      k_scale=k_scale, v_scale=v_scale)
+                                      k_scale=k_scale, v_scale=v_scale,
+                                      sliding_window=sliding_window)
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                 context_lens: torch.Tensor, scale: float,
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                 meta: object = None, sliding_window: int | None = None) -> torch.Tensor:
-        _no_window(sliding_window)
         # the step's metadata knows the longest chunk on the host: no device read per layer
         max_q = getattr(meta, "max_query_len", None)
         return paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc,
                                        context_lens, scale, max_query_len=max_q,
-                                       k_scale=k_scale, v_scale=v_scale)
-
-
-def _no_window(sliding_window: int | None) -> None:
-    if sliding_window is not None:
-        raise NotImplementedError("the Triton kernels have no sliding-window mask; use the "
-                                  "torch attention backend for sliding-window models")
+                                       k_scale=k_scale, v_scale=v_scale,
+                                       sliding_window=sliding_window)

@@ -28,6 +28,11 @@ head) then costs 2 * (D + 2) bytes of K+V instead of 2 * 2D in bf16: ~1.9x fewer
 up to ~1.9x faster decode at long contexts. The cost: an int8 -> bf16 convert per element, two
 multiplies per score (hidden under the memory stall) and the quantization error (half a step,
 absmax / 254, per element).
+
+Sliding window (``sliding_window=w``, a sliding layer of Mistral / Qwen2 / Gemma 3): the query at
+position ``ctx_len - 1`` sees only keys ``ctx_len - w .. ctx_len - 1``, so every split starts its
+loop at ``max(split start, ctx_len - w)``: tiles wholly before the window are never read, which
+is what makes a sliding layer's decode cost O(w) instead of O(context).
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ def _paged_decode_kernel(
     out_ptr, lse_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     k_scale_ptr, v_scale_ptr,
-    sm_scale_log2, tokens_per_split,
+    sm_scale_log2, tokens_per_split, window,
     stride_qb, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -77,6 +82,7 @@ def _paged_decode_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     KV_INT8: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.int8  # compile-time: int8 cache
     seq = tl.program_id(0)
@@ -86,6 +92,8 @@ def _paged_decode_kernel(
     ctx_len = tl.load(context_lens_ptr + seq)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, ctx_len)
+    if WINDOWED:  # keys before the window are never read (a split wholly before it is empty)
+        start = tl.maximum(start, ctx_len - window)
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -250,6 +258,7 @@ def paged_attention_decode(
     context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
     block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Decode attention over a paged KV cache. q [B, Hq, D] -> out [B, Hq, D] (q's dtype).
 
@@ -257,7 +266,9 @@ def paged_attention_decode(
     single-pass kernel. Every context_lens entry must be >= 1 and fit its block-table row
     (checked on CPU tensors; on a GPU the caller guarantees it). INT8 cache: int8 caches plus
     fp16 ``k_scale``/``v_scale`` [num_blocks, block_size, Hkv] (``int8_kv``).
+    ``sliding_window``: each query sees only its last that many keys (None: all of them).
     """
+    check_window(sliding_window)
     _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     check(q.dim() == 3, f"q must be [num_seqs, num_q_heads, head_dim], got {tuple(q.shape)}")
     check(q.shape[0] == block_tables.shape[0], "q and block_tables disagree on num_seqs")
@@ -297,7 +308,7 @@ def paged_attention_decode(
     _paged_decode_kernel[grid](
         o, lse, q, k_cache, v_cache, block_tables, context_lens,
         *scale_args(k_cache, k_scale, v_scale)[:2],
-        scale * LOG2E, tokens_per_split,
+        scale * LOG2E, tokens_per_split, sliding_window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -307,7 +318,7 @@ def paged_attention_decode(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, next_pow2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split,
         DOT_FP32=interpreting(), PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        WINDOWED=sliding_window is not None, num_warps=num_warps, num_stages=num_stages,
     )
     if split:
         _merge_splits_kernel[(num_seqs, num_q_heads)](
@@ -320,6 +331,11 @@ def paged_attention_decode(
     return out
 
 
+def check_window(sliding_window: int | None) -> None:
+    check(sliding_window is None or (isinstance(sliding_window, int) and sliding_window >= 1),
+          f"sliding_window must be None or a positive int, got {sliding_window!r}")
+
+
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` tokens of one sequence from a paged cache, as [length, Hkv, D]
     (labkit's one block gather, :func:`labkit.kv.ops.gather_blocks`)."""
@@ -330,18 +346,19 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
 def paged_attention_decode_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None, sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch: gather each sequence's K/V, softmax(q K^T * scale) V in fp32 (an INT8
-    cache is dequantized to q's dtype first)."""
+    cache is dequantized to q's dtype first); a window keeps only the last keys."""
     k_cache = dequantize_cache(k_cache, k_scale, q.dtype)
     v_cache = dequantize_cache(v_cache, v_scale, q.dtype)
     out = torch.empty_like(q)
     group = q.shape[1] // k_cache.shape[2]
     for b in range(q.shape[0]):
         n = int(context_lens[b])
-        k = gather_kv(k_cache, block_tables[b], n).float().repeat_interleave(group, dim=1)
-        v = gather_kv(v_cache, block_tables[b], n).float().repeat_interleave(group, dim=1)
+        lo = 0 if sliding_window is None else max(0, n - sliding_window)
+        k = gather_kv(k_cache, block_tables[b], n)[lo:].float().repeat_interleave(group, dim=1)
+        v = gather_kv(v_cache, block_tables[b], n)[lo:].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,thd->ht", q[b].float(), k) * scale
         out[b] = torch.einsum("ht,thd->hd", scores.softmax(-1), v).to(q.dtype)
     return out

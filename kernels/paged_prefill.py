@@ -27,6 +27,11 @@ probability tiles (``int8_kv.load_token_scales``): D + 2 bytes per (token, kv he
 for V) instead of 2 * D in bf16. That matters for the memory-bound short chunks and long cached
 prefixes; long chunks are compute-bound, where the extra convert per element is the cost and
 the bytes saved buy little.
+
+Sliding window (``sliding_window=w``): query position p sees keys ``p - w + 1 .. p``. The key
+loop then starts at the tile's first query position minus ``w - 1`` (nothing before it is read)
+and every tile is masked, since rows of one tile see different windows; a row can meet a tile
+with no key it sees, so the online softmax guards its max against -inf.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from labkit.kernels.paged_attention import (
     LOG2E,
     _check_context_lens,
     _check_paged_inputs,
+    check_window,
     gather_kv,
 )
 
@@ -55,9 +61,10 @@ from labkit.kernels.paged_attention import (
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, q_pos, t0, kv_end, bt_row, k_base, v_base, ks_base, vs_base,
                  stride_kb, stride_ks, stride_vb, stride_vs, stride_sb, stride_ss, sm_scale_log2,
-                 offs_d, d_mask,
+                 offs_d, d_mask, window,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                 DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, KV_INT8: tl.constexpr):
+                 DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, KV_INT8: tl.constexpr,
+                 WINDOWED: tl.constexpr):
     """One BLOCK_N tile of keys: gather through the block table, online-softmax update."""
     offs_t = t0 + tl.arange(0, BLOCK_N)
     t_mask = offs_t < kv_end
@@ -77,11 +84,15 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, t0, kv_end, bt_row, k_base, v_base, ks
     s = s * sm_scale_log2
     if MASKED:
         visible = (offs_t[None, :] <= q_pos[:, None]) & t_mask[None, :]
+        if WINDOWED:
+            visible = visible & (offs_t[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-    # Every row sees key 0 (in the first tile), so m_new is finite from then on.
+    # Without a window every row sees key 0 (in the first tile), so m_new is finite from then
+    # on; with one, a row may see nothing yet: use 0 as its max so exp2 gives 0, never NaN.
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new) if WINDOWED else m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if KV_INT8:  # P V = (P diag(v_scale)) C_v
         p = p * load_token_scales(vs_base, phys, in_blk, stride_sb, stride_ss, t_mask)[None, :]
@@ -92,7 +103,7 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, t0, kv_end, bt_row, k_base, v_base, ks
 @triton.jit
 def _paged_prefill_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr,
-    context_lens_ptr, k_scale_ptr, v_scale_ptr, sm_scale_log2,
+    context_lens_ptr, k_scale_ptr, v_scale_ptr, sm_scale_log2, window,
     stride_qn, stride_qh, stride_on, stride_oh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -100,7 +111,7 @@ def _paged_prefill_kernel(
     stride_bt,
     QUERY_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     KV_INT8: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.int8  # compile-time: int8 cache
     tile = tl.program_id(0)
@@ -138,17 +149,25 @@ def _paged_prefill_kernel(
     # Keys before the tile's first query position are visible to every row: no mask there.
     full_end = ((prefix + tile * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
     kv_end = tl.minimum(ctx_len, prefix + (tile + 1) * BLOCK_M)
-    for t0 in range(0, full_end, BLOCK_N):
+    lo = 0
+    if WINDOWED:  # start at the first row's window; every tile masked (rows' windows differ)
+        lo = tl.maximum(prefix + tile * BLOCK_M - window + 1, 0)
+        full_end = lo
+    for t0 in range(lo, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, t0, kv_end, bt_row, k_base, v_base,
                                      ks_base, vs_base, stride_kb, stride_ks, stride_vb, stride_vs,
                                      stride_sb, stride_ss, sm_scale_log2, offs_d, d_mask,
-                                     BLOCK_SIZE, BLOCK_N, False, DOT_FP32, PRECISION, KV_INT8)
+                                     window, BLOCK_SIZE, BLOCK_N, False, DOT_FP32, PRECISION,
+                                     KV_INT8, WINDOWED)
     for t0 in range(full_end, kv_end, BLOCK_N):  # the diagonal: causal mask
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, t0, kv_end, bt_row, k_base, v_base,
                                      ks_base, vs_base, stride_kb, stride_ks, stride_vb, stride_vs,
                                      stride_sb, stride_ss, sm_scale_log2, offs_d, d_mask,
-                                     BLOCK_SIZE, BLOCK_N, True, DOT_FP32, PRECISION, KV_INT8)
+                                     window, BLOCK_SIZE, BLOCK_N, True, DOT_FP32, PRECISION,
+                                     KV_INT8, WINDOWED)
 
+    if WINDOWED:  # a padded row past the chunk may have seen no key at all: keep it finite
+        l_i = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_i[:, None]
     tl.store(out_ptr + rows[:, None] * stride_on + head * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
@@ -159,7 +178,7 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float,
     max_query_len: int | None = None, block_m: int | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int = 2, k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None, sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of packed new tokens q [N, Hq, D] over the paged cache.
 
@@ -168,8 +187,10 @@ def paged_prefill_attention(
     down, and each q_len must be <= its context_lens entry, which must fit its block-table row
     (all checked on CPU tensors; on a GPU the caller guarantees them). INT8 cache: int8 caches
     plus fp16 ``k_scale``/``v_scale`` [num_blocks, block_size, Hkv] (``int8_kv``).
+    ``sliding_window``: query position p sees keys p - window + 1 .. p (None: 0 .. p).
     """
     _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
+    check_window(sliding_window)
     check(q.dim() == 3, f"q must be [num_tokens, num_q_heads, head_dim], got {tuple(q.shape)}")
     num_seqs = block_tables.shape[0]
     check(query_start_loc.dim() == 1 and query_start_loc.numel() == num_seqs + 1,
@@ -210,7 +231,7 @@ def paged_prefill_attention(
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_q_heads)
     _paged_prefill_kernel[grid](
         out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
-        *scale_args(k_cache, k_scale, v_scale)[:2], scale * LOG2E,
+        *scale_args(k_cache, k_scale, v_scale)[:2], scale * LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -220,7 +241,7 @@ def paged_prefill_attention(
         HEAD_DIM_PAD=max(16, next_pow2(head_dim)), BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_FP32=interpreting(), PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        WINDOWED=sliding_window is not None, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
@@ -229,9 +250,10 @@ def paged_prefill_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Plain PyTorch, one sequence at a time, fp32, explicit causal mask by position (an INT8
-    cache is dequantized to q's dtype first)."""
+    """Plain PyTorch, one sequence at a time, fp32, explicit causal (and window) mask by
+    position (an INT8 cache is dequantized to q's dtype first)."""
     k_cache = dequantize_cache(k_cache, k_scale, q.dtype)
     v_cache = dequantize_cache(v_cache, v_scale, q.dtype)
     out = torch.empty_like(q)
@@ -245,7 +267,10 @@ def paged_prefill_attention_ref(
         v = gather_kv(v_cache, block_tables[b], n).float().repeat_interleave(group, dim=1)
         q_pos = torch.arange(n - (e - s), n, device=q.device)
         scores = torch.einsum("qhd,thd->hqt", q[s:e].float(), k) * scale
-        mask = torch.arange(n, device=q.device)[None, :] <= q_pos[:, None]
+        kpos = torch.arange(n, device=q.device)[None, :]
+        mask = kpos <= q_pos[:, None]
+        if sliding_window is not None:
+            mask &= kpos > q_pos[:, None] - sliding_window
         scores = scores.masked_fill(~mask, float("-inf"))
         out[s:e] = torch.einsum("hqt,thd->qhd", scores.softmax(-1), v).to(q.dtype)
     return out

@@ -243,7 +243,9 @@ def drop_layers(model: nn.Module, keep: list[int]) -> nn.Module:
     n = model.config.num_hidden_layers
     if not keep or any(not 0 <= i < n for i in keep) or len(set(keep)) != len(keep):
         raise ValueError(f"keep must be distinct layer indices in [0, {n}), got {keep}")
-    cfg = replace(model.config, num_hidden_layers=len(keep))
+    types = model.config.layer_types  # each kept layer keeps its attention kind
+    cfg = replace(model.config, num_hidden_layers=len(keep),
+                  layer_types=None if types is None else [types[i] for i in keep])
     student = LlamaForCausalLM(cfg)
     state = {k: v for k, v in model.state_dict().items() if not k.startswith("model.layers.")}
     for new, old in enumerate(keep):

@@ -37,8 +37,9 @@ class AttentionBackend(Protocol):
     (a test compares their signatures). ``k_scale``/``v_scale`` ([num_blocks, block_size, Hkv]
     fp16) come with an INT8 cache (``kv_cache_dtype="int8"``): reshape_and_cache quantizes into
     them, attention reads them. ``meta`` is the step's AttentionMetadata (built once per step), for
-    per-step plans a backend caches in ``meta.scratch``. ``sliding_window`` (Mistral) limits how
-    far back a query sees; only the torch backend implements it."""
+    per-step plans a backend caches in ``meta.scratch``. ``sliding_window`` limits how far back a
+    query sees; the paged cache passes each layer's own (the model's layer specs: every layer for
+    Mistral, some for Qwen2 / ``layer_types``), None for full attention. Both backends take it."""
 
     name: str
 

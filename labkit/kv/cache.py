@@ -14,6 +14,7 @@ from labkit.config import KV_CACHE_DTYPES, CacheConfig
 from labkit.kv.attention import AttentionBackend, TorchBackend
 from labkit.kv.metadata import AttentionMetadata
 from labkit.kv.ops import KV_SCALE_DTYPE
+from labkit.model.layers import layer_sliding_windows
 
 __all__ = ["AttentionMetadata", "KV_CACHE_DTYPES", "PagedKVCache", "build_attention_metadata",
            "kv_bytes_per_block"]
@@ -71,7 +72,8 @@ class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str,
                  backend: AttentionBackend | None = None, num_cpu_blocks: int = 0,
-                 sliding_window: int | None = None, kv_cache_dtype: str = "auto") -> None:
+                 sliding_window: int | None | list[int | None] = None,
+                 kv_cache_dtype: str = "auto") -> None:
         self.backend = backend or TorchBackend()
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         quant = kv_cache_dtype == "int8"
@@ -98,10 +100,15 @@ class PagedKVCache:
         self.cpu_v_scales = make(cpu_shape[:3], KV_SCALE_DTYPE, "cpu", n_cpu if quant else 0)
         self.scale = head_dim ** -0.5
         self.block_size = block_size
-        self.sliding_window = sliding_window
-        if sliding_window is not None and not isinstance(self.backend, TorchBackend):
-            raise ValueError(f"sliding-window attention is only implemented by the torch backend, "
-                             f"not {self.backend.name!r}")
+        # one window per layer (None = full attention); an int means every layer (Mistral)
+        windows = (list(sliding_window) if isinstance(sliding_window, (list, tuple))
+                   else [sliding_window] * num_layers)
+        if len(windows) != num_layers:
+            raise ValueError(f"{len(windows)} sliding windows for {num_layers} layers")
+        self.sliding_windows = windows
+        if any(w is not None for w in windows) and self.backend.name not in ("torch", "triton"):
+            raise ValueError(f"sliding-window attention is implemented by the torch and triton "
+                             f"backends only, not {self.backend.name!r}")
         self.meta: AttentionMetadata | None = None
 
     def nbytes(self) -> int:
@@ -118,7 +125,7 @@ class PagedKVCache:
         c = model_config
         return cls(c.num_hidden_layers, cache.num_blocks, cache.block_size,
                    c.num_key_value_heads, c.head_dim, dtype, device, backend,
-                   cache.num_cpu_blocks, getattr(c, "sliding_window", None), cache.kv_cache_dtype)
+                   cache.num_cpu_blocks, layer_sliding_windows(c), cache.kv_cache_dtype)
 
     def begin_step(self, slots: list[int], block_tables: list[list[int]], query_lens: list[int],
                    context_lens: list[int]) -> None:
@@ -135,7 +142,7 @@ class PagedKVCache:
         vs = self.v_scales[layer_idx] if self.v_scales else None
         kw = {"k_scale": ks, "v_scale": vs, "meta": m}
         be.reshape_and_cache(k[0], v[0], kc, vc, m.slot_mapping, **kw)
-        kw["sliding_window"] = self.sliding_window
+        kw["sliding_window"] = self.sliding_windows[layer_idx]
         if m.decode_only:
             out = be.decode(q[0], kc, vc, m.block_tables, m.context_lens, self.scale, **kw)
         else:

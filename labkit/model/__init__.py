@@ -1,6 +1,7 @@
 """labkit.model: the model and nothing about serving it (the layer just above errors / utils).
 
-Owns the architecture config (``config.ModelConfig``), the Llama-family decoder with its
+Owns the architecture config (``config.ModelConfig``, with each layer's ``LayerSpec``), the
+layer layout that builds each layer from its spec (``layers``), the Llama-family decoder with its
 ``kv_cache.attend`` hook (``llama``), sampling filters (``sampling``), the reference
 ``generate`` with a contiguous cache that every engine path is compared with (``generate``),
 checkpoint loading (``loader``) and the tokenizer (``tokenizer``)."""

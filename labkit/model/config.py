@@ -4,6 +4,12 @@ Llama, Qwen2 and Mistral share one architecture (pre-norm RMSNorm, rotary positi
 grouped-query attention, SwiGLU MLP). They differ only in a few switches, which this dataclass
 names with Hugging Face's config.json keys so a learner can read a real checkpoint's config and
 see exactly what labkit will build.
+
+Per-layer choices (which attention, how far back it sees, which MLP) come from
+:meth:`ModelConfig.layer_spec`; :mod:`labkit.model.layers` builds each layer from it. Sliding
+windows follow Hugging Face: ``layer_types`` (``"full_attention"`` / ``"sliding_attention"`` per
+layer, as Gemma 3, gpt-oss and recent Qwen2 configs carry) says which layers slide, and
+``sliding_window`` how far; without ``layer_types`` a window means every layer (Mistral).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+LAYER_TYPES = ("full_attention", "sliding_attention")  # Hugging Face's names, per layer
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "MistralForCausalLM": "mistral"}
@@ -18,6 +25,19 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
 
 class ConfigError(ValueError):
     """A config.json labkit cannot build a model from; the message names the field."""
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What decoder layer i is built from (:mod:`labkit.model.layers` maps the names to modules).
+
+    ``attention``: ``"full"`` or ``"sliding"`` (a query sees only the last ``sliding_window``
+    positions, itself included); ``mlp``: ``"dense"`` (SwiGLU). Later kinds (``"mla"``,
+    ``"moe"``) are new names here and new registry entries there, never an engine branch."""
+
+    attention: str = "full"
+    sliding_window: int | None = None
+    mlp: str = "dense"
 
 
 @dataclass
@@ -36,7 +56,10 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
-    sliding_window: int | None = None  # Mistral: attention only sees this many past tokens
+    sliding_window: int | None = None  # a sliding layer's query sees this many positions
+    # per layer "full_attention" | "sliding_attention"; None: every layer slides if
+    # sliding_window is set (Mistral), else none does
+    layer_types: list[str] | None = None
     architecture: str = "LlamaForCausalLM"
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -61,9 +84,48 @@ class ModelConfig:
                 f"num_key_value_heads {self.num_key_value_heads} (grouped-query attention)")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        self._check_layer_types()
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(f"architecture {self.architecture!r} is not supported; "
                               f"labkit builds {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+    def _check_layer_types(self) -> None:
+        w = self.sliding_window
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            raise ConfigError(f"config field 'sliding_window' must be a positive integer or "
+                              f"null, got {w!r}")
+        if self.layer_types is None:
+            return
+        lt = self.layer_types = list(self.layer_types)
+        if len(lt) != self.num_hidden_layers:
+            raise ConfigError(f"config field 'layer_types' has {len(lt)} entries for "
+                              f"{self.num_hidden_layers} layers (num_hidden_layers)")
+        bad = sorted({t for t in lt if t not in LAYER_TYPES}, key=str)
+        if bad:
+            raise ConfigError(f"config field 'layer_types' holds {bad!r}; labkit builds "
+                              f"{', '.join(LAYER_TYPES)}")
+        if "sliding_attention" in lt and w is None:
+            raise ConfigError("config field 'layer_types' names sliding_attention layers but "
+                              "'sliding_window' is null: set the window")
+
+    def layer_spec(self, layer_idx: int) -> LayerSpec:
+        """What layer ``layer_idx`` is: the one place the model, the KV caches and the attention
+        backends learn a layer's attention kind and window from."""
+        if not 0 <= layer_idx < self.num_hidden_layers:
+            raise IndexError(f"layer {layer_idx} of a {self.num_hidden_layers}-layer model")
+        slides = self.sliding_window is not None and (
+            self.layer_types is None or self.layer_types[layer_idx] == "sliding_attention")
+        if slides:
+            return LayerSpec(attention="sliding", sliding_window=self.sliding_window)
+        return LayerSpec()
+
+    def layer_specs(self) -> list[LayerSpec]:
+        return [self.layer_spec(i) for i in range(self.num_hidden_layers)]
+
+    @property
+    def uses_sliding_window(self) -> bool:
+        """Some layer slides (the components that cannot express windows refuse such models)."""
+        return any(s.sliding_window is not None for s in self.layer_specs())
 
     @property
     def o_proj_bias(self) -> bool:
@@ -118,11 +180,7 @@ class ModelConfig:
                     raise ConfigError(f"config field {key!r} has rope_type {rope_type!r}; labkit "
                                       "implements only the default rotary embedding")
                 rope_theta = rp.get("rope_theta", rope_theta)
-        sliding = None
-        if arch == "MistralForCausalLM":
-            sliding = d.get("sliding_window")
-        elif arch == "Qwen2ForCausalLM" and d.get("use_sliding_window"):
-            raise ConfigError("config field 'use_sliding_window' = true is not supported")
+        sliding, layer_types = _sliding_layers(arch, d)
         bias = True if arch == "Qwen2ForCausalLM" else bool(d.get("attention_bias", False))
         known = set(cls.__dataclass_fields__)
         return cls(
@@ -134,7 +192,7 @@ class ModelConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(rope_theta),
             attention_bias=bias, tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
-            sliding_window=sliding, architecture=arch,
+            sliding_window=sliding, layer_types=layer_types, architecture=arch,
             extra={k: v for k, v in d.items() if k not in known},
         )
 
@@ -144,8 +202,41 @@ class ModelConfig:
         d["architectures"] = [self.architecture]
         d["model_type"] = _MODEL_TYPES[self.architecture]
         d["hidden_act"] = "silu"
-        if self.architecture != "MistralForCausalLM":
-            d.pop("sliding_window")
+        if self.layer_types is None:
+            d.pop("layer_types")
         if self.architecture == "Qwen2ForCausalLM":
             d.pop("attention_bias")
+            if self.uses_sliding_window:  # Qwen2 ignores the window without the switch; with
+                d["use_sliding_window"] = True  # layer_types written, max_window_layers is moot
+                d["layer_types"] = [f"{s.attention}_attention" for s in self.layer_specs()]
+            else:
+                d.pop("sliding_window")
+        elif self.architecture == "LlamaForCausalLM" and self.layer_types is None:
+            d.pop("sliding_window")  # a Llama config cannot say "every layer"
         return d
+
+
+def _sliding_layers(arch: str, d: dict[str, Any]) -> tuple[int | None, list[str] | None]:
+    """(sliding_window, layer_types) as transformers reads them for ``arch``; (None, None) when
+    no layer slides, so a model without windows looks the same however its config said so.
+
+    Qwen2 (transformers' Qwen2Config): the window counts only with ``use_sliding_window``; a
+    missing ``layer_types`` slides layers ``i >= max_window_layers`` (default 28). Mistral:
+    ``sliding_window`` for every layer. Llama has no window in transformers; labkit reads one
+    only beside a ``layer_types`` list. transformers' Llama and Mistral read no ``layer_types``;
+    labkit honours one where a config carries it (its own configs, which name the sliding
+    layers), so a config without one means exactly what it means to transformers.
+    """
+    window, layer_types = d.get("sliding_window"), d.get("layer_types")
+    if arch == "Qwen2ForCausalLM":
+        if not d.get("use_sliding_window"):
+            window = None
+        if layer_types is None and window is not None:
+            first = d.get("max_window_layers", 28)
+            layer_types = ["sliding_attention" if i >= first else "full_attention"
+                           for i in range(d["num_hidden_layers"])]
+    elif arch == "LlamaForCausalLM" and layer_types is None:
+        window = None
+    if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None, None
+    return window, layer_types

@@ -14,12 +14,14 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from labkit.model.layers import layer_sliding_windows
 from labkit.model.llama import LlamaForCausalLM, causal_attention
 from labkit.model.sampling import sample_token, validate_sampling
 
 
 class ContiguousKVCache:
-    """K/V as [B, max_len, Hkv, D] per layer; slot = position. Queries attend to keys <= them."""
+    """K/V as [B, max_len, Hkv, D] per layer; slot = position. Queries attend to keys <= them
+    (and, in a sliding layer, to the last ``sliding_windows[layer]`` of those)."""
 
     def __init__(self, model: LlamaForCausalLM, batch_size: int, max_len: int) -> None:
         c = model.config
@@ -28,7 +30,7 @@ class ContiguousKVCache:
         self.k = [torch.zeros(shape, **kw) for _ in range(c.num_hidden_layers)]
         self.v = [torch.zeros(shape, **kw) for _ in range(c.num_hidden_layers)]
         self.max_len = max_len
-        self.sliding_window = c.sliding_window
+        self.sliding_windows = layer_sliding_windows(c)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
@@ -39,7 +41,7 @@ class ContiguousKVCache:
         self.k[layer_idx][:, start:end] = k
         self.v[layer_idx][:, start:end] = v
         return causal_attention(q, self.k[layer_idx][:, :end], self.v[layer_idx][:, :end],
-                                self.sliding_window)
+                                self.sliding_windows[layer_idx])
 
 
 def generate(model: LlamaForCausalLM, prompt_token_ids: Sequence[int], max_new_tokens: int,

@@ -9,6 +9,10 @@ attention layer computes q, k, v for the new tokens, rotates q and k, then hands
 contiguous tensor per sequence for the reference `generate`, scattered fixed-size blocks for the
 paged engine) and returns the attention output. Without a cache the layer runs plain causal
 attention over the tokens it was given.
+
+Each decoder layer takes its attention and MLP from :mod:`labkit.model.layers`, which builds them
+from the config's per-layer spec (full or sliding attention, dense MLP; later MoE, MLA). The
+classes here register themselves there as the kinds labkit ships.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.model.config import ModelConfig
+from labkit.model.layers import make_attention, make_mlp, register_attention, register_mlp
 
 
 class KVCache(Protocol):
@@ -79,7 +84,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.transpose(1, 2)
 
 
+@register_attention("full", "sliding")
 class Attention(nn.Module):
+    """GQA attention; a "sliding" layer's queries see only its last ``sliding_window`` keys."""
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -87,7 +95,7 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.rope_theta = config.rope_theta
-        self.sliding_window = config.sliding_window
+        self.sliding_window = config.layer_spec(layer_idx).sliding_window
         h, d, b = config.hidden_size, config.head_dim, config.attention_bias
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=b)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=b)
@@ -95,12 +103,17 @@ class Attention(nn.Module):
         # Llama/Mistral's attention_bias also covers o_proj; Qwen2 biases only q, k, v.
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_proj_bias)
 
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The one place q, k, v are projected: a fused-qkv transform replaces only this."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 positions: torch.Tensor, kv_cache: KVCache | None) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project_qkv(x)
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is None:
             out = causal_attention(q, k, v, self.sliding_window)
@@ -109,25 +122,33 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
 
+@register_mlp("dense")
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int | None = None) -> None:
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
         self.gate_proj = nn.Linear(h, i, bias=False)
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
 
+    def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The one place gate and up are projected: a fused gate|up transform replaces this."""
+        return self.gate_proj(x), self.up_proj(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm residual block; what its attention and MLP are comes from the layer's spec."""
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config)
+        self.self_attn = make_attention(config, layer_idx)
+        self.mlp = make_mlp(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

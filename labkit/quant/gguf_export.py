@@ -29,6 +29,7 @@ from labkit.model.gguf_loader import (
     permute_heads,
     rope_permute,
 )
+from labkit.model.layers import layer_sliding_windows
 from labkit.model.llama import LlamaForCausalLM
 from labkit.model.tokenizer import Tokenizer
 from labkit.quant.gguf import FILE_TYPE_IDS, FILE_TYPES, encode_tensor, ggml_type, tensor_type
@@ -53,9 +54,14 @@ def _check_exportable(model: LlamaForCausalLM) -> None:
     if not isinstance(model, LlamaForCausalLM):
         raise GGUFError(f"export_gguf takes a labkit LlamaForCausalLM, got {type(model).__name__}"
                         " (quantized labkit models cannot be re-exported; export the float one)")
-    if cfg.sliding_window is not None:
+    windows = layer_sliding_windows(cfg)
+    if all(w is not None for w in windows):
         raise GGUFError("a Mistral sliding window cannot be expressed in a llama GGUF; export a "
                         "model with sliding_window=None")
+    if any(w is not None for w in windows):
+        sliding = [i for i, w in enumerate(windows) if w is not None]
+        raise GGUFError(f"per-layer sliding windows (layers {sliding} slide) cannot be expressed "
+                        "in a llama GGUF; export a model without sliding layers")
 
 
 def _vocab(tokenizer: Tokenizer, vocab_size: int) -> tuple[list[str], list[int], list[str]]:

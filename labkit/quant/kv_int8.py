@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from labkit.kv.ops import dequantize_kv_per_head, quantize_kv_per_head
+from labkit.model.layers import layer_sliding_windows
 from labkit.model.llama import causal_attention
 
 __all__ = ["Int8ContiguousKVCache", "dequantize_kv_per_block", "dequantize_kv_per_head",
@@ -55,7 +56,7 @@ class Int8ContiguousKVCache:
                         for _ in range(c.num_hidden_layers)]
         self.v_scale = [torch.zeros_like(t) for t in self.k_scale]
         self.max_len = max_len
-        self.sliding_window = getattr(c, "sliding_window", None)
+        self.sliding_windows = layer_sliding_windows(c)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size()
@@ -75,4 +76,4 @@ class Int8ContiguousKVCache:
                                     q.dtype)
         vd = dequantize_kv_per_head(self.v[layer_idx][:, :end], self.v_scale[layer_idx][:, :end],
                                     q.dtype)
-        return causal_attention(q, kd, vd, self.sliding_window)
+        return causal_attention(q, kd, vd, self.sliding_windows[layer_idx])

@@ -49,7 +49,9 @@ class EagleDraft(nn.Module):
     def __init__(self, target: nn.Module) -> None:
         super().__init__()
         tc = target.config
-        self.config = replace(tc, num_hidden_layers=1)
+        # one layer, of the kind the target's last layer is (it continues from its features)
+        last = None if tc.layer_types is None else tc.layer_types[-1:]
+        self.config = replace(tc, num_hidden_layers=1, layer_types=last)
         d = tc.hidden_size
         self.fc = nn.Linear(2 * d, d, bias=False)
         self.layer = DecoderLayer(self.config, 0)

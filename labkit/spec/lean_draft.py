@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from labkit.model.layers import layer_sliding_windows
 from labkit.model.llama import LlamaForCausalLM, rope_cos_sin
 
 
@@ -44,12 +45,18 @@ class _Layer:
     down: torch.Tensor
 
 
+def _slides(cfg: object) -> bool:
+    """Any layer with a sliding window (every layer, Mistral, or some, per ``layer_types``): the
+    lean forward has no window mask of its own to pass along."""
+    return any(w is not None for w in layer_sliding_windows(cfg))
+
+
 def _plain(model: nn.Module) -> bool:
     """Only a bias-free, full-attention Llama of plain ``nn.Linear`` layers is covered."""
     if type(model) is not LlamaForCausalLM:
         return False
     cfg = model.config
-    if cfg.sliding_window is not None or cfg.attention_bias or cfg.o_proj_bias:
+    if _slides(cfg) or cfg.attention_bias or cfg.o_proj_bias:
         return False
     linears = [model.lm_head] + [
         m for layer in model.model.layers
@@ -127,8 +134,9 @@ class LeanDraft(_Lean):
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         if not _plain(model):
-            raise ValueError("LeanDraft covers a plain LlamaForCausalLM (no biases, no sliding "
-                             "window, nn.Linear layers); run other drafts through the module")
+            raise ValueError("LeanDraft covers a plain LlamaForCausalLM (no biases, no sliding-"
+                             "window layers, nn.Linear layers); run other drafts through the "
+                             "module")
         self.model = model
         with torch.no_grad():
             m = model.model
@@ -193,7 +201,7 @@ def _plain_eagle(head: nn.Module) -> bool:
     if type(head) is not EagleDraft:
         return False
     cfg, a, m = head.config, head.layer.self_attn, head.layer.mlp
-    if cfg.sliding_window is not None or cfg.attention_bias or cfg.o_proj_bias:
+    if _slides(cfg) or cfg.attention_bias or cfg.o_proj_bias:
         return False
     linears = (head.fc, head.shared[2], a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj,
                m.up_proj, m.down_proj)

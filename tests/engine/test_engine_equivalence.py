@@ -104,3 +104,19 @@ def test_stop_token_and_eos(tiny_model, prompts, reference):
     out, _ = run(tiny_model, prompts[:1], sp)
     c = out[0].outputs[0]
     assert c.token_ids == ref[: ref.index(stop) + 1] and c.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_per_layer_sliding_windows_match_reference(prompts, block_size):
+    """Alternating sliding (window 5) and full layers through the paged engine, prefix caching on
+    and chunked prefill in 7-token steps (prompts up to 40 tokens, far past the window): each
+    layer's window reaches the backend, every token equals the reference."""
+    from labkit.model.generate import generate
+    from labkit.model.testing import tiny_model
+
+    model = tiny_model(2, num_hidden_layers=3, sliding_window=5,
+                       layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    outs, eng = run(model, prompts, block_size=block_size, enable_chunked_prefill=True,
+                    enable_prefix_caching=True, max_num_batched_tokens=7, max_num_seqs=4)
+    check_greedy(outs, prompts, lambda p, n, **kw: generate(model, p, n, **kw))
+    assert eng.stats()["prefix_hit_tokens"] > 0

@@ -19,11 +19,17 @@ from labkit.errors import EngineStepError
 from labkit.model.generate import generate
 from labkit.model.testing import tiny_model
 
+WINDOWS = {  # sliding layers: none, every layer (Mistral), some (per-layer layer_types)
+    "llama": {},
+    "mistral-window6": dict(sliding_window=6, architecture="MistralForCausalLM"),
+    "per-layer-window6": dict(sliding_window=6, layer_types=["full_attention",
+                                                             "sliding_attention"]),
+}
 
-@pytest.fixture(scope="module", params=[None, 6], ids=["llama", "mistral-window6"])
+
+@pytest.fixture(scope="module", params=list(WINDOWS))
 def model(request):
-    return tiny_model(0, max_position_embeddings=64, sliding_window=request.param, eos_token_id=5,
-                      architecture="MistralForCausalLM" if request.param else "LlamaForCausalLM")
+    return tiny_model(0, max_position_embeddings=64, eos_token_id=5, **WINDOWS[request.param])
 
 
 def random_engine(model, rng):

@@ -21,7 +21,7 @@ BF16_ATTN = {"out_ptr": "*bf16", "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_ca
              "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "lse_ptr": "*fp32",
              "query_start_loc_ptr": "*i32", "k_scale_ptr": "*fp16", "v_scale_ptr": "*fp16"}
 ATTN = {"QUERY_GROUP": 4, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "BLOCK_SIZE": 16,
-        "DOT_FP32": False, "PRECISION": "tf32"}
+        "DOT_FP32": False, "PRECISION": "tf32", "WINDOWED": False}
 # INT8 KV cache (the kernels branch on the cache's int8 element type at compile time):
 # int8 codes, fp16 per-(token, head) scales, bf16 queries
 INT8_ATTN = {**BF16_ATTN, "k_cache_ptr": "*i8", "v_cache_ptr": "*i8"}
@@ -45,6 +45,15 @@ def variants():
     for bm in (16, 64):
         yield paged_prefill._paged_prefill_kernel, INT8_ATTN, {
             **ATTN, "BLOCK_M": bm, "BLOCK_N": 64}, 4, 2
+    # sliding-window layers (Mistral, Qwen2, Gemma 3): the window's loop bounds and masks
+    win = {**ATTN, "WINDOWED": True}
+    for split in (False, True):
+        yield paged_attention._paged_decode_kernel, {
+            **BF16_ATTN, "out_ptr": "*fp32" if split else "*bf16"}, {
+            **win, "GROUP_PAD": 16, "BLOCK_N": 64, "SPLIT": split}, 4, 2
+    for types in (BF16_ATTN, INT8_ATTN):
+        yield paged_prefill._paged_prefill_kernel, types, {**win, "BLOCK_M": 64, "BLOCK_N": 64}, \
+            4, 2
     # head_dim 256 in fp32 (fp32 models, Gemma-sized heads): the largest tiles the fuzz tests
     # run; prefill's default 64 x 64 tile needs ~213 KB of shared memory here
     fp32 = {k: v.replace("bf16", "fp32") for k, v in BF16_ATTN.items()}

@@ -1,6 +1,8 @@
 """The engine with attention_backend="triton" (kernels under the interpreter on CPU) generates
-the same greedy tokens as the reference ``labkit.model.generate``."""
+the same greedy tokens as the reference ``labkit.model.generate``, also with sliding windows
+(every layer, Mistral; some layers, per ``layer_types``) shorter than the prompts."""
 
+import pytest
 import torch
 from labkit.kernels.backend import TritonBackend
 
@@ -9,8 +11,16 @@ from labkit.engine.sampling_params import SamplingParams
 from labkit.model.generate import generate
 from labkit.model.testing import tiny_model
 
+WINDOWS = {
+    "full": {},
+    "mistral-window5": dict(sliding_window=5, architecture="MistralForCausalLM"),
+    "per-layer-window5": dict(sliding_window=5, layer_types=["sliding_attention",
+                                                             "full_attention"]),
+}
 
-def test_triton_backend_greedy_equals_reference(monkeypatch):
+
+@pytest.mark.parametrize("windows", list(WINDOWS))
+def test_triton_backend_greedy_equals_reference(monkeypatch, windows):
     calls = {"decode": 0, "prefill": 0}
     for name in calls:
         real = getattr(TritonBackend, name)
@@ -20,7 +30,7 @@ def test_triton_backend_greedy_equals_reference(monkeypatch):
             return _real(self, *a, **kw)
 
         monkeypatch.setattr(TritonBackend, name, counted)
-    model = tiny_model()
+    model = tiny_model(**WINDOWS[windows])
     g = torch.Generator().manual_seed(3)
     shared = torch.randint(0, 128, (16,), generator=g).tolist()
     prompts = [torch.randint(0, 128, (21,), generator=g).tolist(),  # chunked: 21 > 16 budget
@@ -37,3 +47,4 @@ def test_triton_backend_greedy_equals_reference(monkeypatch):
         want = generate(model, prompt, 6, ignore_eos=True)
         assert out.outputs[0].token_ids == want, prompt
     assert calls["decode"] > 0 and calls["prefill"] > 0  # the kernels really served the run
+    assert llm.llm_engine.stats()["prefix_hit_tokens"] > 0  # the shared prefix was reused

@@ -79,3 +79,24 @@ def test_decode_rejects_bad_input():
         paged_attention_decode(torch.randn(1, 4, 8), k_cache, v_cache, bt, ctx, 1.0)
     with pytest.raises(ValueError, match="dtypes differ"):
         paged_attention_decode(torch.randn(1, 4, 16).half(), k_cache, v_cache, bt, ctx, 1.0)
+
+
+@pytest.mark.parametrize("window", [1, 6, 64])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_sliding_window_reads_only_the_window(window, splits):
+    """A windowed query equals the reference and never reads keys before its window: NaN put
+    there (and in splits wholly before it) must not reach the output."""
+    k_cache, v_cache, bt, ctx, g = make_paged([100, 5, 37], 2, 16, 8, torch.float32, seed=window)
+    q = torch.randn(3, 4, 16, generator=g)
+    ref = paged_attention_decode_ref(q, k_cache, v_cache, bt, ctx, 0.25, sliding_window=window)
+    if window < 37:
+        n = 100 - window  # sequence 0's keys 0 .. n-1 lie before its window
+        k_cache[bt[0, : n // 8]] = float("nan")
+        v_cache[bt[0, : n // 8]] = float("nan")
+    out = paged_attention_decode(q, k_cache, v_cache, bt, ctx, 0.25, num_splits=splits,
+                                 sliding_window=window)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
+    if window < 37:
+        full = paged_attention_decode_ref(q, k_cache.nan_to_num(), v_cache.nan_to_num(), bt,
+                                          ctx, 0.25)
+        assert not torch.allclose(out, full)

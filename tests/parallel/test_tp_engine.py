@@ -32,7 +32,8 @@ def _llm(checkpoints, name: str, **kw) -> tuple[LLM, torch.nn.Module]:
     return LLM((handle, None), tensor_parallel_size=2, **kw), model
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "llama_mqa", "qwen2_bias", "mistral_window"])
+@pytest.mark.parametrize("name", ["llama_gqa", "llama_mqa", "qwen2_bias", "mistral_window",
+                                  "qwen2_window_layers"])
 def test_greedy_equals_reference(checkpoints, name):
     # block 4, 12 blocks and a 16-token budget: prefix hits, chunked prefill and preemption
     llm, model = _llm(checkpoints, name, block_size=4, num_blocks=24, max_num_batched_tokens=16,

@@ -22,6 +22,10 @@ ARCHS = {
     "qwen2_bias": dict(BASE, architecture="Qwen2ForCausalLM", attention_bias=True,
                        tie_word_embeddings=True),
     "mistral_window": dict(BASE, architecture="MistralForCausalLM", sliding_window=8),
+    # per-layer windows: Qwen2's config.json (use_sliding_window + layer_types) to every rank
+    "qwen2_window_layers": dict(BASE, architecture="Qwen2ForCausalLM", attention_bias=True,
+                                sliding_window=6,
+                                layer_types=["sliding_attention", "full_attention"]),
 }
 
 

@@ -177,6 +177,10 @@ def test_bad_inputs_raise_named_errors(tmp_path, tiny):
     windowed.config.sliding_window = 8
     with pytest.raises(GGUFError, match="sliding window"):
         export_gguf(windowed, tmp_path / "w.gguf", type="f32")
+    n = windowed.config.num_hidden_layers  # some layers only: named as per-layer windows
+    windowed.config.layer_types = ["sliding_attention"] + ["full_attention"] * (n - 1)
+    with pytest.raises(GGUFError, match=r"per-layer sliding windows \(layers \[0\] slide\)"):
+        export_gguf(windowed, tmp_path / "w.gguf", type="f32")
 
 
 def test_q4_0_kept_quantized_as_gptq_groups_is_exact(tiny, tiny_files):

@@ -195,3 +195,14 @@ def test_sampled_drafts_carry_their_distribution_and_runs_repeat(target, head, m
     assert seen and all(p.probs is not None and p.probs.shape[0] == len(p.token_ids)
                         and torch.allclose(p.probs.sum(-1), torch.ones(len(p.token_ids)))
                         for p in seen)
+
+
+def test_head_on_a_per_layer_window_target_takes_its_last_layers_kind():
+    """A target whose layers differ (layer_types): the head's one layer is of the kind of the
+    target's last layer, whose features it continues from."""
+    from labkit.model.testing import tiny_model
+
+    for last, window in (("sliding_attention", 4), ("full_attention", None)):
+        target = tiny_model(0, sliding_window=4, layer_types=["sliding_attention", last])
+        head = EagleDraft(target)
+        assert head.layer.self_attn.sliding_window == window

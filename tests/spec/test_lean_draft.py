@@ -48,8 +48,10 @@ def test_paged_packed_rows_equal_the_module(build_model):
 
 
 def test_uncovered_models_keep_the_module_forward(build_model):
-    """Biases (Qwen2-style) or a sliding window: no LeanDraft, the proposer runs the module."""
-    for kw in ({"attention_bias": True}, {"sliding_window": 6}):
+    """Biases (Qwen2-style) or a sliding window (every layer, or some per ``layer_types``): no
+    LeanDraft, the proposer runs the module."""
+    per_layer = {"sliding_window": 6, "layer_types": ["full_attention", "sliding_attention"]}
+    for kw in ({"attention_bias": True}, {"sliding_window": 6}, per_layer):
         model = build_model(5, **kw)
         assert lean_draft(model) is None
         with pytest.raises(ValueError, match="plain LlamaForCausalLM"):
