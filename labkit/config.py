@@ -33,7 +33,7 @@ from labkit.utils import check_int, is_int
 POLICIES = ("fcfs", "priority", "sjf", "fair")
 PREEMPTION_MODES = ("recompute", "swap")
 BATCHING = ("continuous", "static")
-KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 ATTENTION_BACKENDS = ("torch", "triton")
 SPEC_METHODS = ("draft_model", "ngram", "eagle")
 
@@ -88,7 +88,8 @@ class CacheConfig:
         check_int("num_cpu_blocks", self.num_cpu_blocks, 0)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise EngineConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r}; choose 'auto' (the "
-                                    "model's dtype) or 'int8' (per-token, per-head scales)")
+                                    "model's dtype), 'int8' or 'fp8' (e4m3; both with "
+                                    "per-token, per-head scales)")
 
     def resolve_num_blocks(self, bytes_per_block: int, max_num_seqs: int, max_model_len: int,
                            default_cap: int = 256 << 20) -> int:

@@ -164,12 +164,15 @@ class TorchBackend:
             slots, key, value = slots[keep], key[keep], value[keep]
         H, D = k_cache.shape[2], k_cache.shape[3]
         if k_scale is not None:
-            key, ks = quantize_kv_per_head(key)
-            value, vs = quantize_kv_per_head(value)
+            key, ks = quantize_kv_per_head(key, k_cache.dtype)
+            value, vs = quantize_kv_per_head(value, v_cache.dtype)
             k_scale.view(-1, H).index_copy_(0, slots, ks.to(k_scale.dtype))
             v_scale.view(-1, H).index_copy_(0, slots, vs.to(v_scale.dtype))
-        k_cache.view(-1, H, D).index_copy_(0, slots, key.to(k_cache.dtype))
-        v_cache.view(-1, H, D).index_copy_(0, slots, value.to(v_cache.dtype))
+        for cache, new in ((k_cache, key), (v_cache, value)):
+            new = new.to(cache.dtype)
+            if cache.element_size() == 1 and cache.dtype != torch.int8:  # fp8: no CPU
+                cache, new = cache.view(torch.uint8), new.view(torch.uint8)  # index_copy_
+            cache.view(-1, H, D).index_copy_(0, slots, new)
 
     @staticmethod
     def _attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -13,8 +13,12 @@ import torch
 from labkit.config import KV_CACHE_DTYPES, CacheConfig
 from labkit.kv.attention import AttentionBackend, TorchBackend
 from labkit.kv.metadata import AttentionMetadata
-from labkit.kv.ops import KV_SCALE_DTYPE
+from labkit.kv.ops import FP8_KV_DTYPE, KV_SCALE_DTYPE
 from labkit.model.layers import layer_sliding_windows
+
+# the quantized KV caches: their codes' dtype (one byte each, plus an fp16 scale per token
+# and head); "fp8" is e4m3, as vLLM's kv_cache_dtype="fp8"
+QUANT_KV = {"int8": torch.int8, **({"fp8": FP8_KV_DTYPE} if FP8_KV_DTYPE is not None else {})}
 
 __all__ = ["AttentionMetadata", "KV_CACHE_DTYPES", "PagedKVCache", "build_attention_metadata",
            "kv_bytes_per_block"]
@@ -57,7 +61,7 @@ def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head
     """K and V, every layer: 2 * L * block_size * Hkv * D * bytes; an INT8 cache stores one
     byte per element plus a 2-byte scale per (token, head): 2 * L * block_size * Hkv * (D + 2)."""
     check_kv_cache_dtype(kv_cache_dtype)
-    if kv_cache_dtype == "int8":
+    if kv_cache_dtype in QUANT_KV:  # one byte per element (int8 or fp8) + the scales
         scale = torch.empty((), dtype=KV_SCALE_DTYPE).element_size()
         return 2 * num_layers * block_size * num_kv_heads * (head_dim + scale)
     elem = torch.empty((), dtype=dtype).element_size()
@@ -66,8 +70,9 @@ def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head
 
 class PagedKVCache:
     """Per layer ``k_caches[i], v_caches[i]: [num_blocks, block_size, Hkv, D]``. With
-    ``kv_cache_dtype="int8"`` those hold int8 and ``k_scales[i], v_scales[i]: [num_blocks,
-    block_size, Hkv]`` fp16 hold each (token, head)'s scale; block copies and swaps move both."""
+    ``kv_cache_dtype="int8"`` (or ``"fp8"``) those hold int8 (e4m3) codes and ``k_scales[i],
+    v_scales[i]: [num_blocks, block_size, Hkv]`` fp16 hold each (token, head)'s scale; block
+    copies and swaps move both."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str,
@@ -76,12 +81,13 @@ class PagedKVCache:
                  kv_cache_dtype: str = "auto") -> None:
         self.backend = backend or TorchBackend()
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
-        quant = kv_cache_dtype == "int8"
-        if quant and self.backend.name not in ("torch", "triton"):
-            raise ValueError(f"kv_cache_dtype='int8' is implemented by the torch and triton "
-                             f"attention backends only, not {self.backend.name!r}; use one of "
-                             "them or kv_cache_dtype='auto'")
-        store = torch.int8 if quant else dtype
+        quant = kv_cache_dtype in QUANT_KV
+        able = ("torch", "triton") if kv_cache_dtype == "int8" else ("torch",)
+        if quant and self.backend.name not in able:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is implemented by the "
+                             f"{' and '.join(able)} attention backend(s) only, not "
+                             f"{self.backend.name!r}; use {able[0]!r} or kv_cache_dtype='auto'")
+        store = QUANT_KV[kv_cache_dtype] if quant else dtype
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         cpu_shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)
         n_cpu = num_layers if num_cpu_blocks else 0

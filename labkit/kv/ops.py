@@ -8,7 +8,10 @@ second copy of any of them is a second place for the layout or the rounding to d
   as each sequence's keys in order, ``[B, M * block_size, H, D]`` (dequantized on the way for
   an INT8 cache, only the blocks read);
 - :func:`quantize_kv_per_head` / :func:`dequantize_kv_per_head`: one fp16 scale per
-  (token, head) = ``absmax / 127``; code = ``round(x / scale)`` clamped to +-127.
+  (token, head) = ``absmax / 127``; code = ``round(x / scale)`` clamped to +-127. An FP8 cache
+  (``code_dtype=torch.float8_e4m3fn``) scales ``absmax`` to 448, e4m3's largest finite value,
+  and rounds to e4m3's grid instead: the same bytes per element, but relative rather than
+  absolute rounding error (3 mantissa bits: within 2^-4 of each value, small ones included).
 
 This module imports only torch: the kernels (which sit beside ``labkit.kv``) may import it.
 """
@@ -20,10 +23,23 @@ import torch
 KV_SCALE_DTYPE = torch.float16
 
 
-def quantize_kv_per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., H, D] -> (int8 [..., H, D], fp16 scale [..., H]); one scale per (token, head)."""
-    scale = (x.float().abs().amax(dim=-1) / 127).clamp(min=1e-8).to(KV_SCALE_DTYPE)
-    q = torch.round(x.float() / scale.float()[..., None]).clamp(-127, 127).to(torch.int8)
+FP8_KV_DTYPE = getattr(torch, "float8_e4m3fn", None)  # vLLM's kv_cache_dtype="fp8" (e4m3)
+FP8_MAX = 448.0
+
+
+def quantize_kv_per_head(x: torch.Tensor, code_dtype: torch.dtype = torch.int8
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., H, D] -> (codes [..., H, D], fp16 scale [..., H]); one scale per (token, head).
+    ``code_dtype``: ``torch.int8`` (absmax -> 127, round) or ``torch.float8_e4m3fn`` (absmax ->
+    448, e4m3's rounding)."""
+    if code_dtype == torch.int8:
+        scale = (x.float().abs().amax(dim=-1) / 127).clamp(min=1e-8).to(KV_SCALE_DTYPE)
+        q = torch.round(x.float() / scale.float()[..., None]).clamp(-127, 127).to(torch.int8)
+        return q, scale
+    if FP8_KV_DTYPE is None or code_dtype != FP8_KV_DTYPE:
+        raise ValueError(f"KV codes are int8 or float8_e4m3fn, not {code_dtype}")
+    scale = (x.float().abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-8).to(KV_SCALE_DTYPE)
+    q = (x.float() / scale.float()[..., None]).clamp(-FP8_MAX, FP8_MAX).to(code_dtype)
     return q, scale
 
 

@@ -43,13 +43,16 @@ def dequantize_kv_per_block(q: torch.Tensor, scale: torch.Tensor,
 
 
 class Int8ContiguousKVCache:
-    """[B, max_len, Hkv, D] int8 K/V + fp16 scales [B, max_len, Hkv] per layer."""
+    """[B, max_len, Hkv, D] int8 K/V + fp16 scales [B, max_len, Hkv] per layer.
+    ``code_dtype=torch.float8_e4m3fn``: the FP8 cache's reference (same scales, e4m3 codes)."""
 
-    def __init__(self, model: torch.nn.Module, batch_size: int, max_len: int) -> None:
+    def __init__(self, model: torch.nn.Module, batch_size: int, max_len: int,
+                 code_dtype: torch.dtype = torch.int8) -> None:
         c = model.config
         shape = (batch_size, max_len, c.num_key_value_heads, c.head_dim)
         dev = model.device
-        self.k = [torch.zeros(shape, dtype=torch.int8, device=dev)
+        self.code_dtype = code_dtype
+        self.k = [torch.zeros(shape, dtype=code_dtype, device=dev)
                   for _ in range(c.num_hidden_layers)]
         self.v = [torch.zeros_like(t) for t in self.k]
         self.k_scale = [torch.zeros(shape[:3], dtype=torch.float16, device=dev)
@@ -69,7 +72,7 @@ class Int8ContiguousKVCache:
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions, asked for {end}")
         for store, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            qx, s = quantize_kv_per_head(x)
+            qx, s = quantize_kv_per_head(x, self.code_dtype)
             store[layer_idx][:, start:end] = qx
             scales[layer_idx][:, start:end] = s
         kd = dequantize_kv_per_head(self.k[layer_idx][:, :end], self.k_scale[layer_idx][:, :end],

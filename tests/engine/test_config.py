@@ -39,7 +39,7 @@ def test_flat_settings_are_sorted_into_their_parts():
     (lambda: ModelSettings(), "max_model_len is needed"),
     (lambda: ModelSettings(max_model_len=8, attention_backend="cuda"), "backend"),
     (lambda: CacheConfig(block_size=0), "block_size"),
-    (lambda: CacheConfig(kv_cache_dtype="fp8"), "kv_cache_dtype"),
+    (lambda: CacheConfig(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype"),
     (lambda: SchedulerConfig(policy="lifo"), "policy"),
     (lambda: SchedulerConfig(watermark_low=0.9, watermark_high=0.5), "watermark"),
     (lambda: EngineConfig(ModelSettings(8), scheduler=SchedulerConfig(preemption_mode="swap")),
