@@ -168,3 +168,22 @@ def test_compiled_grammars_are_cached(llm):
     a = mgr.compile(StructuredOutputsParams(json=SCHEMA))
     b = mgr.compile(StructuredOutputsParams(json=json.loads(json.dumps(SCHEMA))))
     assert a is b
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_and_chunked_prefill_keep_the_grammar_state(llm, mode):
+    """A pool too small for the batch (sequences preempted and resumed) and 4-token prefill
+    chunks: each sequence's matcher lives with it, so the outputs equal the roomy run's."""
+    prompts = [PROMPT, "import os\n", "class Stack:\n    def push(self, x):", "# a test\n"]
+    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    sp = SamplingParams(temperature=0, max_tokens=40, structured_outputs=so)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    tight = LLM((llm.model, llm.tokenizer), block_size=4, num_blocks=24, num_cpu_blocks=24,
+                preemption_mode=mode, max_num_batched_tokens=4)
+    got = tight.generate(prompts, sp)
+    assert tight.llm_engine.stats()["num_preemptions"] > 0
+    assert [o.outputs[0].token_ids for o in got] == want
+    for o in got:
+        if o.outputs[0].finish_reason == "stop":
+            validate(json.loads(o.outputs[0].text), SCHEMA)
+    assert_no_leaks(tight.llm_engine)
