@@ -4,6 +4,7 @@ settings (the model prepared independently here); impossible combinations exit 2
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import httpx
@@ -22,18 +23,24 @@ NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3
 BASE = ["--engine-mode", "thread", "--num-blocks", "64", "--max-num-seqs", "4"]
 
 
-def served_text(argv: list[str], max_tokens: int = 12) -> tuple[str, object]:
-    """Parse argv as `labkit serve` does, build its engine, answer one greedy completion."""
+def served_text(argv: list[str], max_tokens: int = 12, extra: dict | None = None
+                ) -> tuple[str, object, httpx.Response | None]:
+    """Parse argv as `labkit serve` does, build its engine, answer one greedy completion
+    (and, given ``extra`` fields, return that second request's response as well)."""
     args = build_parser().parse_args(argv + BASE)
     kw = {k: getattr(args, k) for k in ENGINE_FLAGS}
     eng, tok, _ = build_engine(args.model, dtype=args.dtype, device=args.device, **kw)
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}
+    second = None
     with ServerThread(eng, tok, ServeConfig(model_name=NAME)) as srv:
-        r = httpx.post(srv.url + "/v1/completions", timeout=120, json={
-            "model": NAME, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0})
+        r = httpx.post(srv.url + "/v1/completions", timeout=120, json=body)
         info = httpx.get(srv.url + "/v1/models").json()["data"][0]
+        if extra is not None:
+            second = httpx.post(srv.url + "/v1/completions", timeout=120,
+                                json={**body, **extra})
     assert r.status_code == 200, r.text
     assert info["id"] == NAME
-    return r.json()["choices"][0]["text"], eng
+    return r.json()["choices"][0]["text"], eng, second
 
 
 def in_process(model_tok, max_tokens: int = 12, **kw) -> str:
@@ -49,12 +56,14 @@ def int4(labkit_tiny):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["int8", "nf4"])
-def test_quantization_at_load(labkit_tiny, fmt):
+@pytest.mark.parametrize("flag, fmt", [("int8", "int8"), ("int4", "int4_rtn"), ("nf4", "nf4")])
+def test_quantization_at_load(labkit_tiny, flag, fmt):
     m, tok = labkit_tiny
     want = in_process((quantize_model(m, fmt, group_fallback=True), tok))
-    got, eng = served_text(["labkit-tiny", "--quantization", fmt])
+    got, eng, _ = served_text(["labkit-tiny", "--quantization", flag])
     assert got == want
+    kinds = {type(mod).__name__ for mod in eng.executor.model.model.layers.modules()}
+    assert "Linear" not in kinds, kinds  # every decoder linear was swapped
 
 
 @pytest.mark.slow
@@ -65,16 +74,19 @@ def test_gptq_checkpoint_with_ngram_speculation(int4, tmp_path):
 
     folder = save_quantized(int4[0], tmp_path / "tiny-gptq", resolve_model_path("labkit-tiny"))
     want = in_process((load_quantized(folder), int4[1]), speculative_config=json.loads(NGRAM))
-    got, eng = served_text([str(folder), "--quantization", "gptq", "--speculative-config",
-                            NGRAM])
+    got, eng, r = served_text([str(folder), "--quantization", "gptq", "--speculative-config",
+                               NGRAM], extra={"guided_choice": ["a", "b"]})
     assert got == want
     assert eng.config.speculative.method == "ngram"
+    if importlib.util.find_spec("xgrammar") is not None:  # not with speculation, first version
+        assert r.status_code == 400 and r.json()["error"]["param"] == "guided_choice"
+        assert "speculative" in r.json()["error"]["message"]
 
 
 @pytest.mark.slow
 def test_kv_cache_int8_and_no_prefix_caching(labkit_tiny):
     want = in_process(labkit_tiny, kv_cache_dtype="int8", enable_prefix_caching=False)
-    got, eng = served_text(["labkit-tiny", "--kv-cache-dtype", "int8",
+    got, eng, _ = served_text(["labkit-tiny", "--kv-cache-dtype", "int8",
                             "--no-enable-prefix-caching"])
     assert got == want
     assert eng.config.cache.kv_cache_dtype == "int8"
@@ -85,7 +97,7 @@ def test_kv_cache_int8_and_no_prefix_caching(labkit_tiny):
 def test_triton_attention_backend(labkit_tiny):
     """On CPU the Triton kernel runs in its interpreter (tests/conftest.py): two tokens."""
     want = in_process(labkit_tiny, 2, attention_backend="triton")
-    got, eng = served_text(["labkit-tiny", "--attention-backend", "triton"], 2)
+    got, eng, _ = served_text(["labkit-tiny", "--attention-backend", "triton"], 2)
     assert got == want and eng.config.model.attention_backend == "triton"
 
 
