@@ -117,7 +117,8 @@ class StructuredOutputManager:
 
     def logits_processor_factory(self, params: StructuredOutputsParams) -> partial:
         """A zero-argument factory of per-sequence processors for a request (compiled now)."""
-        return partial(GrammarLogitsProcessor, self.compile(params), self.vocab_size)
+        return partial(GrammarLogitsProcessor, self.compile(params), self.vocab_size,
+                       tuple(self.eos_token_ids))
 
 
 def _clean(msg: str) -> str:
@@ -132,15 +133,23 @@ def _clean(msg: str) -> str:
 class GrammarLogitsProcessor:
     """One sequence's grammar state: masks a logits row, advances with accepted tokens."""
 
-    def __init__(self, compiled: Any, vocab_size: int) -> None:
+    def __init__(self, compiled: Any, vocab_size: int, stop_token_ids: tuple[int, ...] = ()
+                 ) -> None:
         xgr = import_xgrammar()
+        self.stop_token_ids = list(stop_token_ids)
         self.matcher = xgr.GrammarMatcher(compiled)
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         self.vocab_size = vocab_size
         self._fill = self.matcher.fill_next_token_bitmask
 
     def allowed(self) -> torch.Tensor:
-        """Bool [vocab_size]: the tokens the grammar allows next (unpacked from the bitmask)."""
+        """Bool [vocab_size]: the tokens the grammar allows next (unpacked from the bitmask).
+        After the grammar's end (EOS accepted, yet the sequence goes on: ``ignore_eos``) only
+        the stop tokens, which decode to no text: the output stays what the grammar made."""
+        if self.matcher.is_terminated():
+            out = torch.zeros(self.vocab_size, dtype=torch.bool)
+            out[self.stop_token_ids] = True
+            return out
         self._fill(self.bitmask)
         bits = (self.bitmask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
         return bits.flatten()[:self.vocab_size].bool()

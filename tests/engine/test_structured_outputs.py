@@ -187,3 +187,10 @@ def test_preemption_and_chunked_prefill_keep_the_grammar_state(llm, mode):
         if o.outputs[0].finish_reason == "stop":
             validate(json.loads(o.outputs[0].text), SCHEMA)
     assert_no_leaks(tight.llm_engine)
+
+
+def test_ignore_eos_after_the_grammar_end_keeps_the_text(llm):
+    """With ignore_eos the sequence outlives its grammar: only EOS stays allowed (no text)."""
+    so = StructuredOutputsParams(choice=CHOICES)
+    o = run(llm, so, ignore_eos=True, max_tokens=8)[0]
+    assert o.finish_reason == "length" and o.text in CHOICES
