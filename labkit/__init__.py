@@ -25,11 +25,13 @@ _LAZY = {
     "LLM": "labkit.engine.llm",
     "LLMEngine": "labkit.engine.llm_engine",
     "SamplingParams": "labkit.engine.sampling_params",
+    "StructuredOutputsParams": "labkit.engine.sampling_params",
     "Logprob": "labkit.engine.outputs",
     "SamplingParamsError": "labkit.errors",
     "InvalidPromptError": "labkit.errors",
     "EngineConfigError": "labkit.errors",
     "EngineStepError": "labkit.errors",
+    "StructuredOutputsError": "labkit.errors",
     "export_gguf": "labkit.quant.gguf_export",
 }
 

@@ -19,6 +19,11 @@ class SamplingParamsError(ValueError):
     """A SamplingParams field has the wrong type or range."""
 
 
+class StructuredOutputsError(SamplingParamsError):
+    """A structured-output constraint cannot be used: an invalid JSON schema, regex or grammar,
+    xgrammar not installed, or an engine that cannot mask logits (speculative decoding)."""
+
+
 class InvalidPromptError(ValueError):
     """A prompt (or a request's other arguments) cannot be served: empty, wrong types, token ids
     outside the vocabulary, too long for the context or the KV pool, a duplicate id."""

@@ -53,6 +53,8 @@ class Executor(ABC):
     real_tokens: ClassVar[bool] = True
     #: True when ``execute`` fills ``logprobs`` / ``prompt_logprobs`` for requests that ask
     supports_logprobs: ClassVar[bool] = False
+    #: True when sampling applies each sequence's ``logits_processor`` (structured outputs)
+    supports_structured_outputs: ClassVar[bool] = False
 
     @abstractmethod
     def apply_block_ops(self, ops: BlockOps) -> None:

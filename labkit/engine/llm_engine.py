@@ -40,9 +40,15 @@ from labkit.engine.executor import Executor, ModelRunnerOutput, executor_factory
 from labkit.engine.logprobs import decode_tokens
 from labkit.engine.outputs import StepOutput
 from labkit.engine.sampling_params import SamplingParams
+from labkit.engine.structured_output import StructuredOutputManager
 from labkit.engine.trace import Trace, TraceObserver
 from labkit.engine.validate import check_fits, check_request_args, prompt_ids
-from labkit.errors import EngineStepError, InvalidPromptError, SamplingParamsError
+from labkit.errors import (
+    EngineStepError,
+    InvalidPromptError,
+    SamplingParamsError,
+    StructuredOutputsError,
+)
 from labkit.kv.block_manager import BlockManager
 from labkit.sched.request import Request
 from labkit.sched.scheduler import Scheduler, SchedulerOutput, SeqOutput, StopChecker
@@ -60,6 +66,8 @@ class LLMEngine:
         stop = StopChecker(config.model.eos_token_ids, config.max_model_len, tokenizer)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.clock.now, stop)
         self.executor = executor
+        self.structured_output_manager = StructuredOutputManager(
+            tokenizer, config.model.vocab_size, tuple(config.model.eos_token_ids))
         self.requests: dict[str, Request] = {}  # live ones, and finished ones until forgotten
         # timings of forgotten requests, newest last (forget_finished; bounded, so flat memory)
         self.finished_timings: deque[dict[str, Any]] = deque(maxlen=FINISHED_RECORDS)
@@ -146,12 +154,26 @@ class LLMEngine:
         ids = prompt_ids(request_id, prompt, prompt_token_ids, self.tokenizer)
         check_fits(self.config, request_id, ids, params, priority, self.tokenizer is not None)
         arrival = self._arrival(arrival_time)
-        req = Request(request_id, ids, params, arrival, priority, cache_salt, self._num_added)
+        factory = self._logits_processor_factory(params)
+        req = Request(request_id, ids, params, arrival, priority, cache_salt, self._num_added,
+                      factory)
         self._num_added += 1
         self.requests[request_id] = req
         self.scheduler.add_request(req)
         self.observer.on_request(request_id, ids, params, priority, arrival)
         return req
+
+    def _logits_processor_factory(self, params: SamplingParams) -> Any:
+        """Compile a structured-output constraint now (cached), so an invalid schema or a
+        missing xgrammar is an add_request error, never a failed step."""
+        if params.structured_outputs is None:
+            return None
+        if not self.executor.supports_structured_outputs:
+            raise StructuredOutputsError(
+                f"structured outputs are not applied by the {type(self.executor).__name__} "
+                "(speculative decoding, the simulator) in this version: run without them")
+        return self.structured_output_manager.logits_processor_factory(
+            params.structured_outputs)
 
     def _arrival(self, arrival_time: float | None) -> float:
         now = self.clock.now()

@@ -87,25 +87,36 @@ class ModelRunner:
         """Row i of ``logits`` gives the next token of every sequence in ``groups[i]`` (a
         prompt's n samples share its last row). Greedy rows share one argmax over the batch.
         Given a ``logprobs`` dict, sequences whose request asked for logprobs get their
-        token's entry there, from the same row (computed once per row)."""
+        token's entry there, from the same row (computed once per row). A sequence with a
+        ``logits_processor`` (structured outputs) samples from its own processed copy of the
+        row, so forks sharing a row and unconstrained neighbours are untouched."""
         results: dict[str, list[int]] = {}
         greedy = None
         for i, seqs in enumerate(groups):
             row_lp = None
             for s in seqs:
                 p = s.request.params
+                proc = getattr(s, "logits_processor", None)
+                row = logits[i] if proc is None else proc(logits[i])  # its own masked copy
                 if p.temperature == 0:
-                    if greedy is None:
-                        greedy = logits.argmax(-1).tolist()
-                    results[s.seq_id] = [greedy[i]]
+                    if proc is not None:
+                        results[s.seq_id] = [int(row.argmax(-1))]
+                    else:
+                        if greedy is None:
+                            greedy = logits.argmax(-1).tolist()
+                        results[s.seq_id] = [greedy[i]]
                 else:
-                    results[s.seq_id] = [sample_token(logits[i], p.temperature, p.top_k,
-                                                      p.top_p, s.generator)]
+                    results[s.seq_id] = [sample_token(row, p.temperature, p.top_k, p.top_p,
+                                                      s.generator)]
                 k = getattr(p, "logprobs", None)
                 if logprobs is not None and k is not None:
-                    if row_lp is None:
-                        row_lp = processed_logprobs(logits[i], p.temperature, p.top_k, p.top_p)
-                    logprobs[s.seq_id] = [token_entry(row_lp, results[s.seq_id][0], k)]
+                    if proc is not None:
+                        lp = processed_logprobs(row, p.temperature, p.top_k, p.top_p)
+                    elif row_lp is None:
+                        lp = row_lp = processed_logprobs(row, p.temperature, p.top_k, p.top_p)
+                    else:
+                        lp = row_lp
+                    logprobs[s.seq_id] = [token_entry(lp, results[s.seq_id][0], k)]
         return results
 
 
@@ -139,6 +150,7 @@ class ModelExecutor(Executor):
     """The real model, one packed forward per step."""
 
     supports_logprobs = True
+    supports_structured_outputs = True
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner

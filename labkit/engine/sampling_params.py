@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from numbers import Real
 from typing import Any
 
-from labkit.errors import SamplingParamsError
+from labkit.errors import SamplingParamsError, StructuredOutputsError
 from labkit.utils import is_int as _is_int
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs (and OpenAI's top_logprobs limit)
+KINDS = ("json", "regex", "choice", "grammar", "json_object")  # structured-output constraints
 
 
 def _is_real(x: Any) -> bool:
@@ -23,6 +25,55 @@ def _as_list(name: str, x: Any) -> list:
     if isinstance(x, (str, bytes, dict)) or not hasattr(x, "__iter__"):
         raise SamplingParamsError(f"{name} must be a list, got {x!r}")
     return list(x)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one constraint, named as vLLM's (v0.10+): ``json`` (a JSON schema, dict or str),
+    ``json_object=True`` (any JSON object), ``regex``, ``choice`` (a list of strings: the output
+    is one of them) or ``grammar`` (EBNF, xgrammar's GBNF dialect). ``disable_any_whitespace``
+    makes JSON compact (no free whitespace between tokens), as vLLM's option of that name."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Shape checks that need no xgrammar; the constraint itself is checked on compile."""
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise StructuredOutputsError(f"structured_outputs takes exactly one of {KINDS}, "
+                                         f"got {given or 'none'}")
+        kind = given[0]
+        v = getattr(self, kind)
+        ok = {"json": isinstance(v, (str, dict)), "regex": isinstance(v, str) and v != "",
+              "grammar": isinstance(v, str) and v.strip() != "", "json_object": v is True,
+              "choice": isinstance(v, (list, tuple)) and len(v) > 0
+              and all(isinstance(c, str) and c for c in v)}[kind]
+        if not ok:
+            want = {"json": "a JSON schema (dict or str)", "regex": "a non-empty str",
+                    "grammar": "a non-empty EBNF str", "json_object": "True",
+                    "choice": "a non-empty list of non-empty str"}[kind]
+            raise StructuredOutputsError(f"structured_outputs.{kind} must be {want}, got {v!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str, bool]:
+        """A hashable identity for the grammar cache (a dict schema in canonical JSON)."""
+        v = getattr(self, self.kind)
+        if isinstance(v, dict):
+            v = json.dumps(v, sort_keys=True)
+        elif isinstance(v, (list, tuple)):
+            v = json.dumps(list(v))
+        return self.kind, str(v), self.disable_any_whitespace
 
 
 @dataclass
@@ -42,6 +93,12 @@ class SamplingParams:
     of the logits. ``prompt_logprobs=k`` returns each prompt token's logprob given its prefix
     (``RequestOutput.prompt_logprobs``, the first one None), from the raw logits; such a request
     skips the prefix cache lookup (a cached prefix has no logits). None (default) = not computed.
+
+    ``structured_outputs=StructuredOutputsParams(json=schema)`` (or ``regex``, ``choice``,
+    ``grammar``, ``json_object``) constrains the output with xgrammar
+    (:mod:`labkit.engine.structured_output`): tokens outside the grammar are masked before
+    sampling, and the sequence ends with EOS when the grammar is complete. Logprobs of such a
+    request are of the masked distribution (what was sampled from).
     """
 
     n: int = 1
@@ -56,6 +113,7 @@ class SamplingParams:
     detokenize: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -100,9 +158,21 @@ class SamplingParams:
             if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
                 raise SamplingParamsError(f"{name} must be None or an int in [0, {MAX_LOGPROBS}] "
                                           f"(how many top tokens to return), got {k!r}")
+        self._check_structured_outputs()
         if self.stop and not self.detokenize:
             raise SamplingParamsError(
                 "stop strings are matched on text: they need detokenize=True")
+
+    def _check_structured_outputs(self) -> None:
+        so = self.structured_outputs
+        if isinstance(so, dict):  # the JSON body's shape, as vLLM accepts it
+            try:
+                self.structured_outputs = so = StructuredOutputsParams(**so)
+            except TypeError as e:
+                raise StructuredOutputsError(f"structured_outputs: {e}") from e
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise StructuredOutputsError("structured_outputs must be a StructuredOutputsParams, "
+                                         f"got {type(so).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -53,6 +53,10 @@ class Sequence:
         self.logprobs: list | None = None if getattr(request.params, "logprobs", None) is None \
             else []
         self.sort_key: tuple = ()
+        # masks this sample's logits row before sampling and is advanced with each appended
+        # token (``__call__(row) -> row``, ``accept(token_ids)``); opaque to the scheduler
+        f = getattr(request, "logits_processor_factory", None)
+        self.logits_processor: Any = f() if f is not None else None
 
     @property
     def generator(self) -> torch.Generator | None:
@@ -105,8 +109,11 @@ class Sequence:
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: Any,
                  arrival_time: float, priority: int = 0, cache_salt: str | None = None,
-                 index: int = 0) -> None:
+                 index: int = 0, logits_processor_factory: Any = None) -> None:
         self.request_id = request_id
+        # a zero-argument callable making each sample's logits processor (structured outputs):
+        # set before the first Sequence exists, so sample 0 and every fork get their own
+        self.logits_processor_factory = logits_processor_factory
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.n = getattr(params, "n", 1)

@@ -269,6 +269,8 @@ class Scheduler:
 
     def _append(self, seq: Sequence, new: list[int], now: float) -> SeqOutput:
         added, reason = self.stop_checker.append(seq, new, now)
+        if added and seq.logits_processor is not None:
+            seq.logits_processor.accept(added)
         seq.num_computed_tokens = len(seq.token_ids) - 1
         self.bm.cache_full_blocks(seq)
         req = seq.request

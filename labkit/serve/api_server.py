@@ -56,6 +56,7 @@ from labkit.serve.limits import Authenticator
 from labkit.serve.metrics import ServerMetrics
 from labkit.serve.protocol import APIError, bad
 from labkit.serve.read_timeout import READ_TIMED_OUT
+from labkit.serve.structured import add_error
 from labkit.utils import freeze_gc_heap
 
 log = logging.getLogger("uvicorn.error")  # the server's log: uvicorn's handler and --log-level
@@ -241,7 +242,7 @@ async def _admit(state: ServerState, request: Request, kind: str) -> serving.Cal
             (state.new_request_id(), p_ids, parsed.params, parsed.priority, tenant)
             for p_ids in ids])
     except ValueError as e:  # add_requests aborted the ones it had added
-        raise bad(str(e), None, "invalid_prompt") from None
+        raise bad(*add_error(e, parsed.structured_field)) from None
     state.counts["accepted"] += 1
     m.accepted.labels(cfg.model_name).inc()
     m.prompt_tokens.labels(cfg.model_name).inc(sum(call.prompt_lens))

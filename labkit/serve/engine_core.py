@@ -76,14 +76,16 @@ def build_engine(model: str, *, tokenizer: Any = None, dtype: str | None = None,
     import torch
 
     from labkit.engine.llm_engine import LLMEngine
-    from labkit.model.loader import load_pretrained, open_checkpoint
+    from labkit.model.loader import open_checkpoint
+    from labkit.serve.engine_flags import check_features, load_for_serving
 
     kw = {k: v for k, v in engine_kw.items() if v is not None}
+    check_features(model, kw)  # a combination that cannot run fails here, before loading
+    quantization = kw.pop("quantization", None)
     if kw.get("tensor_parallel_size", 1) > 1:  # the worker processes read their own slices
         m, tok = open_checkpoint(model, getattr(torch, dtype) if dtype else None, device)
     else:
-        m, tok = load_pretrained(model, dtype=dtype, device=device)
-        m.eval()
+        m, tok = load_for_serving(model, quantization, dtype, device)
     eng = LLMEngine.from_model(m, tokenizer or tok, name=str(model), **kw)
     return eng, tokenizer or tok, chat_template_for(model)
 

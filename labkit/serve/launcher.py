@@ -21,12 +21,13 @@ import uvicorn
 from labkit.serve.api_server import ServeConfig, build_app
 from labkit.serve.async_llm import AsyncLLM
 from labkit.serve.engine_core import EngineSpec, build_engine, chat_template_for
+from labkit.serve.engine_flags import FEATURE_FLAGS, add_feature_args, check_features
 from labkit.serve.limits import parse_api_keys
 from labkit.serve.read_timeout import read_timeout_protocol
 
 ENGINE_FLAGS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "policy",
                 "max_model_len", "preemption_mode", "num_cpu_blocks", "kv_cache_bytes",
-                "tensor_parallel_size", "tenant_weights")
+                "tensor_parallel_size", "tenant_weights", *FEATURE_FLAGS)
 
 
 class DrainingServer(uvicorn.Server):
@@ -165,6 +166,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-threads", type=int, default=None, metavar="N",
                    help="torch intra-op threads of the engine (default: torch's, which "
                    "follows OMP_NUM_THREADS)")
+    add_feature_args(p)  # --quantization, --speculative-config, --kv-cache-dtype, ...
 
 
 def parse_tenant_weights(spec: str) -> dict[str, float]:
@@ -265,6 +267,7 @@ def _engine_core(args: argparse.Namespace) -> tuple[AsyncLLM, Any, Any]:
     """(AsyncLLM, tokenizer, chat template): an engine process built from a spec, or an
     engine built here whose loop will run in a thread."""
     kw = {k: getattr(args, k) for k in ENGINE_FLAGS}
+    check_features(args.model, kw)  # refused here, before an engine process starts
     if args.engine_mode == "process":
         llm = AsyncLLM(EngineSpec(args.model, args.dtype, args.device, kw,
                                   args.engine_threads))

@@ -11,7 +11,7 @@ Which fields pass:
   (``unsupported``) instead of silently ignored, because a client that asked for them would
   otherwise get a different answer than it thinks: OpenAI's penalties, ``suffix``,
   tools... and vLLM's sampling extras (``repetition_penalty``, ``min_p``, ``min_tokens``,
-  guided decoding, beam search...). A neutral value (``repetition_penalty: 1``, ``min_p: 0``,
+  beam search...). A neutral value (``repetition_penalty: 1``, ``min_p: 0``,
   ``logprobs: false``) asks for nothing and passes;
 - any other field is ignored with one warning line in the server log naming it, as vLLM does
   (its ``extra="allow"`` request models log "fields were present in the request but ignored"):
@@ -22,6 +22,9 @@ Every string in the body must be valid Unicode: JSON may spell a lone UTF-16 sur
 (``"\\ud800"``, what a client that cut a string inside an emoji sends), which decodes to a
 Python ``str`` that cannot be encoded, tokenized or logged; it is a 400 ``invalid_unicode``
 naming its field (``prompt[1]``, ``messages[0].content``, ``stop[2]``).
+
+Structured outputs (``response_format``, ``structured_outputs``, ``guided_*``) are parsed in
+:mod:`labkit.serve.structured`.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from typing import Any
 
 from labkit.engine.sampling_params import SamplingParams
 from labkit.serve.logprobs import FieldError, LogprobsAsk, parse_logprobs
+from labkit.serve.structured import FIELDS as STRUCTURED_FIELDS
+from labkit.serve.structured import parse_structured
 
 
 class APIError(Exception):
@@ -61,10 +66,9 @@ log = logging.getLogger("uvicorn.error")  # the server's log: uvicorn's handler 
 
 # fields that change the answer and that labkit does not implement: refuse, never ignore
 UNSUPPORTED = ("suffix", "logit_bias", "tools",
-               "tool_choice", "functions", "function_call", "response_format", "best_of",
+               "tool_choice", "functions", "function_call", "best_of",
                # vLLM's extensions
-               "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-               "guided_decoding_backend", "structured_outputs", "prompt_logprobs", "bad_words",
+               "prompt_logprobs", "bad_words",
                "allowed_token_ids", "logits_processors", "use_beam_search")
 ZERO_ONLY = ("presence_penalty", "frequency_penalty")
 # vLLM's sampling extras: refused unless they hold their neutral value (which asks for nothing)
@@ -74,7 +78,8 @@ NEUTRAL_ONLY = {"repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0,
 KNOWN = frozenset({"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n",
                    "top_k", "seed", "stream", "stream_options", "user", "priority",
                    "stop_token_ids", "stop", "temperature", "top_p", "ignore_eos",
-                   "return_token_ids", "logprobs", "top_logprobs", "echo"})
+                   "return_token_ids", "logprobs", "top_logprobs", "echo",
+                   "guided_decoding_backend", *STRUCTURED_FIELDS})
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 
 
@@ -96,6 +101,7 @@ class ParsedRequest:
     logprobs: LogprobsAsk = field(default_factory=LogprobsAsk)
     echo_only: bool = False  # echo with max_tokens 0: the prompt scored, nothing generated
     ignored: list[str] = field(default_factory=list)  # unknown fields, ignored with a warning
+    structured_field: str | None = None  # the field a structured-output constraint came from
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -282,6 +288,7 @@ def parse_request(d: dict[str, Any], kind: str, *, served_model: str,
     default_mt = None if kind == "chat" else 16
     try:
         ask = parse_logprobs(d, kind)
+        constraint, constraint_field = parse_structured(d)
     except FieldError as e:
         raise bad(*e.args) from None
     max_tokens = _int(d, mt_name, default_mt, 0 if ask.echo else 1)
@@ -312,14 +319,14 @@ def parse_request(d: dict[str, Any], kind: str, *, served_model: str,
         top_p=_num(d, "top_p", 1.0, 0.0, 1.0, lo_open=True), top_k=top_k,
         max_tokens=max_tokens or 1, stop=_stop(d.get("stop")), stop_token_ids=stop_ids,
         seed=seed, ignore_eos=_bool(d, "ignore_eos"), logprobs=ask.k,
-        prompt_logprobs=ask.k if ask.echo else None)
+        prompt_logprobs=ask.k if ask.echo else None, structured_outputs=constraint)
     if ignored:  # vLLM's behaviour: the request is served, the log says what was dropped
         log.warning("ignored fields labkit does not know: %s", ", ".join(ignored))
     # vLLM: usage on every chunk only when include_usage asks for usage at all
     return ParsedRequest(kind, model, prompts, params, stream, include_usage, priority, user,
                          max_tokens is not None, continuous_usage=include_usage and
                          bool(continuous), ignored=ignored, logprobs=ask,
-                         echo_only=max_tokens == 0)
+                         echo_only=max_tokens == 0, structured_field=constraint_field)
 
 
 # ---- responses ------------------------------------------------------------------------------

@@ -79,6 +79,20 @@ def test_logprobs_and_echo_cross_the_process_boundary(server, labkit_tiny):
 
 
 @pytest.mark.slow
+def test_structured_outputs_cross_the_process_boundary(server):
+    """The constraint is compiled in the engine process; its errors come back as a 400."""
+    pytest.importorskip("xgrammar", reason="structured outputs need the optional xgrammar")
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
+    r = httpx.post(server.url + "/v1/completions", timeout=60,
+                   json={**body, "guided_choice": ["yes", "no"]})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no")
+    r = httpx.post(server.url + "/v1/completions", timeout=60,
+                   json={**body, "guided_regex": "[a-"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex", r.text
+    idle(server)
+
+
+@pytest.mark.slow
 def test_engine_process_freezes_its_startup_heap(server):
     # torch, the model and the engine: far more than a bare interpreter's ~10^4 objects
     assert server.llm.core_proc.handshake["gc_frozen"] > 50_000

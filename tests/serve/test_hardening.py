@@ -304,7 +304,7 @@ def test_unknown_fields_are_ignored_with_a_warning_vllm_extras_refused(server, s
         assert name in warned[0]
     # vLLM's sampling extras change the answer: refused unless neutral, like the penalties
     for name, value in (("repetition_penalty", 1.3), ("min_tokens", 4), ("min_p", 0.1),
-                        ("guided_json", {"type": "object"}), ("use_beam_search", True)):
+                        ("bad_words", ["x"]), ("use_beam_search", True)):
         r = httpx.post(url, json={**body, name: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)
         assert r.json()["error"]["code"] == "unsupported"

@@ -1,0 +1,108 @@
+"""The engine features ``labkit serve`` turns on from its command line, in vLLM's flag names.
+
+    --quantization int8|int4|nf4|fp8   quantize the decoder's linears at load (round to nearest)
+    --quantization gptq|awq            MODEL is a folder already quantized in GPTQ / AWQ layout
+    --quantization gguf                MODEL is a .gguf file (its own quantization)
+    --speculative-config JSON          e.g. '{"method": "ngram", "num_speculative_tokens": 4}'
+    --kv-cache-dtype auto|int8         the paged KV pool's element type
+    --attention-backend torch|triton   the paged-attention implementation
+    --enable-prefix-caching / --no-enable-prefix-caching
+
+Why here and not in the launcher: the same names must reach both engine homes (a thread of the
+server, or the engine process through a pickled EngineSpec), so they travel as plain values in
+``engine_kw`` and :func:`load_for_serving` applies the one that is not an engine setting
+(quantization changes the model, not the engine). A combination that cannot run is refused at
+start (``ValueError``: the launcher prints it), never at the first request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+# vLLM's name -> labkit.quant.model.quantize_model's format (None: the checkpoint carries it)
+QUANTIZATION = {"int8": "int8", "int4": "int4_rtn", "nf4": "nf4", "fp8": "fp8",
+                "gptq": None, "awq": None, "gguf": None}
+FEATURE_FLAGS = ("quantization", "speculative_config", "kv_cache_dtype", "attention_backend",
+                 "enable_prefix_caching")
+
+
+def _json_object(s: str) -> dict[str, Any]:
+    try:
+        d = json.loads(s)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {s!r}") from None
+    if not isinstance(d, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {s!r}")
+    return d
+
+
+def add_feature_args(p: argparse.ArgumentParser) -> None:
+    """The flags above, each defaulting to None (the engine's own default)."""
+    p.add_argument("--quantization", "-q", choices=sorted(QUANTIZATION), default=None,
+                   help="int8 | int4 | nf4 | fp8: quantize the weights at load; gptq | awq: "
+                   "MODEL is a checkpoint already quantized in that layout; gguf: a .gguf file")
+    p.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", '
+                   '"num_speculative_tokens": 4}\' or \'{"method": "draft_model", '
+                   '"model": "NAME", "num_speculative_tokens": 4}\'')
+    p.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default=None)
+    p.add_argument("--attention-backend", choices=("torch", "triton"), default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None, help="reuse the KV of shared prompt prefixes (default on)")
+
+
+def check_features(model: str, kw: dict[str, Any]) -> None:
+    """Refuse, before anything loads, a combination the engine cannot run."""
+    q = kw.get("quantization")
+    if q is None:
+        return
+    if q not in QUANTIZATION:
+        raise ValueError(f"--quantization {q!r}: choose one of {sorted(QUANTIZATION)}")
+    gguf = str(model).endswith(".gguf")
+    if (q == "gguf") != gguf:
+        raise ValueError(f"--quantization gguf goes with a .gguf MODEL, and a .gguf MODEL with "
+                         f"--quantization gguf or none (got {q!r} for {model!r})")
+    if (kw.get("tensor_parallel_size") or 1) > 1:
+        raise ValueError(f"--quantization {q} with --tensor-parallel-size > 1 is not supported: "
+                         "the workers load full-precision slices")
+    if q in ("gptq", "awq") and not (Path(model) / "config.json").is_file():
+        raise ValueError(f"--quantization {q} loads a checkpoint folder already quantized in "
+                         f"that layout (labkit.quant.checkpoint.save_quantized writes one); "
+                         f"{model!r} is not a folder with a config.json")
+
+
+def load_for_serving(model: str, quantization: str | None, dtype: str | None,
+                     device: str | None) -> tuple[Any, Any]:
+    """(model, tokenizer) as ``--quantization`` asks: quantized at load, or read from a
+    GPTQ / AWQ folder, or loaded as is."""
+    from labkit.model.loader import load_pretrained
+
+    if quantization in ("gptq", "awq"):
+        return _load_prequantized(model, quantization, dtype, device)
+    m, tok = load_pretrained(model, dtype=dtype, device=device)
+    fmt = QUANTIZATION.get(quantization) if quantization else None
+    if fmt is not None:
+        from labkit.quant.model import quantize_model
+
+        m = quantize_model(m, fmt, group_fallback=True, inplace=True)
+    return m.eval(), tok
+
+
+def _load_prequantized(model: str, method: str, dtype: str | None, device: str | None
+                       ) -> tuple[Any, Any]:
+    import torch
+
+    from labkit.model.tokenizer import Tokenizer
+    from labkit.quant.checkpoint import load_quantized
+
+    qc = json.loads((Path(model) / "config.json").read_text()).get("quantization_config") or {}
+    if qc.get("quant_method") != method:
+        raise ValueError(f"--quantization {method}: {model}/config.json's quantization_config "
+                         f"says {qc.get('quant_method')!r}")
+    m = load_quantized(model, device or "cpu", getattr(torch, dtype) if dtype else torch.float32)
+    eos = m.config.eos_token_ids
+    tok = Tokenizer.from_dir(model, m.config.bos_token_id, eos[0] if eos else None)
+    return m.eval(), tok
