@@ -4,7 +4,7 @@
     --quantization gptq|awq            MODEL is a folder already quantized in GPTQ / AWQ layout
     --quantization gguf                MODEL is a .gguf file (its own quantization)
     --speculative-config JSON          e.g. '{"method": "ngram", "num_speculative_tokens": 4}'
-    --kv-cache-dtype auto|int8         the paged KV pool's element type
+    --kv-cache-dtype auto|int8|fp8     the paged KV pool's element type
     --attention-backend torch|triton   the paged-attention implementation
     --enable-prefix-caching / --no-enable-prefix-caching
 
@@ -21,6 +21,8 @@ import argparse
 import json
 from pathlib import Path
 from typing import Any
+
+from labkit.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES
 
 # vLLM's name -> labkit.quant.model.quantize_model's format (None: the checkpoint carries it)
 QUANTIZATION = {"int8": "int8", "int4": "int4_rtn", "nf4": "nf4", "fp8": "fp8",
@@ -48,8 +50,8 @@ def add_feature_args(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding, e.g. \'{"method": "ngram", '
                    '"num_speculative_tokens": 4}\' or \'{"method": "draft_model", '
                    '"model": "NAME", "num_speculative_tokens": 4}\'')
-    p.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default=None)
-    p.add_argument("--attention-backend", choices=("torch", "triton"), default=None)
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None)
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None, help="reuse the KV of shared prompt prefixes (default on)")
 
