@@ -13,9 +13,8 @@ back into the engine as a negative control (the scenario must then fail)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
+from test_block_pool import FakeSeq  # the block manager tests' stand-in sequence
 
 from labkit.engine.invariants import assert_no_leaks
 from labkit.engine.llm import LLM
@@ -46,21 +45,6 @@ def reference(tiny_model):
         return cache[key]
 
     return ref
-
-
-@dataclass
-class FakeSeq:
-    seq_id: str
-    token_ids: list[int]
-    cache_salt: str | None = None
-    num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
-    cpu_block_table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)
-
-    @property
-    def request_id(self) -> str:
-        return self.seq_id
 
 
 class Shadow:
