@@ -41,6 +41,8 @@ def test_phases_are_all_seen_and_add_up_to_the_step(tiny):
         assert set(s.phases) == set(PHASES)
         for ph in ("schedule", "prepare", "forward", "sample", "update", "detokenize", "trace"):
             assert s.phases[ph] > 0, (ph, s.index)
+        # same run, same clock: "other" is the wall time minus the other phases, so the sum is
+        # the wall time up to float rounding (no committed number, no other CPU involved)
         assert sum(s.phases.values()) == pytest.approx(s.wall, rel=1e-6)
         # the parts timed inside the forward are inside it
         assert 0 < sum(s.layers[p] for p in LAYER_PARTS) <= s.phases["forward"]
