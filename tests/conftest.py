@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -39,3 +40,29 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.write_sep("=", f"suite time {took:.0f} s: {verdict} its budget of "
                                f"{SUITE_BUDGET_S} s ({n} tests; tests/conftest.py)",
                                red=took > SUITE_BUDGET_S, green=took <= SUITE_BUDGET_S)
+
+
+
+def _runs(item) -> bool:
+    """The item will run: no skipif of it holds (its skip marks are plain booleans here)."""
+    return not any(m.args and m.args[0] for m in item.iter_markers("skipif"))
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k deselection
+def pytest_collection_modifyitems(config, items):
+    """Run each of notebooks 00-05 once, not twice: when the learner-path test (Run All in
+    JupyterLab, tests/notebooks/test_learner_path.py) is selected and its browser is installed,
+    it executes them with the same environment and fails on any traceback, so the headless
+    ``test_notebook_executes`` of those notebooks would only repeat it (~2.5 CPU-minutes).
+    Deselect the learner path (``-m "not browser"``) or lack chromium, and they run headless."""
+    learner = [i for i in items if i.nodeid.startswith("tests/notebooks/test_learner_path.py")
+               and _runs(i)]
+    if not learner:
+        return
+    covered = set(getattr(learner[0].module, "NOTEBOOKS", ()))
+    skip = pytest.mark.skip(reason="executed in JupyterLab by tests/notebooks/"
+                            "test_learner_path.py in this run")
+    for item in items:
+        if getattr(item, "originalname", "") == "test_notebook_executes" and \
+                f"{item.callspec.id}.ipynb" in covered:
+            item.add_marker(skip)
