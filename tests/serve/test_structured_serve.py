@@ -142,3 +142,30 @@ def test_missing_xgrammar_is_a_400_saying_how_to_install(server, monkeypatch):
     r = post(server, "/v1/completions", {"prompt": PROMPT, "guided_regex": "a+"})
     assert r.status_code == 400
     assert "pip install labkit[structured]" in r.json()["error"]["message"]
+
+
+def test_openai_sdk_parse_helper(server):
+    """The openai SDK's own structured-output helper: ``chat.completions.parse`` turns a pydantic
+    model into a strict ``json_schema`` response_format and parses the reply back into it."""
+    from openai import OpenAI
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(max_length=12)
+        age: int
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    done = client.chat.completions.parse(model=NAME, messages=CHAT, response_format=Person,
+                                         temperature=0, max_tokens=48)
+    msg = done.choices[0].message
+    assert isinstance(msg.parsed, Person), msg
+    assert Person.model_validate_json(msg.content) == msg.parsed
+    # and the logprobs helper fields come back typed too
+    lp = client.chat.completions.create(model=NAME, messages=CHAT, temperature=0, max_tokens=4,
+                                        logprobs=True, top_logprobs=2)
+    content = lp.choices[0].logprobs.content
+    assert len(content) == lp.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+               and t.logprob <= 0 for t in content)
+    # greedy: the sampled token is the most likely one
+    assert all(t.token == t.top_logprobs[0].token for t in content)
