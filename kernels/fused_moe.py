@@ -81,7 +81,9 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int,
         lo, hi = int(flat.min()), int(flat.max())
         check(lo >= 0 and hi < num_experts,
               f"topk_ids must name experts in [0, {num_experts}), got {lo}..{hi}")
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount sizes its output from max(flat), a sync on a GPU
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_size - 1) // block_size * block_size
     seg_end = torch.cumsum(padded, 0)
     seg_start = seg_end - padded
