@@ -11,6 +11,10 @@ with its tiling, what bounds it and its arithmetic intensity:
 - ``dequant_matmul``: W4A16 GPTQ / AWQ and W8A16 matmuls on the tensor cores, dispatching
   M = 1 to ``dequant_gemv`` (the decode GEMVs); ``nf4``: NF4 dequantisation (its table,
   ``nf4_code``, is the one labkit.quant reads too);
+- ``fused_moe``: a mixture-of-experts layer's experts as two grouped GEMMs over (token, k)
+  pairs sorted and padded by expert (``moe_align_block_size``), as vLLM's ``fused_moe``;
+- ``lora_ops``: multi-LoRA shrink/expand for rows of different adapters, Punica's BGMV (decode,
+  a slot per token) and SGMV (prefill, a slot per segment), ``add_lora``;
 - ``backend``: ``TritonBackend``, the engine's attention backend built from the above;
 - ``selfcheck`` (each kernel vs its reference) and ``timing`` (device time without launch
   overhead or a warm L2), used by ``labkit bench kernels``.

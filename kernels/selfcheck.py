@@ -201,3 +201,42 @@ def check_odd_shapes(report: Report, device: str, gen: torch.Generator) -> None:
     rotary_embedding.rotary_embedding(pos, qq, kk, cache)
     report("rotary_embedding", "N=9 Hq=14 Hkv=2 D=80 fp16", max(rel_err(qq, qr), rel_err(kk, kr)),
            5e-3)
+    check_moe_and_lora(report, device, gen)
+
+
+def check_moe_and_lora(report: Report, device: str, gen: torch.Generator) -> None:
+    """fused_moe (prefill- and decode-sized routing, an intermediate size no tile divides) and
+    the multi-LoRA kernels (mixed slots with base rows, segments with an empty one) in bf16."""
+    from labkit.kernels import fused_moe as fm
+    from labkit.kernels import lora_ops as lo
+
+    h, inter, e, k = 128, 96, 8, 2
+    w13 = (torch.randn(e, 2 * inter, h, generator=gen, device=device) / h**0.5).to(BF16)
+    w2 = (torch.randn(e, h, inter, generator=gen, device=device) / inter**0.5).to(BF16)
+    for t in (21, 3):
+        x = torch.randn(t, h, generator=gen, device=device).to(BF16)
+        probs = torch.softmax(torch.randn(t, e, generator=gen, device=device), -1)
+        weights, ids = probs.topk(k, -1)
+        report("fused_moe", f"T={t} H={h} I={inter} E={e} top-{k} bf16",
+               rel_err(fm.fused_moe(x, w13, w2, weights, ids),
+                       fm.fused_moe_ref(x, w13, w2, weights, ids)), 1e-2)
+    t, h_in, h_out, r = 24, 128, 160, 16
+    a = (torch.randn(3, r, h_in, generator=gen, device=device) / h_in**0.5).to(BF16)
+    b = (torch.randn(3, h_out, r, generator=gen, device=device) / r**0.5).to(BF16)
+    scalings = torch.tensor([2.0, 0.5, 1.0], device=device)
+    x = torch.randn(t, h_in, generator=gen, device=device).to(BF16)
+    y0 = torch.randn(t, h_out, generator=gen, device=device).to(BF16)
+    slots = torch.randint(-1, 3, (t,), generator=gen, device=device)
+    y, y_ref = y0.clone(), y0.clone()
+    lo.add_lora(y, x, a, b, slots, scalings)
+    lo.add_lora_ref(y_ref, x, a, b, slots, scalings)
+    report("bgmv (add_lora)", f"T={t} H_in={h_in} H_out={h_out} r={r} 3 slots + base bf16",
+           rel_err(y.float() - y0.float(), y_ref.float() - y0.float()), 1e-2)
+    starts = torch.tensor([0, 5, 5, 20, 24], device=device)
+    seg_slots = torch.tensor([1, 0, 2, -1], device=device)
+    y, y_ref = y0.clone(), y0.clone()
+    lo.sgmv_expand(y, lo.sgmv_shrink(x, a, starts, seg_slots), b, starts, seg_slots, scalings)
+    lo.sgmv_expand_ref(y_ref, lo.sgmv_shrink_ref(x, a, starts, seg_slots), b, starts,
+                       seg_slots, scalings)
+    report("sgmv (shrink+expand)", f"T={t} segments 5/0/15/4 (base) r={r} bf16",
+           rel_err(y.float() - y0.float(), y_ref.float() - y0.float()), 1e-2)

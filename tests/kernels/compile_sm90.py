@@ -11,6 +11,8 @@ import sys
 
 from labkit.kernels import dequant_gemv as gv
 from labkit.kernels import dequant_matmul as dq
+from labkit.kernels import fused_moe as fm
+from labkit.kernels import lora_ops as lo
 from labkit.kernels import nf4, paged_attention, paged_prefill, rms_norm, rotary_embedding
 from labkit.kernels import reshape_and_cache as rc
 
@@ -99,20 +101,50 @@ def variants():
     yield gv._w8a16_gemv_kernel, {**int4, "qw_ptr": "*i8"}, {
         **tiles["w8a16"], "SPLIT": True}, gemv["w8a16"]["num_warps"], 3
     yield dq._sum_splits, {"out_ptr": "*fp16", "ws_ptr": "*fp32"}, {"BLOCK": 1024}, 4, 1
+    yield from moe_lora_variants()
 
 
-GROUPS = ("attention", "quant", "small")
+def moe_lora_variants():
+    """fused_moe's two passes at both tile configs; the LoRA kernels at ranks 16 and 64."""
+    moe = {"a_ptr": "*bf16", "w_ptr": "*bf16", "c_ptr": "*bf16", "topk_w_ptr": "*fp32",
+           "sorted_ids_ptr": "*i64", "expert_ids_ptr": "*i64", "ntpp_ptr": "*i64"}
+    for num_pairs in (8, 4096):  # decode (BLOCK_M 16) and prefill (BLOCK_M 64) of 8 experts
+        cfg = fm.default_config(num_pairs, 8)
+        tiles = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+        for gated in (True, False):  # gate|up + SiLU into bf16; down + weight into fp32
+            yield fm._grouped_gemm_kernel, {**moe, "c_ptr": "*bf16" if gated else "*fp32"}, {
+                **tiles, "TOP_K": 2 if gated else 1, "GATED": gated,
+                "MUL_ROUTED_WEIGHT": not gated, "DOT_FP32": False, "PRECISION": "tf32"}, \
+                cfg["num_warps"], 3
+    lora = {"x_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr": "*fp32", "slots_ptr": "*i64",
+            "y_ptr": "*bf16", "buf_ptr": "*fp32", "b_ptr": "*bf16", "scal_ptr": "*fp32",
+            "starts_ptr": "*i64"}
+    dot = {"DOT_FP32": False, "PRECISION": "tf32"}
+    for r_pad in (16, 64):
+        yield lo._bgmv_shrink_kernel, lora, {"R_PAD": r_pad, "BLOCK_K": 4096 // r_pad,
+                                             "SPLIT_K": 8}, 4, 1
+        yield lo._bgmv_expand_kernel, lora, {"R_PAD": r_pad, "BLOCK_N": 4096 // r_pad}, 4, 1
+        yield lo._sgmv_shrink_kernel, lora, {"R_PAD": r_pad, "BLOCK_M": 64, "BLOCK_K": 64,
+                                             **dot}, 4, 3
+        yield lo._sgmv_expand_kernel, lora, {"R_PAD": r_pad, "BLOCK_M": 64, "BLOCK_N": 64,
+                                             **dot}, 4, 1
+
+
+GROUPS = ("attention", "quant", "small", "moe_lora")
 
 
 def _group(fn) -> str:
-    """Which of the test's three parts compiles ``fn`` (one subprocess each, so pytest -n 2
-    balances ~30 compilations across its workers instead of one worker doing all of them)."""
+    """Which of the test's four parts compiles ``fn`` (one subprocess each, so pytest -n 2
+    balances ~45 compilations across its workers instead of one worker doing all of them)."""
     if fn in (paged_attention._paged_decode_kernel, paged_attention._merge_splits_kernel,
               paged_prefill._paged_prefill_kernel):
         return "attention"
     if fn in (dq._gptq_kernel, dq._awq_kernel, dq._w8a16_kernel, dq._sum_splits,
               gv._gptq_gemv_kernel, gv._awq_gemv_kernel, gv._w8a16_gemv_kernel):
         return "quant"
+    if fn in (fm._grouped_gemm_kernel, lo._bgmv_shrink_kernel, lo._bgmv_expand_kernel,
+              lo._sgmv_shrink_kernel, lo._sgmv_expand_kernel):
+        return "moe_lora"
     return "small"
 
 

@@ -18,7 +18,7 @@ def test_smoke_run_checks_every_kernel_and_reports():
     checked = {c["kernel"].split(" ")[0] for c in payload["checks"]}
     assert {"paged_attention_decode", "paged_prefill_attention", "reshape_and_cache",
             "rms_norm", "rotary_embedding", "gptq_matmul", "awq_matmul", "w8a16_matmul",
-            "nf4_dequantize"} <= checked
+            "nf4_dequantize", "fused_moe", "bgmv", "sgmv"} <= checked
     assert all(c["ok"] for c in payload["checks"]), payload["checks"]
     shapes = " ".join(c["shape"] for c in payload["checks"])
     for odd in ("Hq=14 Hkv=2", "D=80", "D=96", "N=200", "5x4864"):  # the odd-shape section ran
