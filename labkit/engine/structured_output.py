@@ -163,6 +163,27 @@ class GrammarLogitsProcessor:
         out[:n] = row[:n].masked_fill(~allowed[:n], float("-inf"))
         return out
 
+    def mask_draft_rows(self, logits: torch.Tensor, drafts: list[int]
+                        ) -> tuple[torch.Tensor, int]:
+        """The verify rows of a speculating sequence, each masked by the grammar state it is
+        verified in: row j after the drafts ``drafts[:j]`` (speculative decoding).
+
+        The drafts are accepted into the matcher one by one to reach those states, then rolled
+        back: the scheduler advances the matcher with the tokens actually emitted, as for any
+        step. A draft the grammar rejects ends the walk: with its row masked it has probability
+        0, so the verifier rejects it anyway, and no state exists to mask the rows after it.
+        Returns ``(rows [n+1, V] float32, n)``, ``n`` the drafts the grammar accepted."""
+        rows = [self(logits[0])]
+        n = 0
+        for t in drafts:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(int(t)):
+                break
+            n += 1
+            rows.append(self(logits[n]))
+        if n:
+            self.matcher.rollback(n)
+        return torch.stack(rows), n
+
     def accept(self, token_ids: list[int]) -> None:
         """Advance by tokens the scheduler appended; a rejected one is a bug (the mask allowed
         it), so it raises rather than letting the output leave the grammar silently."""

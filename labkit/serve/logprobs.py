@@ -10,6 +10,10 @@ Two wire shapes, as OpenAI (and vLLM) send them:
   loglikelihood requests: ``echo=True, max_tokens=0, logprobs=1``).
 - chat: ``logprobs: true`` + ``top_logprobs: k`` give ``{"content": [{"token", "logprob",
   "bytes", "top_logprobs": [k of {"token", "logprob", "bytes"}]}]}``.
+- vLLM's ``prompt_logprobs: k`` (completions and chat): the prompt scored token by token, in
+  vLLM's shape: a list, ``null`` for the first token, then ``{token_id: {"logprob", "rank",
+  "decoded_token"}}`` holding the prompt's token and the k most likely; per choice on
+  completions, at the top of a chat response (on a stream: with a choice's first chunk).
 
 -inf (a token top-k / top-p filtered out) is not JSON: it is sent as -9999.0, as vLLM does.
 """
@@ -31,6 +35,13 @@ class LogprobsAsk:
     k: int | None = None
     echo: bool = False
     chat: bool = False
+    prompt_k: int | None = None  # vLLM's prompt_logprobs
+
+    @property
+    def engine_prompt_k(self) -> int | None:
+        """What the engine must compute for the prompt: echo's k and prompt_logprobs' k."""
+        ks = [x for x in (self.k if self.echo else None, self.prompt_k) if x is not None]
+        return max(ks) if ks else None
 
 
 class FieldError(ValueError):
@@ -58,7 +69,14 @@ def _k(d: dict, name: str) -> int | None:
 
 
 def parse_logprobs(d: dict[str, Any], kind: str) -> LogprobsAsk:
-    """Check ``logprobs`` / ``top_logprobs`` / ``echo``; FieldError naming the field."""
+    """Check ``logprobs`` / ``top_logprobs`` / ``echo`` / ``prompt_logprobs``; FieldError
+    naming the field."""
+    ask = _parse_logprobs(d, kind)
+    ask.prompt_k = _k(d, "prompt_logprobs")
+    return ask
+
+
+def _parse_logprobs(d: dict[str, Any], kind: str) -> LogprobsAsk:
     if kind == "chat":
         if d.get("echo") not in (None, False):
             raise bad("echo is a completions field; chat does not support it", "echo",
@@ -121,3 +139,21 @@ def chat_logprobs(token_ids: list[int], entries: list[Any], k: int,
         top = sorted(e.items(), key=lambda kv: -kv[1].logprob)[:k]
         content.append({**item(tid, e[tid]), "top_logprobs": [item(t, v) for t, v in top]})
     return {"content": content}
+
+
+def vllm_prompt_logprobs(entries: list[Any] | None, k: int, tokenizer: Any = None
+                         ) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs`` list: per prompt token ``None`` (the first) or the token
+    and the ``k`` most likely, ``{"id": {"logprob", "rank", "decoded_token"}}``. The engine may
+    have computed more (an echo with a larger ``logprobs``): entries ranked past k are dropped,
+    except the prompt's own token, which is always first."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for e in entries or []:
+        if e is None:
+            out.append(None)
+            continue
+        first = next(iter(e))  # token_entry puts the scored (prompt) token first
+        out.append({str(t): {"logprob": _lp(v.logprob), "rank": v.rank,
+                             "decoded_token": _text(v, tokenizer, t)}
+                    for t, v in e.items() if t == first or (v.rank or 0) <= k})
+    return out

@@ -68,7 +68,7 @@ log = logging.getLogger("uvicorn.error")  # the server's log: uvicorn's handler 
 UNSUPPORTED = ("suffix", "logit_bias", "tools",
                "tool_choice", "functions", "function_call", "best_of",
                # vLLM's extensions
-               "prompt_logprobs", "bad_words",
+               "bad_words",
                "allowed_token_ids", "logits_processors", "use_beam_search")
 ZERO_ONLY = ("presence_penalty", "frequency_penalty")
 # vLLM's sampling extras: refused unless they hold their neutral value (which asks for nothing)
@@ -78,7 +78,7 @@ NEUTRAL_ONLY = {"repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0,
 KNOWN = frozenset({"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n",
                    "top_k", "seed", "stream", "stream_options", "user", "priority",
                    "stop_token_ids", "stop", "temperature", "top_p", "ignore_eos",
-                   "return_token_ids", "logprobs", "top_logprobs", "echo",
+                   "return_token_ids", "logprobs", "top_logprobs", "echo", "prompt_logprobs",
                    "guided_decoding_backend", *STRUCTURED_FIELDS})
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 
@@ -319,7 +319,7 @@ def parse_request(d: dict[str, Any], kind: str, *, served_model: str,
         top_p=_num(d, "top_p", 1.0, 0.0, 1.0, lo_open=True), top_k=top_k,
         max_tokens=max_tokens or 1, stop=_stop(d.get("stop")), stop_token_ids=stop_ids,
         seed=seed, ignore_eos=_bool(d, "ignore_eos"), logprobs=ask.k,
-        prompt_logprobs=ask.k if ask.echo else None, structured_outputs=constraint)
+        prompt_logprobs=ask.engine_prompt_k, structured_outputs=constraint)
     if ignored:  # vLLM's behaviour: the request is served, the log says what was dropped
         log.warning("ignored fields labkit does not know: %s", ", ".join(ignored))
     # vLLM: usage on every chunk only when include_usage asks for usage at all

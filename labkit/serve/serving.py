@@ -24,7 +24,7 @@ from typing import Any
 
 from labkit.serve import protocol
 from labkit.serve.async_llm import RequestStream, StreamItem
-from labkit.serve.logprobs import CompletionLogprobs, chat_logprobs
+from labkit.serve.logprobs import CompletionLogprobs, chat_logprobs, vllm_prompt_logprobs
 from labkit.serve.protocol import APIError, ParsedRequest
 
 
@@ -208,6 +208,13 @@ def choice_logprobs(call: Call, c: int, toks: list[int], lps: list | None
     return prefix, shaper.shape(ids, entries, call.tokenizer)
 
 
+def prompt_logprobs_of(call: Call, i: int) -> list | None:
+    """vLLM's ``prompt_logprobs`` of prompt ``i`` (the engine sends them with its first
+    output), trimmed to the k the request asked for."""
+    return vllm_prompt_logprobs(call.prompt_logprobs.get(i), call.parsed.logprobs.prompt_k,
+                                call.tokenizer)
+
+
 def error_for(exc: BaseException) -> APIError:
     if isinstance(exc, Timeout):
         if exc.kind == "queue":
@@ -251,12 +258,17 @@ async def stream_events(call: Call, itl: Callable[[float], None] | None = None
         async for i, item in merged(call):
             for c, text, toks, reason, lps in account(call, i, item, itl):
                 if not text and reason is None and not ((ids or lps) and toks) and \
-                        not (p.logprobs.echo and c not in call.started):
+                        not ((p.logprobs.echo or p.logprobs.prompt_k is not None)
+                             and c not in call.started):
                     continue  # nothing a client can see yet (held-back tail, partial UTF-8)
+                first = c not in call.started
                 prefix, lp_obj = choice_logprobs(call, c, toks, lps)
                 ch = protocol.chunk(kind, call.id, p.model, call.created, c, prefix + text,
                                     reason, with_usage=p.include_usage, use=use(c))
                 ch["choices"][0]["logprobs"] = lp_obj
+                if first and p.logprobs.prompt_k is not None:  # with a choice's first chunk
+                    where = ch if kind == "chat" else ch["choices"][0]
+                    where["prompt_logprobs"] = prompt_logprobs_of(call, c // call.n)
                 if ids:
                     ch["choices"][0]["token_ids"] = toks
                 yield protocol.sse(with_prompt_ids(ch, c))
@@ -294,6 +306,12 @@ async def collect(call: Call, itl: Callable[[float], None] | None = None) -> dic
                                                  call.logprobs.get(c))
         if prefix:
             ch["text"] = prefix + ch["text"]
+    if call.parsed.logprobs.prompt_k is not None:
+        if call.parsed.kind == "chat":  # one prompt: vLLM puts it beside the choices
+            body["prompt_logprobs"] = prompt_logprobs_of(call, 0)
+        for c, ch in enumerate(body["choices"]):
+            if call.parsed.kind != "chat":
+                ch["prompt_logprobs"] = prompt_logprobs_of(call, c // call.n)
     if call.parsed.extra.get("return_token_ids"):
         for c, ch in enumerate(body["choices"]):
             ch["token_ids"] = call.token_ids.get(c, [])

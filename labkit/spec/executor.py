@@ -30,8 +30,10 @@ import torch
 
 from labkit.config import CacheConfig, EngineConfig, SpeculativeConfig
 from labkit.engine.executor import Executor, ModelRunnerOutput
+from labkit.engine.logprobs import prompt_rows, split_prompt_rows, token_entry
 from labkit.engine.model_runner import ModelExecutor, step_chunks
 from labkit.kv.block_manager import BlockOps
+from labkit.model.sampling import processed_logprobs
 from labkit.sched.scheduler import ScheduledSeq, SchedulerOutput
 from labkit.spec.eagle import load_eagle
 from labkit.spec.eagle_proposer import EagleProposer
@@ -42,6 +44,12 @@ _MAX_DRAFT_STATES = 64  # forget draft KV of sequences not in the step beyond th
 
 
 class SpecDecodeExecutor(Executor):
+    # logprobs: each emitted token's entry comes from the verify row it was taken from (the
+    # same filtered distribution it was accepted or resampled under); structured outputs: the
+    # verify rows are masked by the grammar (GrammarLogitsProcessor.mask_draft_rows)
+    supports_logprobs = True
+    supports_structured_outputs = True
+
     def __init__(self, base: ModelExecutor, config: SpeculativeConfig,
                  max_model_len: int, cache: CacheConfig,
                  attention_backend: str | None = None) -> None:
@@ -118,21 +126,25 @@ class SpecDecodeExecutor(Executor):
         proposals = self._propose(out)
         t1 = time.process_time()
         chunks, rows, _ = step_chunks(out, {k: p.token_ids for k, p in proposals.items()})
+        result = ModelRunnerOutput()
         if not chunks:
-            return ModelRunnerOutput()
+            return result
+        extra = prompt_rows(out)  # prompt_logprobs requests' extra rows (prefill chunks only)
         hook = None
         if isinstance(self.proposer, EagleProposer):
             # the head drafts from the input of the target's final norm: catch it this forward
             # (hooked per step: engines may share one target model object)
             hook = self.model.model.norm.register_forward_hook(self._catch_features)
         try:
-            logits = self.runner.forward(chunks, rows).float().cpu()
+            logits = self.runner.forward(chunks, [e + r for e, r in zip(extra, rows)])
+            if any(extra):
+                logits, result.prompt_logprobs = split_prompt_rows(logits, extra, rows, out)
+            logits = logits.float().cpu()
         finally:
             if hook is not None:
                 hook.remove()
         self._observe(out, chunks)
         t2 = time.process_time()
-        result = ModelRunnerOutput()
         start = 0
         for sc, r in zip(out.scheduled, rows):
             if r:
@@ -151,12 +163,22 @@ class SpecDecodeExecutor(Executor):
         shared by its n > 1 forks), or drafts accepted / resampled against the target."""
         s = sc.seq
         if prop is None:
-            result.sampled_token_ids.update(self.runner.sample(logits[:1], [[s, *sc.children]]))
+            result.sampled_token_ids.update(self.runner.sample(logits[:1], [[s, *sc.children]],
+                                                              result.logprobs))
             return
         p = s.request.params
-        emitted, k = verify(prop.token_ids, prop.probs, logits, p.temperature, p.top_k, p.top_p,
+        drafts, probs = list(prop.token_ids), prop.probs
+        proc = getattr(s, "logits_processor", None)
+        if proc is not None:  # structured outputs: each row under its own grammar state
+            logits, n = proc.mask_draft_rows(logits, drafts)
+            drafts, probs = drafts[:n], None if probs is None else probs[:n]
+        emitted, k = verify(drafts, probs, logits, p.temperature, p.top_k, p.top_p,
                             s.generator)
         result.sampled_token_ids[s.seq_id] = emitted
+        if p.logprobs is not None:  # each emitted token scored by the row it came from
+            result.logprobs[s.seq_id] = [
+                token_entry(processed_logprobs(logits[j], p.temperature, p.top_k, p.top_p), t,
+                            p.logprobs) for j, t in enumerate(emitted)]
         self.num_draft_tokens += len(prop.token_ids)
         self.num_accepted_tokens += k
         result.spec_records.append({"request_id": s.request_id, "seq_id": s.seq_id,

@@ -12,6 +12,7 @@ from labkit.engine.outputs import Logprob
 from labkit.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from labkit.errors import SamplingParamsError
 from labkit.model.generate import ContiguousKVCache
+from labkit.model.sampling import processed_logprobs
 
 ATOL = 1e-4
 
@@ -173,15 +174,45 @@ def test_decoded_tokens_filled_with_a_tokenizer(tiny_model):
         assert all(lp.decoded_token == chr(65 + t % 26) for t, lp in entry.items())
 
 
-def test_speculative_engine_refuses_logprobs_at_add_request(tiny_model):
-    """The verifier does not compute them: a clear error up front, not missing numbers."""
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_speculative_decoding_returns_the_same_logprobs(tiny_model, prompts, temperature):
+    """Speculation returns what plain decoding returns: each emitted token's entry from the
+    verify row it was accepted or resampled under (the same filtered distribution a plain step
+    samples from), and prompt logprobs from the prefill. Greedy: the same tokens, so the same
+    entries; sampled: each entry is the processed log-softmax of the model's logits at that
+    position, checked against a plain forward of the finished sequence."""
     import labkit  # noqa: F401 - registers the speculative executor factory
 
-    llm = LLM.from_model(tiny_model, None, block_size=4,
-                         speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    with pytest.raises(SamplingParamsError, match="logprobs"):
-        llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(logprobs=1))
-    assert not llm.llm_engine.has_unfinished_requests()
+    sp = SamplingParams(temperature=temperature, top_k=20, max_tokens=12, logprobs=3,
+                        prompt_logprobs=2, ignore_eos=True, seed=7)
+    spec = LLM.from_model(tiny_model, None, block_size=4, speculative_config={
+        "method": "draft_model", "model": tiny_model, "num_speculative_tokens": 3})
+    got = spec.generate(prompt_token_ids=prompts[:2], sampling_params=sp)
+    assert spec.llm_engine.executor.num_accepted_tokens > 0
+    if temperature == 0:
+        want = LLM.from_model(tiny_model, None, block_size=4).generate(
+            prompt_token_ids=prompts[:2], sampling_params=sp)
+        for g, w in zip(got, want):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+            assert_entries_close(g.outputs[0].logprobs, w.outputs[0].logprobs)
+            assert_entries_close(g.prompt_logprobs[1:], w.prompt_logprobs[1:])
+    for g, p in zip(got, prompts[:2]):
+        ids = list(p) + list(g.outputs[0].token_ids)
+        with torch.no_grad():
+            logits = tiny_model(torch.tensor([ids]))[0].float()
+        for j, entry in enumerate(g.outputs[0].logprobs):
+            row = processed_logprobs(logits[len(p) - 1 + j], temperature, 20, 1.0)
+            t = g.outputs[0].token_ids[j]
+            assert entry[t].logprob == pytest.approx(float(row[t]), abs=1e-4)
+
+
+def assert_entries_close(a: list, b: list) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for t in x:
+            assert x[t].rank == y[t].rank
+            assert x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4)
 
 
 def test_step_outputs_carry_logprobs_for_streaming(tiny_model, prompts):

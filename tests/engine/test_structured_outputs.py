@@ -146,12 +146,36 @@ def test_dict_is_accepted_as_vllm_json_body():
     assert sp.structured_outputs == StructuredOutputsParams(regex="a+")
 
 
-def test_speculative_decoding_is_refused(llm):
-    spec = LLM((llm.model, llm.tokenizer), block_size=4, speculative_config={
-        "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
-    with pytest.raises(StructuredOutputsError, match="speculative"):
-        spec.generate([PROMPT], SamplingParams(
-            structured_outputs=StructuredOutputsParams(choice=CHOICES)), use_tqdm=False)
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+    {"method": "draft_model", "model": "labkit-tiny", "num_speculative_tokens": 3}])
+def test_speculative_decoding_keeps_the_constraint(llm, spec, monkeypatch):
+    """Speculation under a grammar: each verify row is masked in the grammar state after the
+    drafts before it, so greedy output equals the unspeculated constrained output token for
+    token; drafts the grammar rejects are cut (and rejected), and some drafts are accepted."""
+    from labkit.engine.structured_output import GrammarLogitsProcessor
+
+    seen: list[tuple[int, int]] = []   # (drafts, drafts the grammar accepted) per verify
+    real = GrammarLogitsProcessor.mask_draft_rows
+
+    def spy(self, logits, drafts):
+        rows, n = real(self, logits, drafts)
+        seen.append((len(drafts), n))
+        return rows, n
+
+    monkeypatch.setattr(GrammarLogitsProcessor, "mask_draft_rows", spy)
+    fast = LLM((llm.model, llm.tokenizer), block_size=4, speculative_config=spec)
+    prompts = [PROMPT, 'person = {"name": "Ann", "age": 41, "ok": true}\nperson = ']
+    sos = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(regex=REGEX),
+           StructuredOutputsParams(choice=CHOICES)]
+    for so in sos:
+        sp = SamplingParams(temperature=0, max_tokens=48, structured_outputs=so)
+        want = llm.generate(prompts, sp, use_tqdm=False)
+        got = fast.generate(prompts, sp, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert any(n < d for d, n in seen), "no draft was ever cut by the grammar"
+    assert fast.llm_engine.executor.num_accepted_tokens > 0
+    assert_no_leaks(fast.llm_engine)
 
 
 def test_missing_xgrammar_says_how_to_install(llm, monkeypatch):

@@ -182,3 +182,64 @@ def test_chat_logprobs_mistakes_are_400(server, body, param):
              {"messages": [{"role": "user", "content": "hi"}], **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def vllm_shape(entries: list, k: int) -> list:
+    """The Python API's prompt entries in vLLM's wire shape, trimmed to the prompt token and
+    the top k: what ``prompt_logprobs: k`` must return."""
+    out = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        first = next(iter(e))
+        out.append({str(t): {"logprob": max(v.logprob, -9999.0), "rank": v.rank,
+                             "decoded_token": v.decoded_token}
+                    for t, v in e.items() if t == first or v.rank <= k})
+    return out
+
+
+def assert_prompt_logprobs(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        if w is None:
+            assert g is None
+            continue
+        assert g.keys() == w.keys()
+        for t in w:
+            assert g[t]["rank"] == w[t]["rank"] and g[t]["decoded_token"] == w[t]["decoded_token"]
+            assert g[t]["logprob"] == pytest.approx(w[t]["logprob"], abs=ATOL)
+
+
+def test_vllm_prompt_logprobs_field(server, ref, labkit_tiny):
+    """vLLM's ``prompt_logprobs: k``: per choice on completions (streamed: with a choice's first
+    chunk), beside the choices on chat; equal to the Python API's ``prompt_logprobs``, and
+    trimmed to k when an echo asked the engine for more."""
+    tok = labkit_tiny[1]
+    prompt = "import os\nprint(os.getcwd())"
+    want = ref.generate([prompt], SamplingParams(temperature=0, max_tokens=1,
+                                                 prompt_logprobs=3))[0].prompt_logprobs
+    assert len(want) == len(tok.encode(prompt))
+    for k, extra in ((1, {}), (0, {"echo": True, "logprobs": 3})):
+        body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "prompt_logprobs": k,
+                "n": 2, **extra}
+        r = post(server, "/v1/completions", body)
+        assert r.status_code == 200, r.text
+        for ch in r.json()["choices"]:
+            assert_prompt_logprobs(ch["prompt_logprobs"], vllm_shape(want, k))
+        chunks = stream(server, "/v1/completions", body)
+        firsts = [c["choices"][0] for c in chunks if "prompt_logprobs" in c["choices"][0]]
+        assert sorted(c["index"] for c in firsts) == [0, 1]
+        for c in firsts:
+            assert_prompt_logprobs(c["prompt_logprobs"], vllm_shape(want, k))
+    messages = [{"role": "user", "content": "hi"}]
+    chat_want = ref.generate([chatml(messages)], SamplingParams(
+        temperature=0, max_tokens=1, prompt_logprobs=2))[0].prompt_logprobs
+    r = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2,
+                                              "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    assert_prompt_logprobs(r.json()["prompt_logprobs"], vllm_shape(chat_want, 2))
+    for bad in (-1, 21, True, "2"):
+        r = post(server, "/v1/completions", {"prompt": prompt, "prompt_logprobs": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+    idle(server)
