@@ -54,6 +54,7 @@ from labkit.serve.async_llm import AsyncLLM
 from labkit.serve.chat import chatml
 from labkit.serve.limits import Authenticator
 from labkit.serve.metrics import ServerMetrics
+from labkit.serve.model_card import assign_seed, model_card, seeder
 from labkit.serve.protocol import APIError, bad
 from labkit.serve.read_timeout import READ_TIMED_OUT
 from labkit.serve.structured import add_error
@@ -82,6 +83,8 @@ class ServeConfig:
     # `labkit serve`, whose process is the server's alone; off for a server started inside a
     # notebook or a test, whose heap is not the server's to freeze
     freeze_gc: bool = False
+    seed: int | None = None  # --seed (labkit.serve.model_card.assign_seed)
+    features: dict[str, Any] = field(default_factory=dict)  # shown in /v1/models
 
 
 class ServerState:
@@ -91,6 +94,7 @@ class ServerState:
                  chat_template: Any = None) -> None:
         self.llm, self.tokenizer, self.config = llm, tokenizer, config
         self.render_chat = chat_template or chatml
+        self.seeds = seeder(config.seed)
         self.metrics = ServerMetrics(llm, config.model_name)
         llm.on_step = self.metrics.on_step
         self.auth = Authenticator(config.api_keys, config.rate_limit_rps,
@@ -216,6 +220,7 @@ async def _admit(state: ServerState, request: Request, kind: str) -> serving.Cal
     d = protocol.parse_json(await read_body(request, cfg.max_body_bytes))
     parsed = protocol.parse_request(d, kind, served_model=cfg.model_name,
                                     vocab_size=state.vocab_size, max_n=cfg.max_n)
+    assign_seed(state.seeds, parsed.params)  # --seed: unseeded requests get one, in order
     parsed.extra["return_token_ids"] = protocol._bool(d, "return_token_ids")
     ids = _tokenize(state, parsed)
     parsed.extra["prompt_token_ids"] = ids  # echoed with return_token_ids (router failover)
@@ -388,9 +393,8 @@ def build_app(llm: AsyncLLM, tokenizer: Any, config: ServeConfig | None = None,
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{
-            "id": config.model_name, "object": "model", "created": 0, "owned_by": "labkit",
-            "max_model_len": state.max_model_len}]}
+        return {"object": "list", "data": [model_card(config.model_name, state.max_model_len,
+                                                      config.features)]}
 
     @app.get("/health")
     async def health() -> Response:

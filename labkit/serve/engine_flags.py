@@ -7,6 +7,7 @@
     --kv-cache-dtype auto|int8|fp8     the paged KV pool's element type
     --attention-backend torch|triton   the paged-attention implementation
     --enable-prefix-caching / --no-enable-prefix-caching
+    --seed S                           seeds for unseeded requests (not an engine setting)
 
 Why here and not in the launcher: the same names must reach both engine homes (a thread of the
 server, or the engine process through a pickled EngineSpec), so they travel as plain values in
@@ -54,6 +55,15 @@ def add_feature_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None, help="reuse the KV of shared prompt prefixes (default on)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="requests without a seed get one from a generator seeded with this, "
+                   "in arrival order (labkit/serve/model_card.py)")
+
+
+def features_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The feature flags a server was started with (those given), for ``/v1/models``."""
+    names = (*FEATURE_FLAGS, "seed", "tensor_parallel_size", "dtype")
+    return {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
 
 
 def check_features(model: str, kw: dict[str, Any]) -> None:

@@ -125,3 +125,32 @@ def test_impossible_combinations_exit_2_at_start(argv, capsys):
         main(argv + ["--engine-mode", "thread"])
     assert e.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_seed_and_features_in_v1_models(labkit_tiny):
+    """``--seed``: unseeded sampled requests get seeds from the server's seeded generator, so a
+    restarted server with the same seed answers the same request sequence with the same text
+    (and a different seed does not); ``/v1/models`` names the features the server runs."""
+    from labkit.serve.engine_flags import features_of
+
+    args = build_parser().parse_args(["labkit-tiny", "--seed", "7", "--kv-cache-dtype", "int8",
+                                      "--speculative-config", NGRAM])
+    feats = features_of(args)
+    assert feats["seed"] == 7 and feats["kv_cache_dtype"] == "int8"
+    assert feats["speculative_config"]["method"] == "ngram"
+    m, tok = labkit_tiny
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0}
+
+    def texts(seed: int | None) -> list[str]:
+        eng, _, _ = build_engine("labkit-tiny", num_blocks=64, max_num_seqs=4)
+        cfg = ServeConfig(model_name=NAME, seed=seed, features={"seed": seed})
+        with ServerThread(eng, tok, cfg) as srv:
+            card = httpx.get(srv.url + "/v1/models").json()["data"][0]
+            assert card["labkit"] == {"seed": seed}
+            return [httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
+                    ["choices"][0]["text"] for _ in range(3)]
+
+    first, again, other = texts(7), texts(7), texts(8)
+    assert first == again
+    assert len(set(first)) > 1  # each request its own seed, not one seed for all
+    assert other != first
