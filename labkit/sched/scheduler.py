@@ -26,6 +26,13 @@ single watermark, a fraction of the blocks (1%) that must stay free after an adm
 keeps none; TGI admits by token budget, reserving blocks for prompt + ``max_new_tokens`` within
 ``max_batch_total_tokens``, so it never preempts.
 
+Admission policies (:class:`AdmissionPolicy`, one optional object handed to the scheduler): a
+feature above the scheduler that limits who may *start* running says so through
+``can_run(seq, running)``, instead of a branch in this loop. LoRA's is the one user: at most
+``max_loras`` distinct adapters may be running at once (vLLM hard-codes the same check in its
+scheduler), so a request whose adapter would be one too many is skipped and stays queued in its
+place while later ones (the base model, a resident adapter) are admitted past it.
+
 ``batching="static"``: take a batch of up to max_num_seqs waiting requests when nothing runs, run
 it to completion, then the next — the baseline continuous batching is compared with.
 
@@ -41,7 +48,7 @@ import bisect
 import heapq
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from labkit.config import BATCHING, POLICIES, PREEMPTION_MODES, SchedulerConfig
 from labkit.kv.block_manager import BlockManager
@@ -50,8 +57,9 @@ from labkit.sched.policies_fair import FairShare, preempt_for_waiting
 from labkit.sched.request import Request, Sequence, SequenceStatus
 from labkit.utils import cdiv
 
-__all__ = ["BATCHING", "POLICIES", "PREEMPTION_MODES", "ScheduledSeq", "Scheduler",
-           "SchedulerConfig", "SchedulerOutput", "SeqOutput", "StopChecker", "policy_key"]
+__all__ = ["AdmissionPolicy", "BATCHING", "POLICIES", "PREEMPTION_MODES", "ScheduledSeq",
+           "Scheduler", "SchedulerConfig", "SchedulerOutput", "SeqOutput", "StopChecker",
+           "policy_key"]
 
 
 def stop_string_hit(tokenizer: Any, seq: Any) -> bool:
@@ -97,10 +105,21 @@ def policy_key(policy: str, req: Request, seq_index: int) -> tuple:
     return (req.arrival_time, req.index, seq_index)
 
 
+class AdmissionPolicy(Protocol):
+    """May ``seq`` join ``running`` now? Asked for each waiting request before it is admitted
+    (a refused one is skipped and keeps its place in the queue) and for each swapped sequence
+    before it comes back (a refused one waits at the head of the swap queue). Running
+    sequences are never asked again: a policy limits entry, never preempts."""
+
+    def can_run(self, seq: Sequence, running: list[Sequence]) -> bool: ...
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 clock: Callable[[], float], stop_checker: StopChecker | None = None) -> None:
+                 clock: Callable[[], float], stop_checker: StopChecker | None = None,
+                 admission: AdmissionPolicy | None = None) -> None:
         self.config = config
+        self.admission = admission  # None: every request may run (see AdmissionPolicy)
         self.bm = block_manager
         self.clock = clock
         self.stop_checker = stop_checker or StopChecker()
@@ -317,7 +336,7 @@ class Scheduler:
             lookahead = 0 if seq.is_prefill else cfg.num_lookahead_slots
             need = max(len(seq.cpu_block_table),
                        cdiv(seq.num_computed_tokens + num_new + lookahead, bm.block_size))
-            if need > bm.pool.num_available:
+            if need > bm.pool.num_available or not self._may_run(seq):
                 break
             self.swapped.popleft()
             bm.swap_in(seq)
@@ -329,6 +348,9 @@ class Scheduler:
             scheduled.append(self._scheduled(seq, num_new, seq.is_prefill))
             budget -= num_new
         return budget
+
+    def _may_run(self, seq: Sequence) -> bool:
+        return self.admission is None or self.admission.can_run(seq, self.running)
 
     def _watermark_ok(self) -> bool:
         usage = self.bm.pool.num_used / self.bm.num_blocks
@@ -353,6 +375,17 @@ class Scheduler:
             width += seq.request.n
 
     def _admit(self, scheduled: list[ScheduledSeq], budget: int) -> int:
+        """Waiting requests in policy order while the limits allow; one the admission policy
+        refuses is set aside and pushed back in its place afterwards."""
+        skipped: list[Sequence] = []
+        try:
+            return self._admit_loop(scheduled, budget, skipped)
+        finally:
+            for seq in skipped:
+                heapq.heappush(self.waiting, (seq.sort_key, seq))
+
+    def _admit_loop(self, scheduled: list[ScheduledSeq], budget: int,
+                    skipped: list[Sequence]) -> int:
         cfg, bm = self.config, self.bm
         static = cfg.batching == "static"
         if static and not self.running and not self.swapped and not self.static_queue:
@@ -368,6 +401,11 @@ class Scheduler:
             width = 1 + req.num_pending_forks  # samples it will fork into
             if len(self.running) + width > cfg.max_num_seqs:
                 break
+            if not self._may_run(seq):
+                if static:
+                    break
+                skipped.append(heapq.heappop(self.waiting)[1])
+                continue
             blocks, hashes = bm.find_cached_prefix(seq)
             num_new = seq.num_tokens - len(blocks) * bm.block_size
             if num_new > budget and not cfg.enable_chunked_prefill:
