@@ -17,9 +17,13 @@ Which slot each token uses is set once per forward on the one :class:`LoRAContex
 share (vLLM's punica wrapper ``update_metadata``); the layers only read it. Outside the engine
 (no context set) the wrapped model is the base model.
 
-Fused projections (``labkit.model.fuse``) are refused with a :class:`LoRAError`: the fused
-``project_qkv`` / ``gate_up`` call one concatenated matmul and never the per-projection modules
-this wraps, so an adapter would be silently skipped. Apply LoRA to the unfused model.
+Fused projections (``labkit.model.fuse``) work per output slice: the fused ``project_qkv`` /
+``gate_up`` run one concatenated matmul and never call the per-projection modules, so for a
+fused layer the transform also replaces those two seams with one that splits the fused output
+as before and adds each slice's delta through that projection's :class:`LoRALinear`
+(:meth:`LoRALinear.add_lora`; the slices are exactly the HF weights q, k, v / gate, up). The
+base arithmetic stays one matmul; only the low-rank parts are per projection (as vLLM's
+``MergedColumnParallelLinearWithLoRA`` does).
 """
 
 from __future__ import annotations
@@ -32,7 +36,6 @@ from torch import nn
 from labkit.errors import LoRAError
 from labkit.lora.adapter import SUPPORTED_MODULES
 from labkit.lora.ops import bgmv_expand, bgmv_shrink
-from labkit.model.fuse import is_fused
 
 
 class LoRAContext:
@@ -88,26 +91,28 @@ class LoRALinear(nn.Module):
         self.scalings[slot] = scaling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base_layer(x)
+        return self.add_lora(x, self.base_layer(x))
+
+    def add_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` (this projection's base output for ``x``) plus each token's adapter delta.
+        In place when ``y`` is contiguous; a fused layer's slice (a strided view) is copied
+        first, so the fused output is never written through."""
         ctx = self.context
         if not ctx.any_lora:
             return y
         slots = ctx.token_slots
-        x2, y2 = x.reshape(-1, self.in_features), y.view(-1, self.out_features)
+        x2, y2 = x.reshape(-1, self.in_features), y.reshape(-1, self.out_features)
         if x2.shape[0] != slots.shape[0]:  # a stale context would apply the wrong adapters
             raise RuntimeError(f"LoRA context has {slots.shape[0]} token slots for a forward "
                                f"of {x2.shape[0]} tokens")
         ctx.expand(y2, ctx.shrink(x2, self.lora_a, slots), self.lora_b, slots, self.scalings)
-        return y
+        return y2.view(y.shape)
 
 
 def apply_lora(model: nn.Module, max_loras: int, max_lora_rank: int,
                context: LoRAContext | None = None) -> tuple[LoRAContext, dict[str, LoRALinear]]:
     """Wrap the model's projections in place; returns the shared context and the wrapped
     layers by module path (``model.layers.0.self_attn.q_proj``, PEFT's names)."""
-    if is_fused(model):
-        raise LoRAError("the model's projections are fused (labkit.model.fuse): LoRA wraps the "
-                        "separate q/k/v/gate/up layers; apply LoRA to the unfused model")
     if any(isinstance(m, LoRALinear) for m in model.modules()):
         raise LoRAError("the model already has LoRA layers (an engine was built on it with "
                         "enable_lora=True); load a fresh model")
@@ -123,7 +128,25 @@ def apply_lora(model: nn.Module, max_loras: int, max_lora_rank: int,
         layers[name] = wrapped
     if not layers:
         raise LoRAError("the model has no q/k/v/o/gate/up/down projections to adapt")
+    _adapt_fused_seams(model)
     return ctx, layers
+
+
+def _adapt_fused_seams(model: nn.Module) -> None:
+    """For each fused q|k|v or gate|up (labkit.model.fuse), let the seam add the slices'
+    deltas (see the module doc)."""
+    for layer in getattr(getattr(model, "model", None), "layers", []):
+        a, m = layer.self_attn, layer.mlp
+        if hasattr(a, "qkv_proj"):
+            a.project_qkv = _per_slice(a.qkv_proj, [a.q_proj, a.k_proj, a.v_proj])
+        if hasattr(m, "gate_up_proj"):
+            m.gate_up = _per_slice(m.gate_up_proj, [m.gate_proj, m.up_proj])
+
+
+def _per_slice(fused: nn.Module, parts: list[LoRALinear]) -> Callable:
+    def project(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(p.add_lora(x, y) for p, y in zip(parts, fused(x)))
+    return project
 
 
 def lora_targets(layers: dict[str, LoRALinear]) -> dict[str, tuple[int, int]]:
