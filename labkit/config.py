@@ -306,10 +306,10 @@ class EngineConfig:
                                     "(the CPU pool)")
         if self.speculative is not None:  # resolved before any scheduler exists
             sched.num_lookahead_slots = self.speculative.num_speculative_tokens
-        if self.lora is not None and (self.speculative is not None or self.parallel.uses_workers):
+        if self.lora is not None and self.parallel.uses_workers:
             raise EngineConfigError("enable_lora works with the single-process model executor "
-                                    "in this version: drop speculative_config and tensor "
-                                    "parallelism, or run without LoRA")
+                                    "in this version: drop tensor parallelism, or run without "
+                                    "LoRA")
 
     @classmethod
     def from_kwargs(cls, *, speculative_config: Any = None, enable_lora: bool = False,

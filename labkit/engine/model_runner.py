@@ -12,9 +12,11 @@ logits kept for every position) and the draft model (its own runner over its own
 
 The one place where owners matter is a per-step hook (``ModelRunner.step_hooks``): a feature
 whose layers act per token by request (LoRA: which adapter each token runs through, vLLM's
-``set_active_loras``) gets ``(owners, query_lens)`` once per forward, after packing and before
-the model runs. ``owners`` is one object per chunk, given by the caller
-(``ModelExecutor.execute`` passes the scheduled ``Sequence`` of each chunk) or None.
+``set_active_loras``) is entered as a context manager ``hook(owners, query_lens)`` around each
+forward, after packing: it sets its per-token state before the model runs and clears it after,
+so no later forward sees a stale one. ``owners`` is one object per chunk, given by the caller
+(``ModelExecutor.execute`` and the speculative verify pass give the scheduled ``Sequence`` of
+each chunk) or None.
 
 Per-step Python overhead decides CPU throughput with a small model, so inputs are built with a
 few list operations and one tensor per input (no per-layer work here).
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
 import torch
@@ -39,7 +42,8 @@ from labkit.sched.request import Sequence
 from labkit.sched.scheduler import SchedulerOutput
 
 Chunk = tuple[Seq[int], int, list[int]]  # (block table, start position, token ids)
-StepHook = Callable[[Seq[Any] | None, list[int]], None]  # (chunk owners or None, query lens)
+# (chunk owners or None, query lens) -> a context entered around the forward
+StepHook = Callable[[Seq[Any] | None, list[int]], AbstractContextManager]
 
 
 class ModelRunner:
@@ -86,11 +90,13 @@ class ModelRunner:
         self.kv_cache.begin_step(slots, [c[0] for c in chunks], qlens, ctx)
         dev = self.device
         try:
-            for hook in self.step_hooks:
-                hook(owners, qlens)
-            return self.model(torch.tensor([ids], device=dev), torch.tensor([pos], device=dev),
-                              self.kv_cache, torch.tensor(out_idx, dtype=torch.long, device=dev),
-                              **model_inputs)
+            with ExitStack() as hooks:
+                for hook in self.step_hooks:
+                    hooks.enter_context(hook(owners, qlens))
+                return self.model(torch.tensor([ids], device=dev),
+                                  torch.tensor([pos], device=dev), self.kv_cache,
+                                  torch.tensor(out_idx, dtype=torch.long, device=dev),
+                                  **model_inputs)
         finally:
             self.kv_cache.meta = None
 

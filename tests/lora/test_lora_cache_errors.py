@@ -132,8 +132,8 @@ def test_named_errors_for_bad_requests_and_settings(llama_dir, llama_adapters):
         labkit.LLM(model=(load_model(llama_dir), None), max_loras=2)
     with pytest.raises(EngineConfigError, match="max_cpu_loras"):
         make_llm(llama_dir, max_loras=3, max_cpu_loras=2)
-    with pytest.raises(EngineConfigError, match="speculative"):
-        make_llm(llama_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(EngineConfigError, match="tensor parallelism"):
+        make_llm(llama_dir, distributed_executor_backend="mp")
     with pytest.raises(LoRAError, match="already has LoRA layers"):
         labkit.LLM(model=(llm.model, None), enable_lora=True, block_size=4)
 

@@ -144,3 +144,30 @@ def test_streaming_steps_with_an_adapter(llama_dir, llama_adapters):
         for o in eng.step():
             seen.extend(o.new_token_ids)
     assert seen == peft_greedy(llama_dir, path, PROMPTS[0], N)
+
+
+def test_speculative_decoding_with_adapters(llama_dir, llama_adapters):
+    """The draft is the base model (a second copy of it): it knows no adapter, so base requests
+    accept (nearly) every draft and adapter requests fewer; verification keeps every output
+    equal to transformers + peft either way."""
+    reqs = [LoRARequest(n, i, str(p)) for i, (n, p) in enumerate(llama_adapters.items(), 1)]
+    spec = {"method": "draft_model", "model": load_model(llama_dir), "num_speculative_tokens": 3}
+    llm = make_llm(llama_dir, speculative_config=spec)
+    ex = llm.llm_engine.executor
+    prompt = PROMPTS[1]
+
+    def run(lora):
+        d0, a0 = ex.num_draft_tokens, ex.num_accepted_tokens
+        got = tokens(llm.generate(prompt_token_ids=[prompt], sampling_params=greedy(16),
+                                  lora_request=lora))[0]
+        assert got == peft_greedy(llama_dir, None if lora is None else lora.lora_path,
+                                  prompt, 16)
+        return (ex.num_accepted_tokens - a0) / (ex.num_draft_tokens - d0)
+
+    base_rate = run(None)
+    adapter_rates = [run(r) for r in reqs]
+    assert base_rate > 0.9 and max(adapter_rates) < base_rate
+    mixed = tokens(llm.generate(prompt_token_ids=[prompt] * 4, sampling_params=greedy(16),
+                                lora_request=[None, *reqs]))
+    assert mixed == [peft_greedy(llama_dir, None if r is None else r.lora_path, prompt, 16)
+                     for r in [None, *reqs]]
