@@ -75,7 +75,7 @@ class Executor(ABC):
                         "built without LoRA: LLM(..., enable_lora=True, max_loras=...)")
 
     def admission_policy(self) -> Any:
-        """The scheduler's :class:`~labkit.sched.scheduler.AdmissionPolicy` this executor
+        """The scheduler's :class:`~labkit.sched.admission.AdmissionPolicy` this executor
         needs (LoRA: at most ``max_loras`` adapters running), or None."""
         return None
 

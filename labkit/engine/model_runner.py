@@ -196,10 +196,11 @@ class ModelExecutor(Executor):
         owners = [sc.seq for sc in scheduler_output.scheduled]  # step_chunks keeps this order
         extra = prompt_rows(scheduler_output)  # prompt_logprobs requests' extra rows, if any
         if any(extra):
-            logits = self.runner.forward(chunks, [e + r for e, r in zip(extra, rows)], owners)
+            logits = self.runner.forward(chunks, [e + r for e, r in zip(extra, rows)],
+                                         owners=owners)
             logits, result.prompt_logprobs = split_prompt_rows(logits, extra, rows,
                                                                scheduler_output)
         else:
-            logits = self.runner.forward(chunks, rows, owners)
+            logits = self.runner.forward(chunks, rows, owners=owners)
         result.sampled_token_ids = self.runner.sample(logits, groups, result.logprobs)
         return result

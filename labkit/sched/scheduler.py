@@ -26,12 +26,8 @@ single watermark, a fraction of the blocks (1%) that must stay free after an adm
 keeps none; TGI admits by token budget, reserving blocks for prompt + ``max_new_tokens`` within
 ``max_batch_total_tokens``, so it never preempts.
 
-Admission policies (:class:`AdmissionPolicy`, one optional object handed to the scheduler): a
-feature above the scheduler that limits who may *start* running says so through
-``can_run(seq, running)``, instead of a branch in this loop. LoRA's is the one user: at most
-``max_loras`` distinct adapters may be running at once (vLLM hard-codes the same check in its
-scheduler), so a request whose adapter would be one too many is skipped and stays queued in its
-place while later ones (the base model, a resident adapter) are admitted past it.
+An optional admission policy (:mod:`labkit.sched.admission`) may refuse a waiting request (it is
+skipped and keeps its place) or a swapped one (it waits): LoRA's ``max_loras`` rule.
 
 ``batching="static"``: take a batch of up to max_num_seqs waiting requests when nothing runs, run
 it to completion, then the next — the baseline continuous batching is compared with.
@@ -48,10 +44,11 @@ import bisect
 import heapq
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from labkit.config import BATCHING, POLICIES, PREEMPTION_MODES, SchedulerConfig
 from labkit.kv.block_manager import BlockManager
+from labkit.sched.admission import AdmissionPolicy
 from labkit.sched.output import ScheduledSeq, SchedulerOutput, SeqOutput
 from labkit.sched.policies_fair import FairShare, preempt_for_waiting
 from labkit.sched.request import Request, Sequence, SequenceStatus
@@ -103,15 +100,6 @@ def policy_key(policy: str, req: Request, seq_index: int) -> tuple:
     if policy == "fair":  # served-token counter first: FairShare.rekey sets it every step
         return (0.0, req.arrival_time, req.index, seq_index)
     return (req.arrival_time, req.index, seq_index)
-
-
-class AdmissionPolicy(Protocol):
-    """May ``seq`` join ``running`` now? Asked for each waiting request before it is admitted
-    (a refused one is skipped and keeps its place in the queue) and for each swapped sequence
-    before it comes back (a refused one waits at the head of the swap queue). Running
-    sequences are never asked again: a policy limits entry, never preempts."""
-
-    def can_run(self, seq: Sequence, running: list[Sequence]) -> bool: ...
 
 
 class Scheduler:

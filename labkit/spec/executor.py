@@ -135,7 +135,7 @@ class SpecDecodeExecutor(Executor):
             hook = self.model.model.norm.register_forward_hook(self._catch_features)
         try:
             owners = [sc.seq for sc in out.scheduled]  # step_chunks' order (LoRA's hook)
-            logits = self.runner.forward(chunks, rows, owners).float().cpu()
+            logits = self.runner.forward(chunks, rows, owners=owners).float().cpu()
         finally:
             if hook is not None:
                 hook.remove()

@@ -8,6 +8,7 @@ that ignores adapters altogether."""
 from __future__ import annotations
 
 import pytest
+import tokenizers
 import torch
 
 transformers = pytest.importorskip("transformers")
@@ -20,10 +21,16 @@ KINDS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config"}
 
 
 def save_base(path, kind="llama", seed=0, **overrides):
+    """A random checkpoint plus a word-level tokenizer.json (one word per id), so that
+    ``labkit.LLM(model=folder)`` loads it as it would a real one."""
     cfg = getattr(transformers, KINDS[kind])(**{**BASE, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     model.save_pretrained(path)
+    vocab = {f"w{i}": i for i in range(cfg.vocab_size)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
     return path
 
 

@@ -21,10 +21,9 @@ N = 10
 
 
 def make_llm(base_dir, **kw):
-    """The checked interface, on a model object: the test checkpoints have no tokenizer."""
+    """The engine as vLLM's API builds it, on the checkpoint folder."""
     kw = {"block_size": 4, "enable_lora": True, "max_loras": 2, "max_lora_rank": 16, **kw}
-    return labkit.LLM(model=(load_model(base_dir), None), dtype=torch.float32, device="cpu",
-                      **kw)
+    return labkit.LLM(model=str(base_dir), dtype=torch.float32, device="cpu", **kw)
 
 
 def greedy(n=N):
@@ -118,13 +117,14 @@ def test_mixed_batch_equals_each_request_alone(llama_dir, llama_adapters):
     assert len({tuple(t) for t in alone[:4]}) == 4
 
 
-def test_preemption_with_adapters_keeps_outputs(llama_dir, llama_adapters):
-    """A pool too small for all sequences forces recompute preemption; the recomputed KV must
-    go through the same adapter again."""
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_with_adapters_keeps_outputs(llama_dir, llama_adapters, mode):
+    """A pool too small for all sequences forces preemption: recomputed KV must go through the
+    same adapter again; a swapped-out sequence comes back only while its adapter may run."""
     reqs = [LoRARequest(n, i, str(p)) for i, (n, p) in enumerate(llama_adapters.items(), 1)]
     prompts = [PROMPTS[i % 3] for i in range(4)]
-    loras = [reqs[0], None, reqs[1], reqs[0]]
-    llm = make_llm(llama_dir, num_blocks=12)
+    loras = [reqs[0], None, reqs[1], reqs[2]]
+    llm = make_llm(llama_dir, num_blocks=12, preemption_mode=mode, num_cpu_blocks=32)
     got = tokens(llm.generate(prompt_token_ids=prompts, sampling_params=greedy(16),
                               lora_request=loras))
     assert llm.llm_engine.scheduler.num_preemptions > 0
@@ -171,3 +171,16 @@ def test_speculative_decoding_with_adapters(llama_dir, llama_adapters):
                                 lora_request=[None, *reqs]))
     assert mixed == [peft_greedy(llama_dir, None if r is None else r.lora_path, prompt, 16)
                      for r in [None, *reqs]]
+
+
+def test_text_prompts_with_an_adapter(llama_dir, llama_adapters):
+    """Text in, text out: the folder's tokenizer encodes the prompt and decodes the adapter's
+    tokens (the same ids as the token-id path)."""
+    path = llama_adapters["mlp"]
+    llm = make_llm(llama_dir)
+    prompt = PROMPTS[0]
+    out = llm.generate(" ".join(f"w{i}" for i in prompt), greedy(),
+                       lora_request=LoRARequest("mlp", 1, str(path)))[0]
+    want = peft_greedy(llama_dir, path, prompt, N)
+    assert out.outputs[0].token_ids == want
+    assert out.outputs[0].text == " ".join(f"w{i}" for i in want)
