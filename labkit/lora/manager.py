@@ -10,7 +10,9 @@ Two LRU levels, as vLLM's ``LRUCacheLoRAModelManager`` / ``LRUCacheWorkerLoRAMan
   makes a step's adapters resident, evicting the least recently used adapter that is *not* in
   the step. The scheduler's admission policy (:class:`~labkit.lora.executor.LoRAAdmission`)
   guarantees a step never needs more than ``max_loras`` adapters, so a slot can always be
-  found without touching an adapter a running request uses in this step.
+  found without touching an adapter a request uses in this step. (An adapter whose running
+  requests sit a step out, for lack of token budget, may be evicted: it is copied back into a
+  slot when they next run, an extra copy, never a wrong answer.)
 
 Counters (``stats()``): disk loads, CPU evictions, slot loads and slot evictions, so a test or
 a notebook can watch the LRU work under a skewed popularity.
