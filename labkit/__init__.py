@@ -31,6 +31,8 @@ _LAZY = {
     "InvalidPromptError": "labkit.errors",
     "EngineConfigError": "labkit.errors",
     "EngineStepError": "labkit.errors",
+    "LoRAError": "labkit.errors",
+    "LoRARequest": "labkit.lora.request",
     "StructuredOutputsError": "labkit.errors",
     "export_gguf": "labkit.quant.gguf_export",
 }
@@ -40,9 +42,10 @@ __all__ = ["__version__", *_LAZY]
 
 def _register_plugins() -> None:
     """The composition root: pieces that live above (or beside) the layer that uses them are
-    plugged in here, so no layer imports upward: the speculative executor (``labkit.spec``)
-    into the engine, the Triton attention backend (``labkit.kernels``) into ``labkit.kv``. Each
-    factory imports its package only when it is first asked for."""
+    plugged in here, so no layer imports upward: the speculative and LoRA executors
+    (``labkit.spec``, ``labkit.lora``) into the engine, the Triton attention backend
+    (``labkit.kernels``) into ``labkit.kv``. Each factory imports its package only when it
+    is first asked for."""
     from labkit.engine.executor import register_executor_factory
     from labkit.kv.backends import register_attention_backend
 
@@ -56,6 +59,11 @@ def _register_plugins() -> None:
 
         return build_tp_executor(model, config)
 
+    def lora(base: Any, config: Any) -> Any:
+        from labkit.lora.executor import make_lora_executor
+
+        return make_lora_executor(base, config)
+
     def triton() -> Any:
         from labkit.kernels.backend import TritonBackend
 
@@ -63,6 +71,7 @@ def _register_plugins() -> None:
 
     register_executor_factory("speculative", speculative)
     register_executor_factory("tensor_parallel", tensor_parallel)
+    register_executor_factory("lora", lora)
     register_attention_backend("triton", triton)
 
 

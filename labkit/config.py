@@ -11,6 +11,7 @@ One object, five parts, each read by the layer it configures:
   watermarks, lookahead slots. Read by the scheduler.
 - ``speculative`` (:class:`SpeculativeConfig` or None): drafts per step and where they come from.
 - ``parallel`` (:class:`ParallelConfig`): how many devices share the model (1 today).
+- ``lora`` (:class:`LoRAConfig` or None): multi-LoRA adapter slots (``enable_lora=True``).
 
 Why one object checked in ``__post_init__``: a value that is only wrong deep inside ``step()``
 fails a whole batch of other users' requests; here it fails at construction, with what to
@@ -247,6 +248,41 @@ class ParallelConfig:
         return self.tensor_parallel_size > 1 or self.distributed_executor_backend == "mp"
 
 
+@dataclass
+class LoRAConfig:
+    """vLLM's ``LoRAConfig`` (``LLM(..., enable_lora=True, max_loras=4, max_lora_rank=16,
+    max_cpu_loras=8)``): at most ``max_loras`` adapters sit in the device slots at once (so one
+    step mixes at most that many), up to ``max_cpu_loras`` loaded adapters wait in a CPU cache
+    (LRU, :mod:`labkit.lora.manager`), and no adapter may have a rank above ``max_lora_rank``
+    (the slots are allocated at that rank). ``max_cpu_loras=None`` means ``max_loras``."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        check_int("max_loras", self.max_loras)
+        check_int("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        check_int("max_cpu_loras", self.max_cpu_loras)
+        if self.max_cpu_loras < self.max_loras:
+            raise EngineConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                                    f"({self.max_loras}), as vLLM asks: every adapter in a "
+                                    "device slot is also in the CPU cache")
+
+    @classmethod
+    def from_kwargs(cls, enable_lora: bool, kw: dict[str, Any]) -> LoRAConfig | None:
+        """Pop the LoRA settings out of ``kw``; None unless ``enable_lora``."""
+        given = {k: kw.pop(k) for k in ("max_loras", "max_lora_rank", "max_cpu_loras")
+                 if k in kw}
+        if not enable_lora:
+            if given:
+                raise EngineConfigError(f"{sorted(given)} only apply with enable_lora=True")
+            return None
+        return cls(**given)
+
+
 _PARTS = {"model": ModelSettings, "cache": CacheConfig, "scheduler": SchedulerConfig,
           "parallel": ParallelConfig}
 
@@ -258,6 +294,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         sched, cache = self.scheduler, self.cache
@@ -269,11 +306,17 @@ class EngineConfig:
                                     "(the CPU pool)")
         if self.speculative is not None:  # resolved before any scheduler exists
             sched.num_lookahead_slots = self.speculative.num_speculative_tokens
+        if self.lora is not None and self.parallel.uses_workers:
+            raise EngineConfigError("enable_lora works with the single-process model executor "
+                                    "in this version: drop tensor parallelism, or run without "
+                                    "LoRA")
 
     @classmethod
-    def from_kwargs(cls, *, speculative_config: Any = None, **kw: Any) -> EngineConfig:
+    def from_kwargs(cls, *, speculative_config: Any = None, enable_lora: bool = False,
+                    **kw: Any) -> EngineConfig:
         """The flat keyword arguments of ``LLM(...)`` / ``LLMEngine.from_model(...)``, sorted
         into the parts by field name (``block_size`` -> cache, ``policy`` -> scheduler, ...)."""
+        lora = LoRAConfig.from_kwargs(enable_lora, kw)
         parts: dict[str, dict[str, Any]] = {name: {} for name in _PARTS}
         owner = {f.name: name for name, klass in _PARTS.items() for f in fields(klass)}
         for key, value in kw.items():
@@ -285,7 +328,7 @@ class EngineConfig:
         spec = (None if speculative_config is None
                 else SpeculativeConfig.from_dict(speculative_config))
         return cls(**{name: _PARTS[name](**args) for name, args in parts.items()},
-                   speculative=spec)
+                   speculative=spec, lora=lora)
 
     @property
     def max_model_len(self) -> int:

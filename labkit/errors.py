@@ -37,6 +37,12 @@ class SpeculativeConfigError(EngineConfigError):
     """The speculative_config cannot work with this target model (a kind of engine setting)."""
 
 
+class LoRAError(ValueError):
+    """A LoRA adapter cannot be served: a folder that is not a PEFT LoRA adapter, a rank above
+    ``max_lora_rank``, a target module the model lacks, shapes that do not match the base model,
+    or a request carrying an adapter to an engine built without ``enable_lora=True``."""
+
+
 class EngineStepError(RuntimeError):
     """A step failed; the requests it touched were failed (finish reason ``"abort"``) and freed.
 

@@ -11,7 +11,8 @@ The layers, bottom to top (a module may import its own layer or any layer below)
     4  labkit.sched                                   requests, the scheduler
     5  labkit.engine                                  LLM, LLMEngine, executors, trace
     6  labkit.spec, labkit.sim, labkit.parallel,      features built on the engine
-       labkit.quant, labkit.train, labkit.compress
+       labkit.quant, labkit.train, labkit.compress,
+       labkit.lora
     7  labkit.serve                                   the HTTP service
     8  labkit.router                                  many servers behind one address
     9  labkit.viz, labkit.bench, labkit.exercises,    what a learner runs, and the package
@@ -48,7 +49,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("labkit.sched",),
     ("labkit.engine",),
     ("labkit.spec", "labkit.sim", "labkit.parallel", "labkit.quant", "labkit.train",
-     "labkit.compress"),
+     "labkit.compress", "labkit.lora"),
     ("labkit.serve",),
     ("labkit.router",),
     ("labkit.viz", "labkit.bench", "labkit.exercises", "labkit.cli", "labkit"),

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from labkit.errors import EngineConfigError
+from labkit.errors import EngineConfigError, LoRAError
 
 if TYPE_CHECKING:  # annotations only: this module stays light (labkit/__init__ imports it)
     from labkit.kv.block_manager import BlockOps
@@ -66,6 +66,18 @@ class Executor(ABC):
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release what outlives a step (worker processes of a parallel executor)."""
+
+    def add_lora(self, lora_request: Any) -> None:
+        """vLLM's ``add_lora``: load (or find cached) the adapter a request names, checked
+        against the model, so a bad adapter fails ``add_request``, never a step. Only the LoRA
+        executor (``labkit.lora``, ``enable_lora=True``) serves adapters."""
+        raise LoRAError(f"request asks for LoRA adapter {lora_request!r} but the engine was "
+                        "built without LoRA: LLM(..., enable_lora=True, max_loras=...)")
+
+    def admission_policy(self) -> Any:
+        """The scheduler's :class:`~labkit.sched.admission.AdmissionPolicy` this executor
+        needs (LoRA: at most ``max_loras`` adapters running), or None."""
+        return None
 
 
 # ---- factories for executors that live above the engine (dependency injection) ----------------

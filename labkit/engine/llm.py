@@ -28,7 +28,9 @@ class LLM:
     fields (``block_size``, ``max_num_seqs``, ``enable_prefix_caching``, ``policy``,
     ``kv_cache_dtype``, ``attention_backend``, ``speculative_config``, ...), checked once there.
     ``dtype`` ("auto" | "float32" | "bfloat16" | "float16") and ``device`` place the model.
-    ``profile=True`` times each step's phases (``llm.profiler``, ``labkit.engine.profiler``)."""
+    ``profile=True`` times each step's phases (``llm.profiler``, ``labkit.engine.profiler``).
+    ``enable_lora=True, max_loras=4, max_lora_rank=16, max_cpu_loras=8`` serve LoRA adapters
+    (``labkit.lora``): ``generate(..., lora_request=LoRARequest(name, int_id, path))``."""
 
     def __init__(self, model: Any = "labkit-tiny", *, tokenizer: Any = None,
                  device: str | torch.device | None = None, dtype: Any = None,
@@ -80,8 +82,11 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, prompt_token_ids: Sequence[Sequence[int]] | None = None,
                  use_tqdm: bool = False, priority: Sequence[int] | None = None,
-                 cache_salt: str | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+                 cache_salt: str | None = None, lora_request: Any = None
+                 ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order. ``lora_request``
+        (vLLM's): None (the base model), one ``LoRARequest`` for every prompt, or a list with
+        one per prompt (None = the base model for that prompt); one step mixes them."""
         items = _prompt_items(prompts, prompt_token_ids)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -91,20 +96,25 @@ class LLM:
             raise InvalidPromptError(f"{len(params)} sampling params for {len(items)} prompts")
         if priority is not None and len(priority) != len(items):
             raise InvalidPromptError(f"{len(priority)} priorities for {len(items)} prompts")
-        ids = self._add_all(items, params, priority, cache_salt)
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(items))
+        if len(loras) != len(items):
+            raise InvalidPromptError(f"{len(loras)} lora requests for {len(items)} prompts")
+        ids = self._add_all(items, params, priority, cache_salt, loras)
         self._run(ids, use_tqdm)
         return [self.request_output(rid, items[i] if isinstance(items[i], str) else None)
                 for i, rid in enumerate(ids)]
 
     def _add_all(self, items: list[Any], params: list[SamplingParams],
-                 priority: Sequence[int] | None, cache_salt: str | None) -> list[str]:
+                 priority: Sequence[int] | None, cache_salt: str | None,
+                 loras: list[Any]) -> list[str]:
         eng, ids = self.llm_engine, []
         try:
             for i, (p, sp) in enumerate(zip(items, params)):
                 rid = f"gen-{self._counter}"
                 self._counter += 1
                 eng.add_request(rid, p, sp, priority=priority[i] if priority else 0,
-                                cache_salt=cache_salt)
+                                cache_salt=cache_salt, lora_request=loras[i])
                 ids.append(rid)
         except BaseException:  # bad input, a tokenizer error, Ctrl-C: queue nothing
             for rid in ids:

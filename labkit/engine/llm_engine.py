@@ -64,7 +64,8 @@ class LLMEngine:
         self.clock = clock or WallClock()
         self.block_manager = BlockManager.from_config(config.cache)
         stop = StopChecker(config.model.eos_token_ids, config.max_model_len, tokenizer)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.clock.now, stop)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.clock.now, stop,
+                                   executor.admission_policy())
         self.executor = executor
         self.structured_output_manager = StructuredOutputManager(
             tokenizer, config.model.vocab_size, tuple(config.model.eos_token_ids))
@@ -103,6 +104,8 @@ class LLMEngine:
             backend = get_attention_backend(config.model.attention_backend)
             kv = PagedKVCache.for_model(c, cache, model.dtype, model.device, backend)
             executor = ModelExecutor(ModelRunner(model, kv))
+        if config.lora is not None:  # adapter slots on the model's linears (labkit.lora)
+            executor = executor_factory("lora")(executor, config)
         if config.speculative is not None:
             _load_draft(config, model)
             executor = executor_factory("speculative")(executor, config)
@@ -133,9 +136,11 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int] | None,
                     params: SamplingParams | None = None, priority: int = 0,
                     cache_salt: str | None = None, arrival_time: float | None = None,
-                    prompt_token_ids: list[int] | None = None) -> Request:
+                    prompt_token_ids: list[int] | None = None,
+                    lora_request: Any = None) -> Request:
         """Validate and queue a request; every bad input raises a ValueError subclass here
-        (labkit.errors), never later inside a step."""
+        (labkit.errors), never later inside a step. A ``lora_request`` (labkit.LoRARequest) is
+        loaded and checked by the executor first (:meth:`Executor.add_lora`)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise SamplingParamsError(f"params must be a SamplingParams, got {type(params)}")
@@ -155,8 +160,10 @@ class LLMEngine:
         check_fits(self.config, request_id, ids, params, priority, self.tokenizer is not None)
         arrival = self._arrival(arrival_time)
         factory = self._logits_processor_factory(params)
+        if lora_request is not None:
+            self.executor.add_lora(lora_request)
         req = Request(request_id, ids, params, arrival, priority, cache_salt, self._num_added,
-                      factory)
+                      factory, lora_request)
         self._num_added += 1
         self.requests[request_id] = req
         self.scheduler.add_request(req)

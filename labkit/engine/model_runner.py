@@ -10,13 +10,24 @@ is what lets the speculative executor's verify pass (a chunk of ``[last token, d
 logits kept for every position) and the draft model (its own runner over its own
 ``PagedKVCache``) use this same code path.
 
+The one place where owners matter is a per-step hook (``ModelRunner.step_hooks``): a feature
+whose layers act per token by request (LoRA: which adapter each token runs through, vLLM's
+``set_active_loras``) is entered as a context manager ``hook(owners, query_lens)`` around each
+forward, after packing: it sets its per-token state before the model runs and clears it after,
+so no later forward sees a stale one. ``owners`` is one object per chunk, given by the caller
+(``ModelExecutor.execute`` and the speculative verify pass give the scheduled ``Sequence`` of
+each chunk) or None.
+
 Per-step Python overhead decides CPU throughput with a small model, so inputs are built with a
 few list operations and one tensor per input (no per-layer work here).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from contextlib import AbstractContextManager, ExitStack
+from typing import Any
 
 import torch
 
@@ -31,6 +42,8 @@ from labkit.sched.request import Sequence
 from labkit.sched.scheduler import SchedulerOutput
 
 Chunk = tuple[Seq[int], int, list[int]]  # (block table, start position, token ids)
+# (chunk owners or None, query lens) -> a context entered around the forward
+StepHook = Callable[[Seq[Any] | None, list[int]], AbstractContextManager]
 
 
 class ModelRunner:
@@ -41,6 +54,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = model.device
         self.block_size = kv_cache.block_size
+        self.step_hooks: list[StepHook] = []  # called once per forward (see the module doc)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, block_size: int, num_blocks: int,
@@ -53,11 +67,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk], logits_rows: list[list[int]],
-                **model_inputs: torch.Tensor) -> torch.Tensor:
+                owners: Seq[Any] | None = None, **model_inputs: torch.Tensor) -> torch.Tensor:
         """Run chunks in one packed forward; each block table must already cover
         ``[start, start + len)``. ``logits_rows[i]`` lists the offsets within chunk i whose
-        logits are wanted; returns them stacked ``[R, V]``. ``model_inputs`` go to the model
-        as keyword arguments (an EAGLE head's packed features)."""
+        logits are wanted; returns them stacked ``[R, V]``. ``owners`` (one per chunk) only
+        reaches the step hooks. ``model_inputs`` go to the model as keyword arguments (an
+        EAGLE head's packed features)."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -75,9 +90,13 @@ class ModelRunner:
         self.kv_cache.begin_step(slots, [c[0] for c in chunks], qlens, ctx)
         dev = self.device
         try:
-            return self.model(torch.tensor([ids], device=dev), torch.tensor([pos], device=dev),
-                              self.kv_cache, torch.tensor(out_idx, dtype=torch.long, device=dev),
-                              **model_inputs)
+            with ExitStack() as hooks:
+                for hook in self.step_hooks:
+                    hooks.enter_context(hook(owners, qlens))
+                return self.model(torch.tensor([ids], device=dev),
+                                  torch.tensor([pos], device=dev), self.kv_cache,
+                                  torch.tensor(out_idx, dtype=torch.long, device=dev),
+                                  **model_inputs)
         finally:
             self.kv_cache.meta = None
 
@@ -174,12 +193,14 @@ class ModelExecutor(Executor):
         result = ModelRunnerOutput()
         if not chunks:
             return result
+        owners = [sc.seq for sc in scheduler_output.scheduled]  # step_chunks keeps this order
         extra = prompt_rows(scheduler_output)  # prompt_logprobs requests' extra rows, if any
         if any(extra):
-            logits = self.runner.forward(chunks, [e + r for e, r in zip(extra, rows)])
+            logits = self.runner.forward(chunks, [e + r for e, r in zip(extra, rows)],
+                                         owners=owners)
             logits, result.prompt_logprobs = split_prompt_rows(logits, extra, rows,
                                                                scheduler_output)
         else:
-            logits = self.runner.forward(chunks, rows)
+            logits = self.runner.forward(chunks, rows, owners=owners)
         result.sampled_token_ids = self.runner.sample(logits, groups, result.logprobs)
         return result

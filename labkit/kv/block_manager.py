@@ -36,6 +36,12 @@ class SeqLike(Protocol):
     cpu_block_table: list[int]
     block_hashes: list[BlockHash]
     cache_salt: str | None
+    # optional: ``lora_int_id`` (int | None), the request's adapter, a prefix-cache key part;
+    # read with getattr so test doubles without it stay base-model sequences
+
+
+def _lora_id(seq: SeqLike) -> int | None:
+    return getattr(seq, "lora_int_id", None)
 
 
 @dataclass
@@ -115,7 +121,7 @@ class BlockManager:
             return [], []
         n = len(seq.token_ids) - 1
         hashes = hash_prompt_blocks(seq.token_ids[: n - n % self.block_size], self.block_size,
-                                    seq.cache_salt)
+                                    seq.cache_salt, lora_int_id=_lora_id(seq))
         blocks: list[int] = []
         for h in hashes:
             b = self.pool.lookup(h)
@@ -136,7 +142,8 @@ class BlockManager:
         tokens, table = seq.token_ids, seq.block_table
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_full):
-            parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], seq.cache_salt)
+            parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], seq.cache_salt,
+                                       _lora_id(seq))
             hashes.append(parent)
             self.pool.register(table[i], parent)
 

@@ -7,7 +7,10 @@ share block i's key exactly when they share tokens [0, (i+1)*block_size) and the
 
 Extra keys carry everything else that changes the KV for the same tokens. Here that is the
 optional per-request ``cache_salt``: tenants with different salts never share cached blocks, so
-one tenant cannot learn (by timing a prefix hit) what another tenant's prompt was.
+one tenant cannot learn (by timing a prefix hit) what another tenant's prompt was. And the
+request's LoRA adapter (``lora_int_id``, vLLM keys by the adapter too): an adapter on q/k/v
+changes every K and V after the first layer, so the same tokens under two adapters (or an
+adapter and the base model) are different KV; the same adapter shares as usual.
 
 Why sha256 over a stable byte encoding and not Python's ``hash()``:
 - ``hash()`` of a tuple is 64-bit and not collision resistant. A collision here does not raise,
@@ -35,8 +38,10 @@ def hash_block_tokens(
     parent_hash: BlockHash | None,
     token_ids: Sequence[int],
     cache_salt: str | None = None,
+    lora_int_id: int | None = None,
 ) -> BlockHash:
-    """Key of one full block given its parent's key (None for the first block)."""
+    """Key of one full block given its parent's key (None for the first block). Without an
+    adapter the bytes hashed are exactly the old ones (keys stay stable across versions)."""
     h = hashlib.sha256()
     h.update(parent_hash if parent_hash is not None else _ROOT)
     h.update(struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids))
@@ -45,6 +50,8 @@ def hash_block_tokens(
         h.update(b"S" + struct.pack("<I", len(salt)) + salt)
     else:
         h.update(b"N")
+    if lora_int_id is not None:
+        h.update(b"L" + struct.pack("<q", lora_int_id))
     return h.digest()
 
 
@@ -53,11 +60,12 @@ def hash_prompt_blocks(
     block_size: int,
     cache_salt: str | None = None,
     parent_hash: BlockHash | None = None,
+    lora_int_id: int | None = None,
 ) -> list[BlockHash]:
     """Chained keys of every *full* block of ``token_ids`` (a partial tail block has no key)."""
     hashes: list[BlockHash] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         block = token_ids[start : start + block_size]
-        parent_hash = hash_block_tokens(parent_hash, block, cache_salt)
+        parent_hash = hash_block_tokens(parent_hash, block, cache_salt, lora_int_id)
         hashes.append(parent_hash)
     return hashes

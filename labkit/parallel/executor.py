@@ -102,7 +102,10 @@ class TPRunner:
         #: (site, kind, bytes) of each collective of the last forward, in order
         self.last_calls: list[tuple[str, str, int]] = []
 
-    def forward(self, chunks: list[Chunk], rows: list[list[int]]) -> torch.Tensor:
+    def forward(self, chunks: list[Chunk], rows: list[list[int]],
+                owners: Any = None) -> torch.Tensor:
+        """``owners`` (the chunks' sequences, for ``ModelRunner.step_hooks``) stay here: the
+        ranks' runners have no step hooks (LoRA refuses tensor parallelism in this version)."""
         logits, self.last_collectives, self.last_calls = \
             self.workers.call("forward", chunks, rows)[0]
         return logits

@@ -42,6 +42,7 @@ class Sequence:
         self.cpu_block_table: list[int] = []
         self.block_hashes: list[bytes] = []
         self.cache_salt = request.cache_salt
+        self.lora_int_id = request.lora_int_id  # a prefix-cache key part (kv/prefix.py)
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self._generator: torch.Generator | None = None
@@ -109,8 +110,13 @@ class Sequence:
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: Any,
                  arrival_time: float, priority: int = 0, cache_salt: str | None = None,
-                 index: int = 0, logits_processor_factory: Any = None) -> None:
+                 index: int = 0, logits_processor_factory: Any = None,
+                 lora_request: Any = None) -> None:
         self.request_id = request_id
+        # the LoRA adapter this request runs with (labkit.lora.LoRARequest; None = the base
+        # model): data the scheduler's admission policy, the prefix cache and the LoRA
+        # executor read, as ``cache_salt`` is; the scheduler itself never looks inside it
+        self.lora_request = lora_request
         # a zero-argument callable making each sample's logits processor (structured outputs):
         # set before the first Sequence exists, so sample 0 and every fork get their own
         self.logits_processor_factory = logits_processor_factory
@@ -130,6 +136,11 @@ class Request:
         # prompt logprobs scored so far (params.prompt_logprobs); the first token has no prefix
         self.prompt_logprobs: list | None = None \
             if getattr(params, "prompt_logprobs", None) is None else [None]
+
+    @property
+    def lora_int_id(self) -> int | None:
+        """The adapter's id (vLLM's ``lora_int_id``), None for the base model."""
+        return None if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def prompt_len(self) -> int:

@@ -26,6 +26,9 @@ single watermark, a fraction of the blocks (1%) that must stay free after an adm
 keeps none; TGI admits by token budget, reserving blocks for prompt + ``max_new_tokens`` within
 ``max_batch_total_tokens``, so it never preempts.
 
+An optional admission policy (:mod:`labkit.sched.admission`) may refuse a waiting request (it is
+skipped and keeps its place) or a swapped one (it waits): LoRA's ``max_loras`` rule.
+
 ``batching="static"``: take a batch of up to max_num_seqs waiting requests when nothing runs, run
 it to completion, then the next — the baseline continuous batching is compared with.
 
@@ -45,13 +48,15 @@ from typing import Any
 
 from labkit.config import BATCHING, POLICIES, PREEMPTION_MODES, SchedulerConfig
 from labkit.kv.block_manager import BlockManager
+from labkit.sched.admission import AdmissionPolicy
 from labkit.sched.output import ScheduledSeq, SchedulerOutput, SeqOutput
 from labkit.sched.policies_fair import FairShare, preempt_for_waiting
 from labkit.sched.request import Request, Sequence, SequenceStatus
 from labkit.utils import cdiv
 
-__all__ = ["BATCHING", "POLICIES", "PREEMPTION_MODES", "ScheduledSeq", "Scheduler",
-           "SchedulerConfig", "SchedulerOutput", "SeqOutput", "StopChecker", "policy_key"]
+__all__ = ["AdmissionPolicy", "BATCHING", "POLICIES", "PREEMPTION_MODES", "ScheduledSeq",
+           "Scheduler", "SchedulerConfig", "SchedulerOutput", "SeqOutput", "StopChecker",
+           "policy_key"]
 
 
 def stop_string_hit(tokenizer: Any, seq: Any) -> bool:
@@ -99,8 +104,10 @@ def policy_key(policy: str, req: Request, seq_index: int) -> tuple:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 clock: Callable[[], float], stop_checker: StopChecker | None = None) -> None:
+                 clock: Callable[[], float], stop_checker: StopChecker | None = None,
+                 admission: AdmissionPolicy | None = None) -> None:
         self.config = config
+        self.admission = admission  # None: every request may run (see AdmissionPolicy)
         self.bm = block_manager
         self.clock = clock
         self.stop_checker = stop_checker or StopChecker()
@@ -317,7 +324,7 @@ class Scheduler:
             lookahead = 0 if seq.is_prefill else cfg.num_lookahead_slots
             need = max(len(seq.cpu_block_table),
                        cdiv(seq.num_computed_tokens + num_new + lookahead, bm.block_size))
-            if need > bm.pool.num_available:
+            if need > bm.pool.num_available or not self._may_run(seq):
                 break
             self.swapped.popleft()
             bm.swap_in(seq)
@@ -329,6 +336,9 @@ class Scheduler:
             scheduled.append(self._scheduled(seq, num_new, seq.is_prefill))
             budget -= num_new
         return budget
+
+    def _may_run(self, seq: Sequence) -> bool:
+        return self.admission is None or self.admission.can_run(seq, self.running)
 
     def _watermark_ok(self) -> bool:
         usage = self.bm.pool.num_used / self.bm.num_blocks
@@ -353,6 +363,17 @@ class Scheduler:
             width += seq.request.n
 
     def _admit(self, scheduled: list[ScheduledSeq], budget: int) -> int:
+        """Waiting requests in policy order while the limits allow; one the admission policy
+        refuses is set aside and pushed back in its place afterwards."""
+        skipped: list[Sequence] = []
+        try:
+            return self._admit_loop(scheduled, budget, skipped)
+        finally:
+            for seq in skipped:
+                heapq.heappush(self.waiting, (seq.sort_key, seq))
+
+    def _admit_loop(self, scheduled: list[ScheduledSeq], budget: int,
+                    skipped: list[Sequence]) -> int:
         cfg, bm = self.config, self.bm
         static = cfg.batching == "static"
         if static and not self.running and not self.swapped and not self.static_queue:
@@ -368,6 +389,11 @@ class Scheduler:
             width = 1 + req.num_pending_forks  # samples it will fork into
             if len(self.running) + width > cfg.max_num_seqs:
                 break
+            if not self._may_run(seq):
+                if static:
+                    break
+                skipped.append(heapq.heappop(self.waiting)[1])
+                continue
             blocks, hashes = bm.find_cached_prefix(seq)
             num_new = seq.num_tokens - len(blocks) * bm.block_size
             if num_new > budget and not cfg.enable_chunked_prefill:

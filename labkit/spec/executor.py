@@ -92,6 +92,14 @@ class SpecDecodeExecutor(Executor):
             at += len(toks)
         self._features = None
 
+    def add_lora(self, lora_request: Any) -> None:
+        """Adapters live on the target's executor (``labkit.lora``'s, a ModelExecutor); the
+        draft stays the base model, so an adapter's tokens are accepted less often."""
+        self.base.add_lora(lora_request)
+
+    def admission_policy(self) -> Any:
+        return self.base.admission_policy()
+
     def apply_block_ops(self, ops: BlockOps) -> None:
         # the draft's KV is not copied: a changed block id makes it recompute (proposers.py)
         self.base.apply_block_ops(ops)
@@ -136,7 +144,9 @@ class SpecDecodeExecutor(Executor):
             # (hooked per step: engines may share one target model object)
             hook = self.model.model.norm.register_forward_hook(self._catch_features)
         try:
-            logits = self.runner.forward(chunks, [e + r for e, r in zip(extra, rows)])
+            owners = [sc.seq for sc in out.scheduled]  # step_chunks' order (LoRA's hook)
+            logits = self.runner.forward(chunks, [e + r for e, r in zip(extra, rows)],
+                                         owners=owners)
             if any(extra):
                 logits, result.prompt_logprobs = split_prompt_rows(logits, extra, rows, out)
             logits = logits.float().cpu()
