@@ -40,14 +40,18 @@ class LLM:
         if isinstance(model, (tuple, list)):
             model, tokenizer = model
         elif not isinstance(model, torch.nn.Module):
-            from labkit.model.loader import load_pretrained, open_checkpoint
+            from labkit.model.loader import has_tokenizer, load_pretrained, open_checkpoint
 
             name = str(model)
+            # vLLM's flag; a folder without tokenizer.json (transformers' model.save_pretrained
+            # alone) runs on prompt_token_ids, and a text prompt is then a named error
+            skip = engine_settings.pop("skip_tokenizer_init", False) or not has_tokenizer(model)
             if (engine_settings.get("tensor_parallel_size", 1) != 1 or  # ranks read slices
                     engine_settings.get("distributed_executor_backend") == "mp"):
-                model, tok = open_checkpoint(model, dtype, device)
+                model, tok = open_checkpoint(model, dtype, device, skip_tokenizer_init=skip)
             else:
-                model, tok = load_pretrained(model, dtype=dtype, device=device)
+                model, tok = load_pretrained(model, dtype=dtype, device=device,
+                                             skip_tokenizer_init=skip)
             tokenizer = tokenizer or tok
         if isinstance(model, torch.nn.Module):
             if device is not None or dtype is not None:

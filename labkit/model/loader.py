@@ -178,27 +178,38 @@ class CheckpointHandle:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
+def has_tokenizer(path_or_name: str | os.PathLike) -> bool:
+    """Whether a checkpoint folder carries a tokenizer (``tokenizer.json``). A folder written by
+    transformers' ``model.save_pretrained`` alone has none: such a model still runs on token
+    ids (vLLM's ``skip_tokenizer_init``), which is how :class:`labkit.LLM` loads it."""
+    if str(path_or_name).endswith(".gguf"):
+        return True
+    return (resolve_model_path(path_or_name) / "tokenizer.json").is_file()
+
+
 def open_checkpoint(path_or_name: str | os.PathLike, dtype: torch.dtype | None = None,
-                    device: torch.device | str | None = None
-                    ) -> tuple[CheckpointHandle, Tokenizer]:
+                    device: torch.device | str | None = None, skip_tokenizer_init: bool = False
+                    ) -> tuple[CheckpointHandle, Tokenizer | None]:
     """Config and tokenizer of a checkpoint, and a handle to its weights (not read here);
     ``device`` is where the ranks will put them (cpu: gloo, cuda: NCCL)."""
     path = resolve_model_path(path_or_name)
     config = load_config(path)
     _weight_files(path)  # fail now if there are none
     eos = config.eos_token_ids
-    tok = Tokenizer.from_dir(path, config.bos_token_id, eos[0] if eos else None)
+    tok = None if skip_tokenizer_init else Tokenizer.from_dir(path, config.bos_token_id,
+                                                              eos[0] if eos else None)
     return CheckpointHandle(config, path, dtype or torch.float32,
                             torch.device(device or "cpu")), tok
 
 
 def load_pretrained(path_or_name: str | os.PathLike, dtype: torch.dtype | str | None = None,
-                    device: torch.device | str | None = None
-                    ) -> tuple[LlamaForCausalLM, Tokenizer]:
+                    device: torch.device | str | None = None, skip_tokenizer_init: bool = False
+                    ) -> tuple[LlamaForCausalLM, Tokenizer | None]:
     """(model, tokenizer) from a local Hugging Face folder or a shipped model's name.
 
     dtype defaults to float32 (exact comparisons on CPU); device defaults to CPU. A path
-    ending in ``.gguf`` is read through a memory map by :mod:`labkit.model.gguf_loader`.
+    ending in ``.gguf`` is read through a memory map by :mod:`labkit.model.gguf_loader`. A
+    missing tokenizer is an error unless ``skip_tokenizer_init`` (then the tokenizer is None).
     """
     if str(path_or_name).endswith(".gguf"):
         from labkit.model.gguf_loader import load_gguf
@@ -207,6 +218,8 @@ def load_pretrained(path_or_name: str | os.PathLike, dtype: torch.dtype | str | 
             dtype = getattr(torch, dtype)
         return load_gguf(path_or_name, dtype, device)
     model = load_model(path_or_name, dtype, device)
+    if skip_tokenizer_init:
+        return model, None
     path = resolve_model_path(path_or_name)
     eos = model.config.eos_token_ids
     try:
