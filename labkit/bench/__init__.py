@@ -19,4 +19,5 @@ BENCHMARKS = {
     "compress": "labkit.bench.compress",
     "gguf": "labkit.bench.gguf",
     "engine-gpu": "labkit.bench.engine_gpu",
+    "lm-eval": "labkit.bench.lm_eval_quant",
 }
