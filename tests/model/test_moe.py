@@ -86,7 +86,8 @@ def test_greedy_generation_matches_transformers(ckpts, name):
     ours = load_model(path)
     prompt = [5, 17, 42, 8, 3, 200, 77]
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+        ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
+                          max_new_tokens=16, do_sample=False,
                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     assert generate(ours, prompt, 16, ignore_eos=True) == ref
 
@@ -255,3 +256,19 @@ def test_parameter_counts_match_transformers(ckpts, name):
     per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
     assert cfg.num_parameters() - cfg.num_parameters(active=True) == \
         len(cfg.moe_layers) * (E - k) * per_expert
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_train_export_writes_what_transformers_loads(ckpts, tmp_path, name):
+    """labkit's save_weights writes the experts per expert, as save_pretrained does:
+    transformers and labkit both load the file back to the same logits."""
+    from labkit.train.export import save_weights
+
+    hf, path = ckpts[name]
+    ours = load_model(path)
+    out = save_weights(ours, ours.config, tmp_path / "out", dtype=torch.float32)
+    again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = _ids(6)
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, hf(ids).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(load_model(out)(ids), ours(ids), atol=0, rtol=0)
