@@ -24,8 +24,10 @@ happens once, while loading, in place (:func:`checkpoint_state_dict` is the way 
 In-memory names therefore equal transformers' ``model.state_dict()``.
 
 **Routing is visible.** Each block keeps a reference to its last forward's ``router_logits``
-[T, E] and ``topk_ids`` [T, k] (no copy); :func:`routing` collects them per layer, which is what
-the trace's expert load and the notebook's heatmap read.
+[T, E] and ``topk_ids`` [T, k] (no copy); :func:`routing` collects them per layer. The engine's
+trace reads them through :class:`ExpertLoadProbe`: each step's record of an MoE model carries
+``expert_load`` [MoE layers][E] (tokens routed to each expert in that step's forward), with the
+layers in ``trace.meta["moe_layers"]``.
 
 **Not every feature handles experts.** TP, weight quantization, GGUF export and pruning address
 weights by the dense names; they call :func:`refuse_moe` and raise
@@ -183,6 +185,27 @@ def routing(model: nn.Module) -> dict[int, RoutingRecord]:
 def expert_load(model: nn.Module) -> dict[int, list[int]]:
     """Layer index -> tokens routed to each expert in the last forward."""
     return {i: r.expert_load() for i, r in routing(model).items()}
+
+
+class ExpertLoadProbe:
+    """Called once per engine step by the trace observer (``LLMEngine.from_model`` installs it
+    for an MoE model): the expert load of the step's forward, one row per MoE layer (in
+    ``layers`` order) of E token counts, or None when no forward ran since the last call (an
+    idle or preemption-only step must not repeat the previous step's load)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.layers = model.config.moe_layers
+        self.num_experts = model.config.num_experts
+        self._last: dict[int, RoutingRecord] = {}
+
+    def __call__(self) -> list[list[int]] | None:
+        rec = routing(self.model)
+        if not rec or all(self._last.get(i) is r for i, r in rec.items()):
+            return None
+        self._last = rec
+        return [rec[i].expert_load() if i in rec else [0] * self.num_experts
+                for i in self.layers]
 
 
 def use_fused_experts(model: nn.Module, fn: FusedExperts | None) -> int:

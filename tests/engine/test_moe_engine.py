@@ -112,3 +112,59 @@ def test_speculative_decoding_with_an_moe_target(ckpts, prompts, references, dra
     assert got == references["mixtral"]
     records = [r for st in eng.trace.steps for r in st["spec"]]
     assert records and sum(len(r["proposed"]) for r in records) > 0
+
+
+def test_trace_records_expert_load_per_layer_per_step(ckpts, prompts):
+    """Each step that ran a forward carries expert_load [MoE layer][expert]; the counts equal
+    the top-k recomputed by hand (a hook on each MoE layer's input, the router weight, softmax,
+    top-k) for that step's forward, and survive the trace's JSON round trip."""
+    from labkit.engine.trace import Trace
+
+    llm = LLM(model=str(ckpts["qwen2_moe"][1]), dtype=torch.float32, device="cpu", block_size=4,
+              enable_chunked_prefill=True, max_num_batched_tokens=8)
+    model, cfg = llm.model, llm.model.config
+    by_hand: list[list[list[int]]] = []
+
+    def hook(mlp, args):
+        x = args[0].reshape(-1, cfg.hidden_size)
+        top = torch.topk(torch.softmax(x @ mlp.gate.weight.T, -1), cfg.num_experts_per_tok)
+        row = torch.bincount(top.indices.flatten(), minlength=cfg.num_experts).tolist()
+        if mlp.layer_idx == cfg.moe_layers[0]:
+            by_hand.append([])
+        by_hand[-1].append(row)
+
+    for i in cfg.moe_layers:
+        model.model.layers[i].mlp.register_forward_pre_hook(hook)
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    llm.generate(prompt_token_ids=prompts, sampling_params=sp)
+    trace = Trace.from_json(llm.llm_engine.trace.to_json())
+    assert trace.meta["moe_layers"] == cfg.moe_layers == [0, 2]
+    loads = [st["expert_load"] for st in trace.steps if "expert_load" in st]
+    assert loads == by_hand and len(loads) == sum(1 for st in trace.steps if st["scheduled"])
+    for st in trace.steps:
+        if "expert_load" in st:
+            for row in st["expert_load"]:
+                assert sum(row) == st["num_batched_tokens"] * cfg.num_experts_per_tok
+
+
+def test_expert_load_probe_skips_steps_without_a_forward(ckpts):
+    from labkit.model.loader import load_model
+    from labkit.model.moe import ExpertLoadProbe
+
+    model = load_model(ckpts["mixtral"][1])
+    probe = ExpertLoadProbe(model)
+    assert probe() is None  # nothing has run
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))
+    first = probe()
+    assert [sum(r) for r in first] == [3 * 2, 3 * 2]
+    assert probe() is None  # no forward since: an idle step must not repeat the last load
+
+
+def test_dense_trace_has_no_expert_load():
+    llm = LLM(tiny_model(0), block_size=4)
+    llm.generate(prompt_token_ids=[[1, 2, 3]],
+                 sampling_params=SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    eng = llm.llm_engine
+    assert "moe_layers" not in eng.trace.meta and not eng.observer.probes
+    assert all("expert_load" not in st for st in eng.trace.steps)
