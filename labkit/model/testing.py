@@ -5,6 +5,10 @@ needs no checkpoint: a 2-layer, 64-wide decoder with grouped-query attention (4 
 share 2 KV heads) and a 128-token vocabulary. Its weights are random, so its text is noise, but
 every engine path must still reproduce ``generate`` token for token on it, which is what the
 checks compare. One factory, so every caller means the same model by "the tiny model".
+
+:func:`tiny_moe_checkpoint` is the mixture-of-experts counterpart: a seeded random Mixtral,
+Qwen3-MoE or Qwen2-MoE written by transformers' ``save_pretrained`` (the reference is then
+transformers itself, so it needs transformers installed).
 """
 
 from __future__ import annotations
