@@ -29,6 +29,11 @@ CASES = {  # name: (architecture key, overrides)
                                                  norm_topk_prob=False)),
     "qwen2_moe": ("qwen2_moe", {}),
     "qwen2_moe-norm-top4": ("qwen2_moe", dict(norm_topk_prob=True, num_experts_per_tok=4)),
+    # windows shorter than the 33-token prompts: Qwen3-MoE slides every layer, Qwen2-MoE the
+    # even layers below max_window_layers (layers 0 and 2 here)
+    "qwen3_moe-window8": ("qwen3_moe", dict(use_sliding_window=True, sliding_window=8)),
+    "qwen2_moe-window8": ("qwen2_moe", dict(use_sliding_window=True, sliding_window=8,
+                                            max_window_layers=3)),
 }
 
 
@@ -75,6 +80,10 @@ def test_layer_specs_follow_the_config(ckpts):
     cfg = load_model(ckpts["qwen3_moe-step2-nonorm"][1]).config  # (i + 1) % 2 == 0
     assert [s.mlp for s in cfg.layer_specs()] == ["dense", "moe", "dense"]
     assert cfg.qk_norm and not cfg.norm_topk_prob
+    q3 = load_model(ckpts["qwen3_moe-window8"][1]).config
+    assert [s.sliding_window for s in q3.layer_specs()] == [8, 8]
+    q2 = load_model(ckpts["qwen2_moe-window8"][1]).config
+    assert [s.sliding_window for s in q2.layer_specs()] == [8, None, 8]
     mix = load_model(ckpts["mixtral-window8"][1]).config
     assert mix.moe_layers == [0, 1] and mix.norm_topk_prob
     assert [s.sliding_window for s in mix.layer_specs()] == [8, 8]
