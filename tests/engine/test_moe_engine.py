@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from labkit import LLM, SamplingParams
 from labkit.engine.invariants import assert_no_leaks
-from labkit.engine.llm import LLM
-from labkit.engine.sampling_params import SamplingParams
 from labkit.model.moe import routing
 from labkit.model.testing import tiny_model, tiny_moe_checkpoint
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from labkit.model import ConfigError, ModelConfig, generate, load_pretrained
+from labkit.model import ConfigError, ModelConfig, generate
 from labkit.model.loader import CheckpointError, load_model
 from labkit.model.moe import (
     SparseMoeBlock,
@@ -199,8 +199,11 @@ def test_routing_mistakes_move_the_logits(ckpts):
 
 
 def test_load_pretrained_and_low_precision(ckpts):
+    import labkit
+
     hf, path = ckpts["qwen3_moe"]
-    model, tok = load_pretrained(path)
+    model, tok = labkit.load_pretrained(path)
+    assert model.config.architecture == "Qwen3MoeForCausalLM"
     assert tok.encode("t5 t17 t42") == [5, 17, 42]
     low = load_model(path, dtype="bfloat16")
     assert low.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.bfloat16
