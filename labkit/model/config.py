@@ -133,8 +133,6 @@ class ModelConfig:
                               "'sliding_window' is null: set the window")
 
     def _check_moe(self) -> None:
-        if self.moe_intermediate_size is None:
-            self.moe_intermediate_size = self.intermediate_size
         self.mlp_only_layers = sorted(self.mlp_only_layers or [])
         e, k = self.num_experts, self.num_experts_per_tok
         if not isinstance(e, int) or e < 0:
@@ -147,7 +145,7 @@ class ModelConfig:
         if e == 0:
             return
         checks = {"num_experts_per_tok": isinstance(k, int) and 1 <= k <= e,
-                  "moe_intermediate_size": self.moe_intermediate_size >= 1,
+                  "moe_intermediate_size": self.expert_intermediate_size >= 1,
                   "decoder_sparse_step": self.decoder_sparse_step >= 1,
                   "shared_expert_intermediate_size": self.shared_expert_intermediate_size >= 0,
                   "mlp_only_layers": all(0 <= i < self.num_hidden_layers
@@ -156,6 +154,12 @@ class ModelConfig:
             if not ok:
                 raise ConfigError(f"config field {name!r} = {getattr(self, name)!r} is out of "
                                   f"range for {e} experts and {self.num_hidden_layers} layers")
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """Each expert's width: ``moe_intermediate_size``, or the dense width when unset (Mixtral;
+        a property, so ``dataclasses.replace`` of ``intermediate_size`` cannot leave it stale)."""
+        return self.moe_intermediate_size or self.intermediate_size
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether layer ``layer_idx``'s MLP is sparse (transformers' Qwen2-MoE rule)."""
@@ -209,7 +213,7 @@ class ModelConfig:
         attn += (h if self.o_proj_bias else 0) + (2 * d if self.qk_norm else 0)
         experts = self.num_experts_per_tok if active else self.num_experts
         s = self.shared_expert_intermediate_size
-        moe = (experts * 3 * h * self.moe_intermediate_size + self.num_experts * h
+        moe = (experts * 3 * h * self.expert_intermediate_size + self.num_experts * h
                + (3 * h * s + h if s else 0))
         mlps = sum(moe if self.is_moe_layer(i) else 3 * h * self.intermediate_size
                    for i in range(self.num_hidden_layers))
@@ -325,7 +329,7 @@ def _moe_hf_keys(c: ModelConfig, d: dict[str, Any]) -> None:
                 "qk_norm")
     vals = {k: d.pop(k) for k in moe_keys}
     if c.architecture == "MixtralForCausalLM":
-        if (c.moe_intermediate_size != c.intermediate_size or c.shared_expert_intermediate_size
+        if (c.expert_intermediate_size != c.intermediate_size or c.shared_expert_intermediate_size
                 or c.decoder_sparse_step != 1 or c.mlp_only_layers or not c.norm_topk_prob):
             raise ConfigError("a Mixtral config.json cannot say this MoE layout (experts as wide "
                               "as intermediate_size, renormalised top-k, every layer sparse, no "
@@ -333,7 +337,8 @@ def _moe_hf_keys(c: ModelConfig, d: dict[str, Any]) -> None:
         d.update(num_local_experts=vals["num_experts"],
                  num_experts_per_tok=vals["num_experts_per_tok"])
     elif c.architecture in MOE_ARCHITECTURES:
-        d.update({k: vals[k] for k in moe_keys[:-1]})
+        d.update({k: vals[k] for k in moe_keys[:-1]},
+                 moe_intermediate_size=c.expert_intermediate_size)
         if c.architecture == "Qwen3MoeForCausalLM":
             d.pop("shared_expert_intermediate_size")
         else:

@@ -117,7 +117,7 @@ class SparseMoeBlock(nn.Module):
         self.architecture = config.architecture
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = nn.Linear(h, config.num_experts, bias=False)
-        self.experts = Experts(config.num_experts, h, config.moe_intermediate_size)
+        self.experts = Experts(config.num_experts, h, config.expert_intermediate_size)
         s = config.shared_expert_intermediate_size
         self.shared_expert = MLP(config, intermediate_size=s) if s else None
         self.shared_expert_gate = nn.Linear(h, 1, bias=False) if s else None

@@ -265,7 +265,7 @@ def test_parameter_counts_match_transformers(ckpts, name):
     cfg = load_model(path).config
     assert cfg.num_parameters() == sum(p.numel() for p in hf.parameters())
     E, k = cfg.num_experts, cfg.num_experts_per_tok
-    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    per_expert = 3 * cfg.hidden_size * cfg.expert_intermediate_size
     assert cfg.num_parameters() - cfg.num_parameters(active=True) == \
         len(cfg.moe_layers) * (E - k) * per_expert
 
