@@ -61,6 +61,8 @@ PATHS = {
                            enable_chunked_prefill=True, max_num_batched_tokens=8,
                            max_num_seqs=3),
     "preempt": dict(block_size=4, num_blocks=14, max_num_batched_tokens=16),
+    "preempt-swap": dict(block_size=4, num_blocks=14, max_num_batched_tokens=16,
+                         preemption_mode="swap", num_cpu_blocks=32),
 }
 
 
@@ -73,8 +75,9 @@ def test_engine_greedy_equals_transformers(ckpts, prompts, references, arch, pat
     if path_name == "prefix+chunked":
         assert eng.stats()["prefix_hit_tokens"] > 0
         assert any(s["chunked"] for st in steps for s in st["scheduled"])
-    if path_name == "preempt":
-        assert any(st["preempted"] for st in steps)
+    if path_name.startswith("preempt"):
+        mode = "swap" if path_name.endswith("swap") else "recompute"
+        assert {p["mode"] for st in steps for p in st["preempted"]} == {mode}
 
 
 def test_routing_record_covers_the_last_step(ckpts, prompts):

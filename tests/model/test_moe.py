@@ -25,8 +25,10 @@ CASES = {  # name: (architecture key, overrides)
     "mixtral": ("mixtral", {}),
     "mixtral-window8": ("mixtral", dict(sliding_window=8)),
     "qwen3_moe": ("qwen3_moe", {}),
-    "qwen3_moe-step2-nonorm": ("qwen3_moe", dict(num_hidden_layers=3, decoder_sparse_step=2,
-                                                 norm_topk_prob=False)),
+    "qwen3_moe-step2-nonorm-bias": ("qwen3_moe", dict(num_hidden_layers=3,
+                                                      decoder_sparse_step=2,
+                                                      norm_topk_prob=False,
+                                                      attention_bias=True)),
     "qwen2_moe": ("qwen2_moe", {}),
     "qwen2_moe-norm-top4": ("qwen2_moe", dict(norm_topk_prob=True, num_experts_per_tok=4)),
     # windows shorter than the 33-token prompts: Qwen3-MoE slides every layer, Qwen2-MoE the
@@ -77,7 +79,7 @@ def test_in_memory_names_equal_transformers(ckpts, name):
 def test_layer_specs_follow_the_config(ckpts):
     cfg = load_model(ckpts["qwen2_moe"][1]).config  # mlp_only_layers=[1]
     assert [s.mlp for s in cfg.layer_specs()] == ["moe", "dense", "moe"]
-    cfg = load_model(ckpts["qwen3_moe-step2-nonorm"][1]).config  # (i + 1) % 2 == 0
+    cfg = load_model(ckpts["qwen3_moe-step2-nonorm-bias"][1]).config  # (i + 1) % 2 == 0
     assert [s.mlp for s in cfg.layer_specs()] == ["dense", "moe", "dense"]
     assert cfg.qk_norm and not cfg.norm_topk_prob
     q3 = load_model(ckpts["qwen3_moe-window8"][1]).config
@@ -101,7 +103,7 @@ def test_greedy_generation_matches_transformers(ckpts, name):
     assert generate(ours, prompt, 16, ignore_eos=True) == ref
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe-step2-nonorm", "qwen2_moe-norm-top4"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe-step2-nonorm-bias", "qwen2_moe-norm-top4"])
 def test_routing_record_matches_hand_recomputation(ckpts, name):
     """The record of each MoE layer equals the router recomputed by hand from the layer's
     input (captured by a hook) and the router weight: logits = x Wᵀ, top-k of the softmax."""
@@ -242,7 +244,7 @@ def test_bad_moe_configs_are_named(ckpts):
                     num_attention_heads=2, num_experts=4, num_experts_per_tok=2)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe-step2-nonorm", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe-step2-nonorm-bias", "qwen2_moe"])
 def test_config_round_trips_through_config_json(ckpts, name):
     """to_hf_dict writes what transformers reads back as the same model: the HF config built
     from it gives the same logits on the same weights, and from_hf_dict gives the same config."""
