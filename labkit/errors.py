@@ -51,3 +51,18 @@ class EngineStepError(RuntimeError):
     def __init__(self, message: str, request_ids: list[str]) -> None:
         super().__init__(message)
         self.request_ids = request_ids
+
+
+class MoEUnsupportedError(ValueError):
+    """A feature that does not handle mixture-of-experts layers yet was asked to run on an MoE
+    model (tensor parallelism, weight quantization, GGUF export, pruning...). Raised instead of
+    quietly treating the experts as something they are not; the message names the feature and
+    the architecture."""
+
+    def __init__(self, feature: str, architecture: str, moe_layers: list[int]) -> None:
+        super().__init__(
+            f"{feature} does not support mixture-of-experts models yet: this {architecture} has "
+            f"sparse MoE MLPs in layers {moe_layers}. Use a dense model for {feature}, or run "
+            "the MoE model without it.")
+        self.feature = feature
+        self.architecture = architecture

@@ -239,7 +239,9 @@ def drop_layers(model: nn.Module, keep: list[int]) -> nn.Module:
     from dataclasses import replace
 
     from labkit.model.llama import LlamaForCausalLM
+    from labkit.model.moe import refuse_moe
 
+    refuse_moe(model.config, "layer dropping (drop_layers)")  # MoE layer indices would shift
     n = model.config.num_hidden_layers
     if not keep or any(not 0 <= i < n for i in keep) or len(set(keep)) != len(keep):
         raise ValueError(f"keep must be distinct layer indices in [0, {n}), got {keep}")

@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from labkit.model.moe import refuse_moe
+
 IMPORTANCE = ("magnitude", "activation", "gradient")
 
 
@@ -69,6 +71,7 @@ class _Recorder:
 def importance(model: nn.Module, calib: torch.Tensor | None = None,
                method: str = "activation") -> dict[str, torch.Tensor]:
     """{"heads": [layers, num_heads], "channels": [layers, intermediate_size]} scores."""
+    refuse_moe(model.config, "pruning (importance)")
     if method not in IMPORTANCE:
         raise ValueError(f"method must be one of {IMPORTANCE}, got {method!r}")
     cfg = model.config
@@ -126,6 +129,7 @@ def prune_structured(model: nn.Module, scores: dict[str, torch.Tensor], head_fra
                      ffn_fraction: float) -> nn.Module:
     """A new, smaller dense model: the least important ``head_fraction`` of query heads (evenly
     per KV group) and ``ffn_fraction`` of FFN channels removed in every layer."""
+    refuse_moe(model.config, "pruning (prune_structured)")
     from labkit.model.llama import LlamaForCausalLM
 
     cfg = model.config
@@ -218,6 +222,7 @@ def reconstruct(pruned: nn.Module, dense: nn.Module, calib: torch.Tensor,
     the lost signal with no training. Front to back, each fit sees the inputs that the
     already-repaired projections produce, so errors do not pile up (the layer-wise
     reconstruction of Kwon et al. 2022; SparseGPT's sequential pass)."""
+    refuse_moe(pruned.config, "pruning (reconstruct)")
     need = 2 * max(m.in_features for m in _projections(pruned))
     if calib.numel() < need:
         raise ValueError(f"reconstruct needs at least {need} calibration tokens (twice the "
@@ -265,7 +270,9 @@ def mask_2_4(w: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def prune_masked(model: nn.Module, pattern: str, sparsity: float = 0.5
                  ) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """A copy with ``pattern`` "magnitude" (per-matrix) or "2:4" zeros; returns (model, masks)."""
+    """A copy with ``pattern`` "magnitude" (per-matrix) or "2:4" zeros; returns (model, masks).
+    Only nn.Linear weights are masked, so an MoE model (stacked experts) is refused."""
+    refuse_moe(model.config, "pruning (prune_masked)")
     model = copy.deepcopy(model)
     masks = {}
     for name, w in decoder_weights(model).items():

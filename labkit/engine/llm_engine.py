@@ -84,10 +84,13 @@ class LLMEngine:
         (``block_size``, ``num_blocks`` or ``kv_cache_bytes``, ``max_num_seqs``, ``policy``,
         ``kv_cache_dtype``, ``attention_backend``, ``speculative_config``, ...). Without
         ``num_blocks`` the pool is sized from ``kv_cache_bytes`` (default: enough for
-        max_num_seqs full-length sequences, capped at 256 MiB)."""
+        max_num_seqs full-length sequences, capped at 256 MiB). An MoE model's trace also
+        records each step's expert load (``expert_load``, :class:`labkit.model.moe.
+        ExpertLoadProbe`), read by a probe of the observer, not by the step."""
         from labkit.engine.model_runner import ModelExecutor, ModelRunner
         from labkit.kv.attention import get_attention_backend
         from labkit.kv.cache import PagedKVCache, kv_bytes_per_block
+        from labkit.model.moe import ExpertLoadProbe
 
         c = model.config
         config = EngineConfig.from_kwargs(
@@ -109,7 +112,11 @@ class LLMEngine:
         if config.speculative is not None:
             _load_draft(config, model)
             executor = executor_factory("speculative")(executor, config)
-        return cls(config, executor, tokenizer)
+        engine = cls(config, executor, tokenizer)
+        if getattr(c, "moe_layers", None) and isinstance(model, torch.nn.Module):
+            engine.trace.meta["moe_layers"] = c.moe_layers  # the rows of each expert_load
+            engine.observer.probes["expert_load"] = ExpertLoadProbe(model)
+        return engine
 
     # ---- shortcuts into the config --------------------------------------------------------------
     @property

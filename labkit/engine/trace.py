@@ -22,6 +22,7 @@ Event semantics (GPU pool unless noted), applied in order:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -150,12 +151,18 @@ class TraceObserver:
 
     Everything it needs comes in the call or is drained from where it accumulates: block events
     from the block manager, finish records (including aborts between steps) from the
-    scheduler. ``enabled = False`` (long simulations) still drains both, so nothing grows."""
+    scheduler. ``enabled = False`` (long simulations) still drains both, so nothing grows.
+
+    ``probes`` add fields from outside the engine: ``name -> callable()`` read once per recorded
+    step; a value that is not None lands in the record under ``name`` (an MoE model's
+    ``expert_load``, :class:`labkit.model.moe.ExpertLoadProbe`). The engine's step is the same
+    with or without them."""
 
     def __init__(self, trace: Trace, real_tokens: bool = True) -> None:
         self.trace = trace
         self.real_tokens = real_tokens
         self.enabled = True
+        self.probes: dict[str, Callable[[], Any]] = {}
 
     def on_request(self, request_id: str, ids: list[int], params: Any, priority: int,
                    arrival: float) -> None:
@@ -175,6 +182,10 @@ class TraceObserver:
                               finished, events, spec)
             if collectives:  # tensor parallelism only: {kind: {"count", "bytes"}}
                 rec["collectives"] = collectives
+            for name, probe in self.probes.items():
+                value = probe()
+                if value is not None:
+                    rec[name] = value
             self.trace.steps.append(rec)
 
 

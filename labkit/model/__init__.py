@@ -4,8 +4,10 @@ Owns the architecture config (``config.ModelConfig``, with each layer's ``LayerS
 layer layout that builds each layer from its spec (``layers``), the Llama-family decoder with its
 ``kv_cache.attend`` hook (``llama``), sampling filters (``sampling``), the reference
 ``generate`` with a contiguous cache that every engine path is compared with (``generate``),
-checkpoint loading (``loader``) and the tokenizer (``tokenizer``)."""
+checkpoint loading (``loader``) and the tokenizer (``tokenizer``). The sparse mixture-of-experts
+MLP (``moe``) registers itself with the layer layout when this package is imported."""
 
+from labkit.model import moe  # noqa: F401, I001 - registers the "moe" MLP kind (needs llama)
 from labkit.model.config import ConfigError, ModelConfig
 from labkit.model.generate import ContiguousKVCache, generate
 from labkit.model.llama import LlamaForCausalLM

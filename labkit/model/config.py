@@ -10,6 +10,11 @@ Per-layer choices (which attention, how far back it sees, which MLP) come from
 windows follow Hugging Face: ``layer_types`` (``"full_attention"`` / ``"sliding_attention"`` per
 layer, as Gemma 3, gpt-oss and recent Qwen2 configs carry) says which layers slide, and
 ``sliding_window`` how far; without ``layer_types`` a window means every layer (Mistral).
+
+Mixture of experts (Mixtral, Qwen3-MoE, Qwen2-MoE) is a per-layer choice too: ``num_experts > 0``
+makes layer i sparse (``LayerSpec.mlp == "moe"``, built by :mod:`labkit.model.moe`) when
+``(i + 1) % decoder_sparse_step == 0`` and i is not in ``mlp_only_layers``, as transformers'
+Qwen2-MoE decides it; the others keep the dense SwiGLU of width ``intermediate_size``.
 """
 
 from __future__ import annotations
@@ -18,9 +23,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # Hugging Face's names, per layer
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM",
+                           "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
+MOE_ARCHITECTURES = SUPPORTED_ARCHITECTURES[3:]
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                "MistralForCausalLM": "mistral"}
+                "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
+                "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe"}
+# biases on q, k, v only, never on o_proj
+_QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 
 
 class ConfigError(ValueError):
@@ -32,8 +42,9 @@ class LayerSpec:
     """What decoder layer i is built from (:mod:`labkit.model.layers` maps the names to modules).
 
     ``attention``: ``"full"`` or ``"sliding"`` (a query sees only the last ``sliding_window``
-    positions, itself included); ``mlp``: ``"dense"`` (SwiGLU). Later kinds (``"mla"``,
-    ``"moe"``) are new names here and new registry entries there, never an engine branch."""
+    positions, itself included); ``mlp``: ``"dense"`` (SwiGLU) or ``"moe"`` (a router and
+    ``num_experts`` SwiGLU experts, :mod:`labkit.model.moe`). Later kinds (``"mla"``) are new
+    names here and new registry entries there, never an engine branch."""
 
     attention: str = "full"
     sliding_window: int | None = None
@@ -60,6 +71,18 @@ class ModelConfig:
     # per layer "full_attention" | "sliding_attention"; None: every layer slides if
     # sliding_window is set (Mistral), else none does
     layer_types: list[str] | None = None
+    qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3)
+    # mixture of experts: 0 experts = every MLP dense. Each token's router picks
+    # num_experts_per_tok of num_experts SwiGLU experts of width moe_intermediate_size
+    # (None: intermediate_size, as Mixtral has it), weighted by their softmax probabilities,
+    # renormalised over the chosen ones iff norm_topk_prob.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on, sigmoid-gated expert
+    decoder_sparse_step: int = 1  # layer i is MoE iff (i + 1) % step == 0 ...
+    mlp_only_layers: list[int] | None = None  # ... and i is not listed here
     architecture: str = "LlamaForCausalLM"
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -85,6 +108,7 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         self._check_layer_types()
+        self._check_moe()
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(f"architecture {self.architecture!r} is not supported; "
                               f"labkit builds {', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -108,6 +132,45 @@ class ModelConfig:
             raise ConfigError("config field 'layer_types' names sliding_attention layers but "
                               "'sliding_window' is null: set the window")
 
+    def _check_moe(self) -> None:
+        self.mlp_only_layers = sorted(self.mlp_only_layers or [])
+        e, k = self.num_experts, self.num_experts_per_tok
+        if not isinstance(e, int) or e < 0:
+            raise ConfigError(f"config field 'num_experts' must be >= 0, got {e!r}")
+        if e and self.architecture not in MOE_ARCHITECTURES:
+            raise ConfigError(f"num_experts = {e} needs a mixture-of-experts architecture "
+                              f"({', '.join(MOE_ARCHITECTURES)}), not {self.architecture}")
+        if self.qk_norm != (self.architecture == "Qwen3MoeForCausalLM"):
+            raise ConfigError("qk_norm comes with Qwen3MoeForCausalLM and only with it")
+        if e == 0:
+            return
+        checks = {"num_experts_per_tok": isinstance(k, int) and 1 <= k <= e,
+                  "moe_intermediate_size": self.expert_intermediate_size >= 1,
+                  "decoder_sparse_step": self.decoder_sparse_step >= 1,
+                  "shared_expert_intermediate_size": self.shared_expert_intermediate_size >= 0,
+                  "mlp_only_layers": all(0 <= i < self.num_hidden_layers
+                                         for i in self.mlp_only_layers)}
+        for name, ok in checks.items():
+            if not ok:
+                raise ConfigError(f"config field {name!r} = {getattr(self, name)!r} is out of "
+                                  f"range for {e} experts and {self.num_hidden_layers} layers")
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """Each expert's width: ``moe_intermediate_size``, or the dense width when unset (Mixtral;
+        a property, so ``dataclasses.replace`` of ``intermediate_size`` cannot leave it stale)."""
+        return self.moe_intermediate_size or self.intermediate_size
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx``'s MLP is sparse (transformers' Qwen2-MoE rule)."""
+        return (self.num_experts > 0 and (layer_idx + 1) % self.decoder_sparse_step == 0
+                and layer_idx not in self.mlp_only_layers)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """The layers whose MLP is a mixture of experts (empty for a dense model)."""
+        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+
     def layer_spec(self, layer_idx: int) -> LayerSpec:
         """What layer ``layer_idx`` is: the one place the model, the KV caches and the attention
         backends learn a layer's attention kind and window from."""
@@ -115,9 +178,10 @@ class ModelConfig:
             raise IndexError(f"layer {layer_idx} of a {self.num_hidden_layers}-layer model")
         slides = self.sliding_window is not None and (
             self.layer_types is None or self.layer_types[layer_idx] == "sliding_attention")
+        mlp = "moe" if self.is_moe_layer(layer_idx) else "dense"
         if slides:
-            return LayerSpec(attention="sliding", sliding_window=self.sliding_window)
-        return LayerSpec()
+            return LayerSpec(attention="sliding", sliding_window=self.sliding_window, mlp=mlp)
+        return LayerSpec(mlp=mlp)
 
     def layer_specs(self) -> list[LayerSpec]:
         return [self.layer_spec(i) for i in range(self.num_hidden_layers)]
@@ -129,7 +193,7 @@ class ModelConfig:
 
     @property
     def o_proj_bias(self) -> bool:
-        return self.attention_bias and self.architecture != "Qwen2ForCausalLM"
+        return self.attention_bias and self.architecture not in _QKV_BIAS_ONLY
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -138,16 +202,24 @@ class ModelConfig:
             return ()
         return tuple(e) if isinstance(e, (list, tuple)) else (e,)
 
-    def num_parameters(self) -> int:
-        """Parameter count, computed from the shapes (embedding counted once if tied)."""
+    def num_parameters(self, active: bool = False) -> int:
+        """Parameter count, computed from the shapes (embedding counted once if tied).
+
+        ``active``: only the parameters one token uses (num_experts_per_tok of the experts of
+        each MoE layer), the number an MoE's compute per token follows."""
         h, d = self.hidden_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
-        attn += h if self.o_proj_bias else 0
-        mlp = 3 * h * self.intermediate_size
-        layer = attn + mlp + 2 * h
+        attn += (h if self.o_proj_bias else 0) + (2 * d if self.qk_norm else 0)
+        experts = self.num_experts_per_tok if active else self.num_experts
+        s = self.shared_expert_intermediate_size
+        moe = (experts * 3 * h * self.expert_intermediate_size + self.num_experts * h
+               + (3 * h * s + h if s else 0))
+        mlps = sum(moe if self.is_moe_layer(i) else 3 * h * self.intermediate_size
+                   for i in range(self.num_hidden_layers))
         emb = self.vocab_size * h
-        return emb * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * layer + h
+        return (emb * (1 if self.tie_word_embeddings else 2) + mlps
+                + self.num_hidden_layers * (attn + 2 * h) + h)
 
     # ---- Hugging Face config.json <-> ModelConfig -------------------------------------------
     @classmethod
@@ -181,7 +253,8 @@ class ModelConfig:
                                       "implements only the default rotary embedding")
                 rope_theta = rp.get("rope_theta", rope_theta)
         sliding, layer_types = _sliding_layers(arch, d)
-        bias = True if arch == "Qwen2ForCausalLM" else bool(d.get("attention_bias", False))
+        bias = (True if arch == "Qwen2ForCausalLM" else bool(d.get("qkv_bias", True))
+                if arch == "Qwen2MoeForCausalLM" else bool(d.get("attention_bias", False)))
         known = set(cls.__dataclass_fields__)
         return cls(
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
@@ -193,7 +266,7 @@ class ModelConfig:
             attention_bias=bias, tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
             sliding_window=sliding, layer_types=layer_types, architecture=arch,
-            extra={k: v for k, v in d.items() if k not in known},
+            extra={k: v for k, v in d.items() if k not in known}, **_moe_fields(arch, d),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -204,7 +277,14 @@ class ModelConfig:
         d["hidden_act"] = "silu"
         if self.layer_types is None:
             d.pop("layer_types")
-        if self.architecture == "Qwen2ForCausalLM":
+        _moe_hf_keys(self, d)
+        if self.architecture in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
+            if self.uses_sliding_window:
+                d["use_sliding_window"] = True
+                d["layer_types"] = [f"{s.attention}_attention" for s in self.layer_specs()]
+            else:
+                d.pop("sliding_window")
+        elif self.architecture == "Qwen2ForCausalLM":
             d.pop("attention_bias")
             if self.uses_sliding_window:  # Qwen2 ignores the window without the switch; with
                 d["use_sliding_window"] = True  # layer_types written, max_window_layers is moot
@@ -216,18 +296,79 @@ class ModelConfig:
         return d
 
 
+def _moe_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:
+    """The MoE fields of ``arch``'s config.json, with transformers' defaults where one is absent.
+
+    Mixtral: top-``num_experts_per_tok`` of ``num_local_experts`` experts of width
+    ``intermediate_size`` in every layer, always renormalised. Qwen3-MoE / Qwen2-MoE:
+    ``num_experts`` (Qwen3-MoE's config.json spells it ``num_local_experts``) of width
+    ``moe_intermediate_size``, ``norm_topk_prob``, the layer rule of ``decoder_sparse_step`` and
+    ``mlp_only_layers``; Qwen3 adds per-head q/k RMSNorm, Qwen2-MoE a shared expert."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=d.get("num_local_experts", 8),
+                    num_experts_per_tok=d.get("num_experts_per_tok", 2), norm_topk_prob=True)
+    qwen3 = arch == "Qwen3MoeForCausalLM"
+    defaults = (128, 8, 768) if qwen3 else (60, 4, 1408)
+    out = dict(num_experts=d.get("num_experts", d.get("num_local_experts", defaults[0])),
+               num_experts_per_tok=d.get("num_experts_per_tok", defaults[1]),
+               moe_intermediate_size=d.get("moe_intermediate_size", defaults[2]),
+               norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+               decoder_sparse_step=d.get("decoder_sparse_step", 1),
+               mlp_only_layers=list(d.get("mlp_only_layers") or []), qk_norm=qwen3)
+    if not qwen3:
+        out["shared_expert_intermediate_size"] = d.get("shared_expert_intermediate_size", 5632)
+    return out
+
+
+def _moe_hf_keys(c: ModelConfig, d: dict[str, Any]) -> None:
+    """Write ``c``'s MoE fields into config.json dict ``d`` under ``c.architecture``'s names."""
+    moe_keys = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
+                "qk_norm")
+    vals = {k: d.pop(k) for k in moe_keys}
+    if c.architecture == "MixtralForCausalLM":
+        if (c.expert_intermediate_size != c.intermediate_size or c.shared_expert_intermediate_size
+                or c.decoder_sparse_step != 1 or c.mlp_only_layers or not c.norm_topk_prob):
+            raise ConfigError("a Mixtral config.json cannot say this MoE layout (experts as wide "
+                              "as intermediate_size, renormalised top-k, every layer sparse, no "
+                              "shared expert): use Qwen2MoeForCausalLM")
+        d.update(num_local_experts=vals["num_experts"],
+                 num_experts_per_tok=vals["num_experts_per_tok"])
+    elif c.architecture in MOE_ARCHITECTURES:
+        d.update({k: vals[k] for k in moe_keys[:-1]},
+                 moe_intermediate_size=c.expert_intermediate_size)
+        if c.architecture == "Qwen3MoeForCausalLM":
+            d.pop("shared_expert_intermediate_size")
+        else:
+            d["qkv_bias"] = d.pop("attention_bias")
+
+
 def _sliding_layers(arch: str, d: dict[str, Any]) -> tuple[int | None, list[str] | None]:
     """(sliding_window, layer_types) as transformers reads them for ``arch``; (None, None) when
     no layer slides, so a model without windows looks the same however its config said so.
 
-    Qwen2 (transformers' Qwen2Config): the window counts only with ``use_sliding_window``; a
-    missing ``layer_types`` slides layers ``i >= max_window_layers`` (default 28). Mistral:
-    ``sliding_window`` for every layer. Llama has no window in transformers; labkit reads one
-    only beside a ``layer_types`` list. transformers' Llama and Mistral read no ``layer_types``;
-    labkit honours one where a config carries it (its own configs, which name the sliding
-    layers), so a config without one means exactly what it means to transformers.
+    Qwen2-MoE and Qwen3-MoE: no window without ``use_sliding_window``; with it, Qwen2-MoE
+    slides the layers ``layer_types`` names (default: even i below ``max_window_layers``),
+    Qwen3-MoE every layer. Mixtral is Mistral's rule. Qwen2 (transformers' Qwen2Config): the
+    window counts only with ``use_sliding_window``; a missing ``layer_types`` slides layers
+    ``i >= max_window_layers`` (default 28). Mistral: ``sliding_window`` for every layer.
+    Llama has no window in transformers; labkit reads one only beside a ``layer_types`` list.
+    transformers' Llama and Mistral read no ``layer_types``; labkit honours one where a config
+    carries it (its own configs, which name the sliding layers), so a config without one means
+    exactly what it means to transformers.
     """
     window, layer_types = d.get("sliding_window"), d.get("layer_types")
+    if arch == "Qwen2MoeForCausalLM":  # transformers' Qwen2MoeConfig.__post_init__
+        if not d.get("use_sliding_window"):
+            return None, None
+        if layer_types is None:
+            first = d.get("max_window_layers", 28)
+            layer_types = ["sliding_attention" if (i + 1) % 2 and i < first
+                           else "full_attention" for i in range(d["num_hidden_layers"])]
+    elif arch == "Qwen3MoeForCausalLM" and not d.get("use_sliding_window"):
+        window = None  # Qwen3-MoE: with the switch, every layer slides
     if arch == "Qwen2ForCausalLM":
         if not d.get("use_sliding_window"):
             window = None

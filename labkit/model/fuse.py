@@ -11,7 +11,9 @@ says why) and fuses here, in place: the concatenated weight is one new tensor, a
 ``state_dict``, checkpoint export and TP slicing see the same names and the same memory as
 before, and an in-place weight update is seen by the fused matmul too. Only the two seams
 change: :meth:`Attention.project_qkv` and :meth:`MLP.gate_up`, overridden on the instance.
-Layers whose projections are not plain ``nn.Linear`` (quantized ones) are left as they are.
+Layers whose projections are not plain ``nn.Linear`` (quantized ones) are left as they are, and
+so is a mixture-of-experts MLP (:mod:`labkit.model.moe`): its experts are already stacked
+gate|up tensors [E, 2I, H] that run through ``fused_experts``; its attention is fused as usual.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ def _fuse(parts: list[nn.Linear]) -> FusedProjection:
 @torch.no_grad()
 def fuse_projections(model: nn.Module) -> int:
     """Fuse every decoder layer's q|k|v and gate|up in place; returns how many projections
-    were fused (quantized layers are skipped). Idempotent."""
+    were fused (quantized layers and MoE MLPs, which have no gate_proj, are skipped).
+    Idempotent."""
     fused = 0
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp

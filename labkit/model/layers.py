@@ -12,13 +12,17 @@ and this module turns the answer into modules:
     make_mlp(config, i)        ◄─────────────────────── MLP_LAYERS[spec.mlp] ┘
 
 A new kind plugs in by adding an entry, never by branching the model or the engine:
-``@register_mlp("moe")`` on a sparse MLP (issue 28), ``@register_attention("mla")`` on latent
-attention (issue 33), and the config's ``layer_spec`` saying which layers use them. The KV caches
-and attention backends read the same specs (:func:`layer_sliding_windows`), so a window reaches
-``kv_cache.attend(layer_idx, ...)`` per layer; a hybrid KV manager (issue 33) groups layers by it.
+``@register_mlp("moe")`` on the sparse MLP of :mod:`labkit.model.moe` (the config's
+``num_experts``, ``decoder_sparse_step`` and ``mlp_only_layers`` pick its layers),
+``@register_attention("mla")`` on latent attention (issue 33), and the config's ``layer_spec``
+saying which layers use them. The KV caches and attention backends read the same specs
+(:func:`layer_sliding_windows`), so a window reaches ``kv_cache.attend(layer_idx, ...)`` per
+layer; a hybrid KV manager (issue 33) groups layers by it.
 
 **Storage layout = Hugging Face's names.** Every layer keeps ``q_proj, k_proj, v_proj, o_proj,
-gate_proj, up_proj, down_proj`` as separate ``nn.Linear`` modules under HF's parameter names.
+gate_proj, up_proj, down_proj`` as separate ``nn.Linear`` modules under HF's parameter names
+(an MoE layer's experts are stacked under transformers 5's in-memory names instead; features
+that need the dense names refuse MoE models by name, :func:`labkit.model.moe.refuse_moe`).
 The loader, the quantizers (``labkit.quant`` swap linears by name), the tensor-parallel shard plan
 (``labkit.parallel``), GGUF export, pruning and the lean draft all address weights by those
 names; a checkpoint loads 1:1 and exports exactly.

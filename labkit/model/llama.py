@@ -11,8 +11,10 @@ paged engine) and returns the attention output. Without a cache the layer runs p
 attention over the tokens it was given.
 
 Each decoder layer takes its attention and MLP from :mod:`labkit.model.layers`, which builds them
-from the config's per-layer spec (full or sliding attention, dense MLP; later MoE, MLA). The
-classes here register themselves there as the kinds labkit ships.
+from the config's per-layer spec (full or sliding attention, dense MLP, or the sparse MoE MLP of
+:mod:`labkit.model.moe`; later MLA). The classes here register themselves there as the kinds
+labkit ships. Qwen3's per-head q/k RMSNorm (``config.qk_norm``) is two optional modules of
+``Attention``, applied after the projection and before rotary, absent in every other model.
 """
 
 from __future__ import annotations
@@ -102,6 +104,10 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=b)
         # Llama/Mistral's attention_bias also covers o_proj; Qwen2 biases only q, k, v.
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_proj_bias)
+        self.qk_norm = config.qk_norm
+        if self.qk_norm:  # Qwen3: RMSNorm over each head of q and k, before rotary
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The one place q, k, v are projected: a fused-qkv transform replaces only this."""
@@ -114,6 +120,8 @@ class Attention(nn.Module):
         q = q.view(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is None:
             out = causal_attention(q, k, v, self.sliding_window)
@@ -124,11 +132,13 @@ class Attention(nn.Module):
 
 @register_mlp("dense")
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)). ``intermediate_size`` overrides the config's width
+    (Qwen2-MoE's shared expert is one of these, narrower or wider than the dense layers)."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int | None = None) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int | None = None,
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
-        h, i = config.hidden_size, config.intermediate_size
+        h, i = config.hidden_size, intermediate_size or config.intermediate_size
         self.gate_proj = nn.Linear(h, i, bias=False)
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)

@@ -111,7 +111,7 @@ def _weight_files(path: Path) -> list[Path]:
                           "model.safetensors.index.json (only safetensors is supported)")
 
 
-def _copy_tensors(f: Path, params: dict[str, torch.nn.Parameter], tied: bool,
+def _copy_tensors(f: Path, params: dict[str, torch.Tensor], tied: bool,
                   seen: set[str]) -> None:
     """Copy one safetensors file's tensors into ``params``, checking names and shapes."""
     with safe_open(str(f), framework="pt") as st:
@@ -133,17 +133,37 @@ def _copy_tensors(f: Path, params: dict[str, torch.nn.Parameter], tied: bool,
             seen.add(name)
 
 
+def _checkpoint_views(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor],
+                                                       dict[str, list[str]]]:
+    """On-disk names that are slices of a parameter (an MoE layer's per-expert tensors, stacked
+    in memory: :meth:`labkit.model.moe.SparseMoeBlock.checkpoint_tensors`): name -> view, and
+    parameter -> the on-disk names that fill it."""
+    views: dict[str, torch.Tensor] = {}
+    parts: dict[str, list[str]] = {}
+    for prefix, module in model.named_modules():
+        if hasattr(module, "checkpoint_tensors"):
+            for disk, (param, view) in module.checkpoint_tensors(prefix).items():
+                views[disk] = view
+                parts.setdefault(param, []).append(disk)
+    return views, parts
+
+
 def load_weights(model: LlamaForCausalLM, path: Path) -> None:
-    """Copy every tensor into the model, checking names and shapes against the config."""
+    """Copy every tensor into the model, checking names and shapes against the config.
+
+    A parameter loads from its own name, or from the on-disk tensors that are its slices."""
     params = dict(model.named_parameters())
+    views, parts = _checkpoint_views(model)
     seen: set[str] = set()
     for f in _weight_files(path):
         try:
-            _copy_tensors(f, params, model.config.tie_word_embeddings, seen)
+            _copy_tensors(f, {**params, **views}, model.config.tie_word_embeddings, seen)
         except SafetensorError as e:  # a header or a tensor cut short, or garbage
             raise _damaged(f, f"safetensors: {e}") from e
-    missing = [n for n in params if n not in seen
-               and not (n == "lm_head.weight" and model.config.tie_word_embeddings)]
+    seen |= {p for p, disk in parts.items() if all(d in seen for d in disk)}
+    missing = [d for n in params if n not in seen
+               and not (n == "lm_head.weight" and model.config.tie_word_embeddings)
+               for d in ([x for x in parts[n] if x not in seen] if n in parts else [n])]
     if missing:
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s), e.g. "
                               f"{missing[:3]}")

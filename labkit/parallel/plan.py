@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from labkit.errors import EngineConfigError
 from labkit.model.config import ModelConfig
+from labkit.model.moe import refuse_moe
 
 
 class TensorParallelError(EngineConfigError):
@@ -75,7 +76,9 @@ class ShardPlan:
 
 
 def make_plan(config: ModelConfig, world: int, rank: int) -> ShardPlan:
-    """The shard of ``rank``; raises TensorParallelError naming the count that does not divide."""
+    """The shard of ``rank``; raises TensorParallelError naming the count that does not divide.
+    The plan slices dense MLPs only: an MoE model raises MoEUnsupportedError."""
+    refuse_moe(config, "tensor parallelism")
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise TensorParallelError(f"tensor_parallel_size must be a positive integer, got {world!r}")
     if not 0 <= rank < world:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from labkit.model.moe import refuse_moe
 from labkit.quant.calib import check_calibration, hooks, run_to_layer
 from labkit.quant.errors import resolve_group_size
 from labkit.quant.linear import AWQLinear
@@ -162,6 +163,7 @@ def awq_quantize_model(model: nn.Module, calibration: torch.Tensor, *, group_siz
     Activation statistics use every calibration token; the α search's output loss replays only
     the first ``search_batches`` batches (None = all), which is what makes it affordable on CPU.
     """
+    refuse_moe(model.config, "weight quantization (awq_quantize_model)")
     calibration = check_calibration(calibration)
     model = model if inplace else copy.deepcopy(model)
     for _, lin in decoder_linears(model):

@@ -136,6 +136,7 @@ def load_quantized(path: str | Path, device: torch.device | str = "cpu",
     """A labkit model with GPTQLinear/AWQLinear layers from a GPTQ or AWQ (GEMM) folder."""
     from labkit.model.config import ModelConfig
     from labkit.model.llama import LlamaForCausalLM
+    from labkit.model.moe import refuse_moe
 
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
@@ -144,7 +145,9 @@ def load_quantized(path: str | Path, device: torch.device | str = "cpu",
         raise CheckpointMismatchError(f"{path}/config.json has no quantization_config; load a "
                                       "full-precision model with labkit.model.load_pretrained")
     _check_config(qc)
-    model = LlamaForCausalLM(ModelConfig.from_hf_dict(cfg)).to(dtype)
+    config = ModelConfig.from_hf_dict(cfg)
+    refuse_moe(config, "quantized checkpoints (load_quantized)")
+    model = LlamaForCausalLM(config).to(dtype)
     with safe_open(str(path / "model.safetensors"), framework="pt") as st:
         tensors = {k: st.get_tensor(k) for k in st.keys()}
     prefixes = sorted(k.removesuffix(".qweight") for k in tensors if k.endswith(".qweight"))

@@ -31,6 +31,7 @@ from labkit.model.gguf_loader import (
 )
 from labkit.model.layers import layer_sliding_windows
 from labkit.model.llama import LlamaForCausalLM
+from labkit.model.moe import refuse_moe
 from labkit.model.tokenizer import Tokenizer
 from labkit.quant.gguf import FILE_TYPE_IDS, FILE_TYPES, encode_tensor, ggml_type, tensor_type
 
@@ -54,6 +55,9 @@ def _check_exportable(model: LlamaForCausalLM) -> None:
     if not isinstance(model, LlamaForCausalLM):
         raise GGUFError(f"export_gguf takes a labkit LlamaForCausalLM, got {type(model).__name__}"
                         " (quantized labkit models cannot be re-exported; export the float one)")
+    refuse_moe(cfg, "GGUF export")
+    if cfg.qk_norm:
+        raise GGUFError("Qwen3's per-head q/k norms cannot be expressed in a llama GGUF")
     windows = layer_sliding_windows(cfg)
     if all(w is not None for w in windows):
         raise GGUFError("a Mistral sliding window cannot be expressed in a llama GGUF; export a "

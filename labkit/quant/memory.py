@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from labkit.model.config import ModelConfig
+from labkit.model.moe import refuse_moe
 from labkit.quant.errors import QuantizationError, resolve_group_size
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2,
@@ -42,7 +43,9 @@ def get_config(model: ModelConfig | str) -> ModelConfig:
 
 
 def linear_shapes(config: ModelConfig) -> list[tuple[int, int, bool]]:
-    """(out, in, has_bias) of every decoder linear."""
+    """(out, in, has_bias) of every decoder linear (dense MLPs only: an MoE model's stacked
+    experts are not linears, so it raises MoEUnsupportedError rather than under-count)."""
+    refuse_moe(config, "the quantization memory estimate")
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
     q, kv, b = config.num_attention_heads * d, config.num_key_value_heads * d, \
         config.attention_bias

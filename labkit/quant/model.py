@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from labkit.model.moe import refuse_moe
 from labkit.quant.calib import check_calibration, hooks, run_to_layer
 from labkit.quant.errors import QuantizationError
 from labkit.quant.fp8 import quantize_fp8
@@ -54,6 +55,7 @@ def quantize_model(model: nn.Module, fmt: str, *, bits: int = 4, group_size: int
         raise QuantizationError(f"unknown format {fmt!r}; choose one of {WEIGHT_FORMATS} "
                                 "(GPTQ and AWQ need calibration: gptq_quantize_model, "
                                 "awq_quantize_model)")
+    refuse_moe(model.config, f"weight quantization (quantize_model {fmt!r})")
     model = model if inplace else copy.deepcopy(model)
     for name, lin in decoder_linears(model):
         w, b = lin.weight.detach().float(), _bias(lin)
@@ -82,6 +84,7 @@ def gptq_quantize_model(model: nn.Module, calibration: torch.Tensor, *, bits: in
     The report has one row per linear: GPTQ's objective and, on the same Hessian, the error
     tr(E H Eᵀ)/2 of plain RTN vs GPTQ — the number GPTQ exists to shrink.
     """
+    refuse_moe(model.config, "weight quantization (gptq_quantize_model)")
     calibration = check_calibration(calibration)
     model = model if inplace else copy.deepcopy(model)
     layers = model.model.layers

@@ -33,6 +33,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from labkit.model.llama import DecoderLayer, rope_cos_sin
+from labkit.model.moe import refuse_moe
 
 ARCHITECTURE = "LabkitEagleHead"
 
@@ -49,6 +50,7 @@ class EagleDraft(nn.Module):
     def __init__(self, target: nn.Module) -> None:
         super().__init__()
         tc = target.config
+        refuse_moe(tc, "an EAGLE head (EagleDraft copies the target's layer layout)")
         # one layer, of the kind the target's last layer is (it continues from its features)
         last = None if tc.layer_types is None else tc.layer_types[-1:]
         self.config = replace(tc, num_hidden_layers=1, layer_types=last)

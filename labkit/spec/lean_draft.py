@@ -21,8 +21,10 @@ drafts are proposed, never the output, because the target verifies every token.
 its one fused layer, the target's final norm folded into the target's LM head.
 
 The weights are copied (fused) at construction: build it after the draft is loaded or trained.
-Models it does not cover (biases, sliding windows, quantized or other swapped linears) keep the
-module forward (:func:`lean_draft` returns None).
+Models it does not cover (biases, sliding windows, quantized or other swapped linears, Qwen3's
+q/k norms) keep the module forward (:func:`lean_draft` returns None); a mixture-of-experts draft
+does too, and building ``LeanDraft`` on one directly raises
+:class:`~labkit.errors.MoEUnsupportedError` (its fused layer is one dense gate|up and down).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from torch import nn
 
 from labkit.model.layers import layer_sliding_windows
 from labkit.model.llama import LlamaForCausalLM, rope_cos_sin
+from labkit.model.moe import refuse_moe
 
 
 @dataclass
@@ -56,7 +59,7 @@ def _plain(model: nn.Module) -> bool:
     if type(model) is not LlamaForCausalLM:
         return False
     cfg = model.config
-    if _slides(cfg) or cfg.attention_bias or cfg.o_proj_bias:
+    if _slides(cfg) or cfg.attention_bias or cfg.o_proj_bias or cfg.qk_norm or cfg.moe_layers:
         return False
     linears = [model.lm_head] + [
         m for layer in model.model.layers
@@ -133,6 +136,7 @@ class LeanDraft(_Lean):
     runs it unchanged."""
 
     def __init__(self, model: LlamaForCausalLM) -> None:
+        refuse_moe(model.config, "the lean draft (LeanDraft)")
         if not _plain(model):
             raise ValueError("LeanDraft covers a plain LlamaForCausalLM (no biases, no sliding-"
                              "window layers, nn.Linear layers); run other drafts through the "
@@ -201,7 +205,7 @@ def _plain_eagle(head: nn.Module) -> bool:
     if type(head) is not EagleDraft:
         return False
     cfg, a, m = head.config, head.layer.self_attn, head.layer.mlp
-    if _slides(cfg) or cfg.attention_bias or cfg.o_proj_bias:
+    if _slides(cfg) or cfg.attention_bias or cfg.o_proj_bias or cfg.qk_norm:
         return False
     linears = (head.fc, head.shared[2], a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj,
                m.up_proj, m.down_proj)

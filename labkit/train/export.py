@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from labkit.model.config import ModelConfig
 from labkit.model.llama import LlamaForCausalLM
+from labkit.model.moe import checkpoint_state_dict
 from labkit.train.tokenizer import tokenizer_config
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -35,7 +36,9 @@ def save_weights(model: LlamaForCausalLM, config: ModelConfig, out_dir: str | Pa
         raise ValueError(f"dtype must be one of {list(_DTYPE_NAMES.values())}, got {dtype}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+    # an MoE's stacked experts are written per expert, under save_pretrained's names
+    state = {k: v.detach().to("cpu", dtype).contiguous()
+             for k, v in checkpoint_state_dict(model).items()}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     bad = [k for k, v in state.items() if not torch.isfinite(v).all()]

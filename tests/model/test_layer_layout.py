@@ -163,11 +163,12 @@ def test_llama_alternating_layer_types_match_hand_written_reference():
 
 
 def test_a_new_mlp_kind_plugs_in_by_registering(monkeypatch):
-    """The seam the MoE sparse MLP will use: the config's spec names the kind, a registry entry
-    builds it; no branch in the model or the engine. Unknown kinds name what is registered."""
-    monkeypatch.setattr(ModelConfig, "layer_spec", lambda self, i: LayerSpec(mlp="moe"))
+    """The seam the MoE sparse MLP uses (labkit.model.moe registers "moe"): the config's spec
+    names the kind, a registry entry builds it; no branch in the model or the engine. Unknown
+    kinds name what is registered."""
+    monkeypatch.setattr(ModelConfig, "layer_spec", lambda self, i: LayerSpec(mlp="toy"))
     cfg = tiny_config()
-    with pytest.raises(ConfigError, match="mlp 'moe'; labkit builds dense"):
+    with pytest.raises(ConfigError, match="mlp 'toy'; labkit builds dense, moe"):
         make_mlp(cfg, 0)
 
     class Sparse(nn.Module):
@@ -175,7 +176,7 @@ def test_a_new_mlp_kind_plugs_in_by_registering(monkeypatch):
             super().__init__()
             self.layer_idx = layer_idx
 
-    monkeypatch.setitem(MLP_LAYERS, "moe", Sparse)
+    monkeypatch.setitem(MLP_LAYERS, "toy", Sparse)
     layer = DecoderLayer(cfg, 1)
     assert isinstance(layer.mlp, Sparse) and layer.mlp.layer_idx == 1
     assert isinstance(layer.self_attn, Attention)
