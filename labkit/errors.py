@@ -45,3 +45,9 @@ class EngineStepError(RuntimeError):
     def __init__(self, message: str, request_ids: list[str]) -> None:
         super().__init__(message)
         self.request_ids = request_ids
+
+
+class KVConnectorError(RuntimeError):
+    """A KV connector broke its contract with the scheduler (matched a partial block or more
+    tokens than the prompt may skip, loaded into blocks that were not allocated for it): a bug
+    in the connector, caught before any KV is read from the wrong place."""

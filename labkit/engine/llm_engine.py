@@ -58,13 +58,16 @@ FINISHED_RECORDS = 4096  # sequences whose timings a forgetting engine keeps (re
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor, tokenizer: Any = None,
-                 clock: Any = None) -> None:
+                 clock: Any = None, kv_connector: Any = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.clock = clock or WallClock()
         self.block_manager = BlockManager.from_config(config.cache)
         stop = StopChecker(config.model.eos_token_ids, config.max_model_len, tokenizer)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.clock.now, stop)
+        # the KV connector's scheduler side; its worker side is the executor's (from_model)
+        self.kv_connector = kv_connector
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.clock.now, stop,
+                                   kv_connector)
         self.executor = executor
         self.structured_output_manager = StructuredOutputManager(
             tokenizer, config.model.vocab_size, tuple(config.model.eos_token_ids))
@@ -83,7 +86,8 @@ class LLMEngine:
         (``block_size``, ``num_blocks`` or ``kv_cache_bytes``, ``max_num_seqs``, ``policy``,
         ``kv_cache_dtype``, ``attention_backend``, ``speculative_config``, ...). Without
         ``num_blocks`` the pool is sized from ``kv_cache_bytes`` (default: enough for
-        max_num_seqs full-length sequences, capped at 256 MiB)."""
+        max_num_seqs full-length sequences, capped at 256 MiB). ``kv_transfer_config`` (or
+        ``kv_connector``) plugs a KV connector into both the scheduler and the executor."""
         from labkit.engine.model_runner import ModelExecutor, ModelRunner
         from labkit.kv.attention import get_attention_backend
         from labkit.kv.cache import PagedKVCache, kv_bytes_per_block
@@ -97,16 +101,21 @@ class LLMEngine:
                                        c.num_key_value_heads, c.head_dim, model.dtype,
                                        cache.kv_cache_dtype)
         cache.resolve_num_blocks(per_block, config.scheduler.max_num_seqs, config.max_model_len)
+        connector = None
+        if config.kv_transfer is not None:  # EngineConfig allows it with this executor only
+            from labkit.kv.connector import create_kv_connector
+
+            connector = create_kv_connector(config.kv_transfer)
         if config.parallel.uses_workers:  # N worker processes, one shard each
             executor: Executor = executor_factory("tensor_parallel")(model, config)
         else:
             backend = get_attention_backend(config.model.attention_backend)
             kv = PagedKVCache.for_model(c, cache, model.dtype, model.device, backend)
-            executor = ModelExecutor(ModelRunner(model, kv))
+            executor = ModelExecutor(ModelRunner(model, kv), connector)
         if config.speculative is not None:
             _load_draft(config, model)
             executor = executor_factory("speculative")(executor, config)
-        return cls(config, executor, tokenizer)
+        return cls(config, executor, tokenizer, kv_connector=connector)
 
     # ---- shortcuts into the config --------------------------------------------------------------
     @property
@@ -317,6 +326,8 @@ class LLMEngine:
                   "num_pending": len(sched.pending), "num_swapped": len(sched.swapped),
                   "num_preemptions": sched.num_preemptions, "num_steps": self.num_steps,
                   "num_requests": len(self.requests), "num_forgotten": self.num_forgotten})
+        if self.kv_connector is not None:  # per tier: hits, loads, bytes, evictions
+            s["kv_connector"] = self.kv_connector.stats()
         c = self.config.cache
         if c.bytes_per_block is not None:  # a real KV pool (not the simulator's)
             s.update({"kv_cache_dtype": c.kv_cache_dtype, "kv_bytes_per_block": c.bytes_per_block,
