@@ -44,6 +44,7 @@ from labkit.engine.structured_output import StructuredOutputManager
 from labkit.engine.trace import Trace, TraceObserver
 from labkit.engine.validate import check_fits, check_request_args, prompt_ids
 from labkit.errors import (
+    EngineConfigError,
     EngineStepError,
     InvalidPromptError,
     SamplingParamsError,
@@ -65,6 +66,10 @@ class LLMEngine:
         self.block_manager = BlockManager.from_config(config.cache)
         stop = StopChecker(config.model.eos_token_ids, config.max_model_len, tokenizer)
         # the KV connector's scheduler side; its worker side is the executor's (from_model)
+        if config.kv_transfer is not None and kv_connector is None:
+            raise EngineConfigError("kv_transfer_config is set but no connector was handed to "
+                                    "LLMEngine: build it with LLMEngine.from_model / LLM, or "
+                                    "pass kv_connector= (and the executor's) yourself")
         self.kv_connector = kv_connector
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.clock.now, stop,
                                    kv_connector)
