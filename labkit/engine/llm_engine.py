@@ -317,11 +317,14 @@ class LLMEngine:
         """Forget every cached prefix, e.g. after the weights changed in place: the cache keys
         are token ids, not weights, so a stale hit would serve KV the old model computed. As
         vLLM's, it refuses (returns False, changes nothing) while any request holds blocks:
-        those blocks' keys would survive the reset and their KV is the old model's."""
+        those blocks' keys would survive the reset and their KV is the old model's. A KV
+        connector's stored blocks (CPU / disk tiers) are forgotten too, for the same reason."""
         pool = self.block_manager.pool
         if pool.num_used:
             return False
         pool.reset_prefix_cache()
+        if self.kv_connector is not None:
+            self.kv_connector.reset_cache()
         return True
 
     def stats(self) -> dict[str, Any]:

@@ -252,3 +252,18 @@ def test_concurrent_chunked_forked_and_preempted_requests(model, prompts, refere
     assert eng.scheduler.num_preemptions > 0
     assert conn.stats()["cpu"]["loads"] > 0 and conn.stats()["device"]["hits"] > 0
     assert_no_leaks(eng)
+
+
+def test_reset_prefix_cache_forgets_the_tiers_too(model, prompts, reference, tmp_path):
+    """After new weights the same token keys name stale KV: a reset must empty every tier."""
+    conn = OffloadingConnector(cpu_bytes=2 * block_bytes(model), disk_dir=tmp_path,
+                               disk_bytes=1 << 20)
+    llm = engine(model, kv_connector=conn)
+    run(llm, prompts[:1])
+    assert conn.stats()["disk"]["blocks"] > 0
+    assert llm.reset_prefix_cache()
+    s = conn.stats()
+    assert s["cpu"]["blocks"] == s["disk"]["blocks"] == 0 == s["disk"]["bytes_used"]
+    assert not list(conn.store.disk.dir.iterdir())
+    assert run(llm, prompts[3:4])[0] == reference[3:4]
+    assert conn.stats()["cpu"]["hits"] == conn.stats()["disk"]["hits"] == 0

@@ -97,6 +97,10 @@ class KVConnectorBase(ABC):
     def wait_for_save(self) -> None:
         """Finish this step's saves (after the forward, before the blocks can be reused)."""
 
+    def reset_cache(self) -> None:  # noqa: B027 - optional: a connector that stores nothing
+        """Forget every stored block (``LLMEngine.reset_prefix_cache``: the weights changed,
+        so KV stored under the same token keys is stale)."""
+
     # ---- observability ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Counters for ``LLMEngine.stats()["kv_connector"]`` (empty by default)."""

@@ -76,6 +76,7 @@ class OffloadingConnector(KVConnectorBase):
         self._loads: list[tuple[int, str, Payload]] = []  # committed for the next meta
         self._staged: dict[str, torch.Tensor] = {}  # this step's loads, on the device
         self._saving: dict[str, torch.Tensor] = {}  # this step's saves, filled layer by layer
+        self._src: torch.Tensor | None = None  # the device blocks this step saves
         self._saved_layers: set[int] = set()
         self.counters: dict[str, dict[str, int]] = {"device": {"hits": 0}}
 
@@ -172,15 +173,19 @@ class OffloadingConnector(KVConnectorBase):
     def start_load_kv(self) -> None:
         """Move this step's payloads to the device, one stacked tensor per K / V / scale
         (``[n, L, ...]``); each layer's slice is scattered into its blocks by
-        ``wait_for_layer_load``."""
+        ``wait_for_layer_load``. Also index the blocks to save (``save_kv_layer``)."""
         meta = self._meta
-        self._staged, self._saving, self._saved_layers = {}, {}, set()
-        if not isinstance(meta, OffloadingMetadata) or not meta.loads:
+        self._staged, self._saving, self._saved_layers, self._src = {}, {}, set(), None
+        if not isinstance(meta, OffloadingMetadata):
+            return
+        dev = self._caches["k"][0].device
+        if meta.saves:
+            self._src = torch.tensor([b for b, _ in meta.saves], device=dev)
+        if not meta.loads:
             return
         for name, ts in self._caches.items():
             self._staged[name] = torch.stack([p[name] for _, _, p in meta.loads]).to(ts[0].device)
-        self._staged["_dst"] = torch.tensor([b for b, _, _ in meta.loads],
-                                            device=self._caches["k"][0].device)
+        self._staged["_dst"] = torch.tensor([b for b, _, _ in meta.loads], device=dev)
         for _, tier, p in meta.loads:
             self.counters[tier]["loads"] += 1
             self.counters[tier]["bytes_loaded"] += payload_nbytes(p)
@@ -193,13 +198,12 @@ class OffloadingConnector(KVConnectorBase):
             ts[layer_idx][dst] = self._staged[name][:, layer_idx]
 
     def save_kv_layer(self, layer_idx: int) -> None:
-        meta = self._meta
-        if not isinstance(meta, OffloadingMetadata) or not meta.saves:
+        src = self._src
+        if src is None:
             return
-        src = torch.tensor([b for b, _ in meta.saves], device=self._caches["k"][0].device)
         for name, ts in self._caches.items():
             if name not in self._saving:
-                shape = (len(meta.saves), len(ts), *ts[0].shape[1:])
+                shape = (len(src), len(ts), *ts[0].shape[1:])
                 self._saving[name] = torch.empty(shape, dtype=ts[0].dtype, device="cpu")
             self._saving[name][:, layer_idx] = ts[layer_idx][src].cpu()
         self._saved_layers.add(layer_idx)
@@ -209,7 +213,7 @@ class OffloadingConnector(KVConnectorBase):
         them (CPU, spilling to disk)."""
         meta, store = self._meta, self._need_store()
         self._staged = {}
-        if not isinstance(meta, OffloadingMetadata) or not meta.saves:
+        if self._src is None:
             return
         num_layers = len(self._caches["k"])
         if len(self._saved_layers) != num_layers:
@@ -217,7 +221,10 @@ class OffloadingConnector(KVConnectorBase):
                                    "their KV: the model must call its cache's attend per layer")
         for i, (_, key) in enumerate(meta.saves):
             store.put(key, {n: buf[i].clone() for n, buf in self._saving.items()})
-        self._saving, self._saved_layers = {}, set()
+        self._saving, self._saved_layers, self._src = {}, set(), None
+
+    def reset_cache(self) -> None:
+        self._need_store().clear()
 
     # ---- observability ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -179,6 +179,11 @@ class DiskTier:
         self.bytes_used -= self.files.pop(key)
         self.path(key).unlink(missing_ok=True)
 
+    def clear(self) -> None:
+        """Delete every file (the directory stays)."""
+        for key in list(self.files):
+            self._drop(key)
+
     def close(self) -> None:
         """Delete the directory and every file in it."""
         self._cleanup()
@@ -216,6 +221,13 @@ class TieredStore:
 
     def tiers(self) -> list[CPUTier | DiskTier]:
         return [self.cpu] + ([self.disk] if self.disk is not None else [])
+
+    def clear(self) -> None:
+        """Forget every block, in both tiers."""
+        self.cpu.blocks.clear()
+        self.cpu.bytes_used = 0
+        if self.disk is not None:
+            self.disk.clear()
 
     def close(self) -> None:
         if self.disk is not None:
