@@ -267,3 +267,21 @@ def test_reset_prefix_cache_forgets_the_tiers_too(model, prompts, reference, tmp
     assert not list(conn.store.disk.dir.iterdir())
     assert run(llm, prompts[3:4])[0] == reference[3:4]
     assert conn.stats()["cpu"]["hits"] == conn.stats()["disk"]["hits"] == 0
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_quantized_blocks_travel_with_their_scales(model, prompts, tmp_path, kv_cache_dtype):
+    """Codes and per-(token, head) scales both go to disk and back: output equals the same
+    quantized engine recomputing every prefix, and a block's bytes are 2 L bs Hkv (D + 2)."""
+    from labkit.kv.ops import FP8_KV_DTYPE
+
+    if kv_cache_dtype == "fp8" and FP8_KV_DTYPE is None:
+        pytest.skip("this torch has no float8_e4m3fn")
+    conn = OffloadingConnector(cpu_bytes=1, disk_dir=tmp_path, disk_bytes=1 << 20)
+    got, _ = run(engine(model, kv_cache_dtype=kv_cache_dtype, kv_connector=conn), prompts)
+    want, _ = run(engine(model, kv_cache_dtype=kv_cache_dtype), prompts)
+    assert got == want
+    s, c = conn.stats(), model.config
+    assert s["disk"]["loads"] == 18 and s["disk"]["corrupt"] == 0
+    per_block = 2 * c.num_hidden_layers * BS * c.num_key_value_heads * (c.head_dim + 2)
+    assert s["disk"]["bytes_loaded"] == 18 * per_block
