@@ -30,7 +30,8 @@ def external_tokens(connector: Any, seq: Any, num_hit: int, block_size: int) -> 
 
 def commit_external(connector: Any, seq: Any, num_ext: int, block_size: int) -> None:
     """``seq`` holds blocks for its computed tokens, then ``num_ext`` loaded ones: hand the
-    connector exactly those blocks, in prefix order, and count the tokens as computed."""
+    connector exactly those blocks, in prefix order, and count the tokens as computed. Called
+    after every admission, with 0 tokens too (as vLLM does), so the connector sees each one."""
     first = seq.num_computed_tokens // block_size
     blocks = seq.block_table[first:first + num_ext // block_size]
     connector.update_state_after_alloc(seq, blocks, num_ext)
