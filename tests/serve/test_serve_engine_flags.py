@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -17,6 +18,7 @@ from labkit.quant.model import quantize_model
 from labkit.serve.api_server import ServeConfig
 from labkit.serve.engine_core import build_engine
 from labkit.serve.launcher import ENGINE_FLAGS, ServerThread, build_parser, main
+from labkit.serve.metrics import ServerMetrics, parse_metrics
 
 PROMPT = "def fib(n):"
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
@@ -113,6 +115,11 @@ def test_kv_offload_flags_build_the_offloading_connector(labkit_tiny, tmp_path):
     s = eng.stats()["kv_connector"]
     assert eng.config.cache.bytes_per_block > 4096  # no block fits the CPU tier: all to disk
     assert s["cpu"]["blocks"] == 0 and s["disk"]["stores"] == s["disk"]["blocks"] > 0
+    scraped = parse_metrics(ServerMetrics(SimpleNamespace(stats=eng.stats(), num_in_flight=0),
+                                          NAME).render().decode())
+    assert scraped["labkit:kv_connector_bytes_stored_total"] == s["disk"]["bytes_stored"]
+    assert scraped["labkit:kv_connector_bytes_used"] == s["disk"]["bytes_used"] > 0
+    assert scraped["labkit:kv_connector_corrupt_total"] == 0
     conn.close()
 
 
