@@ -285,3 +285,10 @@ def test_quantized_blocks_travel_with_their_scales(model, prompts, tmp_path, kv_
     assert s["disk"]["loads"] == 18 and s["disk"]["corrupt"] == 0
     per_block = 2 * c.num_hidden_layers * BS * c.num_key_value_heads * (c.head_dim + 2)
     assert s["disk"]["bytes_loaded"] == 18 * per_block
+
+
+def test_one_connector_object_serves_one_engine(model):
+    conn = OffloadingConnector(cpu_bytes=1 << 20)
+    engine(model, kv_connector=conn)
+    with pytest.raises(EngineConfigError, match="already serves an engine"):
+        engine(model, kv_connector=conn)

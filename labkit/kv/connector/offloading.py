@@ -90,6 +90,9 @@ class OffloadingConnector(KVConnectorBase):
 
     # ---- worker side: registration ------------------------------------------------------------
     def register_kv_caches(self, kv_cache: Any) -> None:
+        if self.store is not None:  # a second engine would read and write the first's blocks
+            raise EngineConfigError("this OffloadingConnector already serves an engine; give "
+                                    "each engine its own")
         names = (("k", kv_cache.k_caches), ("v", kv_cache.v_caches),
                  ("k_scale", kv_cache.k_scales), ("v_scale", kv_cache.v_scales))
         self._caches = {n: ts for n, ts in names if ts}
