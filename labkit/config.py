@@ -12,6 +12,8 @@ One object, five parts, each read by the layer it configures:
 - ``speculative`` (:class:`SpeculativeConfig` or None): drafts per step and where they come from.
 - ``parallel`` (:class:`ParallelConfig`): how many devices share the model (1 today).
 - ``lora`` (:class:`LoRAConfig` or None): multi-LoRA adapter slots (``enable_lora=True``).
+- ``kv_transfer`` (:class:`KVTransferConfig` or None): a KV connector that moves blocks in and
+  out of the engine (vLLM's ``kv_transfer_config``; :mod:`labkit.kv.connector`).
 
 Why one object checked in ``__post_init__``: a value that is only wrong deep inside ``step()``
 fails a whole batch of other users' requests; here it fails at construction, with what to
@@ -37,6 +39,7 @@ BATCHING = ("continuous", "static")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 ATTENTION_BACKENDS = ("torch", "triton")
 SPEC_METHODS = ("draft_model", "ngram", "eagle")
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 
 @dataclass
@@ -283,6 +286,42 @@ class LoRAConfig:
         return cls(**given)
 
 
+@dataclass
+class KVTransferConfig:
+    """vLLM's ``kv_transfer_config``: ``{"kv_connector": "offloading", "kv_role": "kv_both",
+    "kv_connector_extra_config": {"cpu_bytes": 1 << 30, "disk_dir": "/tmp/kv",
+    "disk_bytes": 8 << 30}}``. ``kv_connector`` is a registered name or a connector object
+    (:mod:`labkit.kv.connector`, which builds and checks it); ``kv_role`` says whether this
+    instance saves KV (producer), loads it (consumer) or both; the extra config is the
+    connector's own settings. Only the shape is checked here: this module imports nothing."""
+
+    kv_connector: Any = None
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kv_connector is None:
+            raise EngineConfigError('kv_transfer_config needs "kv_connector": a registered name '
+                                    'such as "offloading", or a connector object')
+        if self.kv_role not in KV_ROLES:
+            raise EngineConfigError(f"unknown kv_role {self.kv_role!r}; choose one of {KV_ROLES}")
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise EngineConfigError(f"kv_connector_extra_config must be a dict, got "
+                                    f"{type(self.kv_connector_extra_config).__name__}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | KVTransferConfig) -> KVTransferConfig:
+        if isinstance(d, KVTransferConfig):
+            return d
+        if not isinstance(d, dict):
+            raise EngineConfigError(f"kv_transfer_config must be a dict, got {type(d).__name__}")
+        unknown = set(d) - {f.name for f in fields(cls)}
+        if unknown:
+            raise EngineConfigError(f"unknown kv_transfer_config keys {sorted(unknown)}; valid: "
+                                    f"{sorted(f.name for f in fields(cls))}")
+        return cls(**d)
+
+
 _PARTS = {"model": ModelSettings, "cache": CacheConfig, "scheduler": SchedulerConfig,
           "parallel": ParallelConfig}
 
@@ -295,6 +334,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRAConfig | None = None
+    kv_transfer: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
         sched, cache = self.scheduler, self.cache
@@ -310,12 +350,19 @@ class EngineConfig:
             raise EngineConfigError("enable_lora works with the single-process model executor "
                                     "in this version: drop tensor parallelism, or run without "
                                     "LoRA")
+        if self.kv_transfer is not None and (self.speculative is not None or self.lora
+                                             is not None or self.parallel.uses_workers):
+            raise EngineConfigError("a KV connector runs with the plain in-process model "
+                                    "executor only: drop speculative_config / tensor "
+                                    "parallelism / LoRA, or the kv_transfer_config")
 
     @classmethod
     def from_kwargs(cls, *, speculative_config: Any = None, enable_lora: bool = False,
+                    kv_transfer_config: Any = None, kv_connector: Any = None,
                     **kw: Any) -> EngineConfig:
         """The flat keyword arguments of ``LLM(...)`` / ``LLMEngine.from_model(...)``, sorted
-        into the parts by field name (``block_size`` -> cache, ``policy`` -> scheduler, ...)."""
+        into the parts by field name (``block_size`` -> cache, ``policy`` -> scheduler, ...).
+        ``kv_connector=obj`` is short for ``kv_transfer_config={"kv_connector": obj}``."""
         lora = LoRAConfig.from_kwargs(enable_lora, kw)
         parts: dict[str, dict[str, Any]] = {name: {} for name in _PARTS}
         owner = {f.name: name for name, klass in _PARTS.items() for f in fields(klass)}
@@ -327,8 +374,14 @@ class EngineConfig:
             parts["scheduler"]["max_num_batched_tokens"] = None  # default depends on chunking
         spec = (None if speculative_config is None
                 else SpeculativeConfig.from_dict(speculative_config))
+        if kv_connector is not None:
+            if kv_transfer_config is not None:
+                raise EngineConfigError("give kv_connector or kv_transfer_config, not both")
+            kv_transfer_config = {"kv_connector": kv_connector}
+        kvt = (None if kv_transfer_config is None
+               else KVTransferConfig.from_dict(kv_transfer_config))
         return cls(**{name: _PARTS[name](**args) for name, args in parts.items()},
-                   speculative=spec, lora=lora)
+                   speculative=spec, lora=lora, kv_transfer=kvt)
 
     @property
     def max_model_len(self) -> int:

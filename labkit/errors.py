@@ -66,3 +66,9 @@ class MoEUnsupportedError(ValueError):
             "the MoE model without it.")
         self.feature = feature
         self.architecture = architecture
+
+
+class KVConnectorError(RuntimeError):
+    """A KV connector broke its contract with the scheduler (matched a partial block or more
+    tokens than the prompt may skip, loaded into blocks that were not allocated for it): a bug
+    in the connector, caught before any KV is read from the wrong place."""

@@ -15,6 +15,10 @@ forward, :mod:`labkit.spec.executor`) and ``SimExecutor`` (no tensors, a rooflin
 :mod:`labkit.sim.executor`). The engine knows only this class; the others live above it and are
 handed to it (``LLMEngine(config, executor)``), or built by a registered factory
 (:func:`register_executor_factory`, for ``speculative_config`` given to ``LLM``).
+
+A KV connector (:mod:`labkit.kv.connector`) adds no method here: the scheduler puts its
+per-step metadata on ``SchedulerOutput.kv_connector_metadata`` and ``ModelExecutor.execute``
+runs the connector's worker side around its forward (loads before each layer, saves after).
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ from labkit.engine.structured_output import StructuredOutputManager
 from labkit.engine.trace import Trace, TraceObserver
 from labkit.engine.validate import check_fits, check_request_args, prompt_ids
 from labkit.errors import (
+    EngineConfigError,
     EngineStepError,
     InvalidPromptError,
     SamplingParamsError,
@@ -58,14 +59,21 @@ FINISHED_RECORDS = 4096  # sequences whose timings a forgetting engine keeps (re
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor, tokenizer: Any = None,
-                 clock: Any = None) -> None:
+                 clock: Any = None, kv_connector: Any = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.clock = clock or WallClock()
         self.block_manager = BlockManager.from_config(config.cache)
         stop = StopChecker(config.model.eos_token_ids, config.max_model_len, tokenizer)
+        # the KV connector's scheduler side; its worker side is the executor's (from_model)
+        if config.kv_transfer is not None and kv_connector is None:
+            raise EngineConfigError("kv_transfer_config is set but no connector was handed to "
+                                    "LLMEngine: build it with LLMEngine.from_model / LLM, or "
+                                    "pass kv_connector= (and the executor's) yourself")
+        self.kv_connector = kv_connector
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.clock.now, stop,
-                                   executor.admission_policy())
+                                   admission=executor.admission_policy(),
+                                   kv_connector=kv_connector)
         self.executor = executor
         self.structured_output_manager = StructuredOutputManager(
             tokenizer, config.model.vocab_size, tuple(config.model.eos_token_ids))
@@ -86,7 +94,8 @@ class LLMEngine:
         ``num_blocks`` the pool is sized from ``kv_cache_bytes`` (default: enough for
         max_num_seqs full-length sequences, capped at 256 MiB). An MoE model's trace also
         records each step's expert load (``expert_load``, :class:`labkit.model.moe.
-        ExpertLoadProbe`), read by a probe of the observer, not by the step."""
+        ExpertLoadProbe`), read by a probe of the observer, not by the step.``kv_transfer_config``
+        (or ``kv_connector``) plugs a KV connector into both the scheduler and the executor."""
         from labkit.engine.model_runner import ModelExecutor, ModelRunner
         from labkit.kv.attention import get_attention_backend
         from labkit.kv.cache import PagedKVCache, kv_bytes_per_block
@@ -101,18 +110,23 @@ class LLMEngine:
                                        c.num_key_value_heads, c.head_dim, model.dtype,
                                        cache.kv_cache_dtype)
         cache.resolve_num_blocks(per_block, config.scheduler.max_num_seqs, config.max_model_len)
+        connector = None
+        if config.kv_transfer is not None:  # EngineConfig allows it with this executor only
+            from labkit.kv.connector import create_kv_connector
+
+            connector = create_kv_connector(config.kv_transfer)
         if config.parallel.uses_workers:  # N worker processes, one shard each
             executor: Executor = executor_factory("tensor_parallel")(model, config)
         else:
             backend = get_attention_backend(config.model.attention_backend)
             kv = PagedKVCache.for_model(c, cache, model.dtype, model.device, backend)
-            executor = ModelExecutor(ModelRunner(model, kv))
+            executor = ModelExecutor(ModelRunner(model, kv), connector)
         if config.lora is not None:  # adapter slots on the model's linears (labkit.lora)
             executor = executor_factory("lora")(executor, config)
         if config.speculative is not None:
             _load_draft(config, model)
             executor = executor_factory("speculative")(executor, config)
-        engine = cls(config, executor, tokenizer)
+        engine = cls(config, executor, tokenizer, kv_connector=connector)
         if getattr(c, "moe_layers", None) and isinstance(model, torch.nn.Module):
             engine.trace.meta["moe_layers"] = c.moe_layers  # the rows of each expert_load
             engine.observer.probes["expert_load"] = ExpertLoadProbe(model)
@@ -317,11 +331,14 @@ class LLMEngine:
         """Forget every cached prefix, e.g. after the weights changed in place: the cache keys
         are token ids, not weights, so a stale hit would serve KV the old model computed. As
         vLLM's, it refuses (returns False, changes nothing) while any request holds blocks:
-        those blocks' keys would survive the reset and their KV is the old model's."""
+        those blocks' keys would survive the reset and their KV is the old model's. A KV
+        connector's stored blocks (CPU / disk tiers) are forgotten too, for the same reason."""
         pool = self.block_manager.pool
         if pool.num_used:
             return False
         pool.reset_prefix_cache()
+        if self.kv_connector is not None:
+            self.kv_connector.reset_cache()
         return True
 
     def stats(self) -> dict[str, Any]:
@@ -331,6 +348,8 @@ class LLMEngine:
                   "num_pending": len(sched.pending), "num_swapped": len(sched.swapped),
                   "num_preemptions": sched.num_preemptions, "num_steps": self.num_steps,
                   "num_requests": len(self.requests), "num_forgotten": self.num_forgotten})
+        if self.kv_connector is not None:  # per tier: hits, loads, bytes, evictions
+            s["kv_connector"] = self.kv_connector.stats()
         c = self.config.cache
         if c.bytes_per_block is not None:  # a real KV pool (not the simulator's)
             s.update({"kv_cache_dtype": c.kv_cache_dtype, "kv_bytes_per_block": c.bytes_per_block,

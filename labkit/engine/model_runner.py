@@ -166,13 +166,24 @@ def step_chunks(out: SchedulerOutput, drafts: dict[str, list[int]] | None = None
 
 
 class ModelExecutor(Executor):
-    """The real model, one packed forward per step."""
+    """The real model, one packed forward per step.
+
+    With a KV connector (``kv_connector``, :mod:`labkit.kv.connector`) it plays the worker
+    side: the connector sees the cache once (``register_kv_caches``, and per-layer hooks on
+    this cache's ``attend``), and each step runs between ``bind_connector_metadata`` +
+    ``start_load_kv`` and ``wait_for_save`` + ``clear_connector_metadata``."""
 
     supports_logprobs = True
     supports_structured_outputs = True
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, kv_connector: Any = None) -> None:
         self.runner = runner
+        self.kv_connector = kv_connector
+        if kv_connector is not None:
+            from labkit.kv.connector.base import attach_layer_hooks
+
+            kv_connector.register_kv_caches(runner.kv_cache)
+            attach_layer_hooks(runner.kv_cache, kv_connector)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -189,6 +200,19 @@ class ModelExecutor(Executor):
         kv.copy_blocks(ops.copies)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        conn = self.kv_connector
+        if conn is None:
+            return self._execute(scheduler_output)
+        conn.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+        try:
+            conn.start_load_kv()  # loads land layer by layer (wait_for_layer_load)
+            result = self._execute(scheduler_output)
+            conn.wait_for_save()
+        finally:
+            conn.clear_connector_metadata()
+        return result
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         chunks, rows, groups = step_chunks(scheduler_output)
         result = ModelRunnerOutput()
         if not chunks:

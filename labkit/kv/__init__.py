@@ -12,4 +12,6 @@ bottom (``labkit.config``, ``labkit.errors``, ``labkit.utils``).
 - ``attention``: the AttentionBackend protocol and the PyTorch reference paged attention;
   ``backends``: other backends by name (Triton, registered by ``labkit/__init__``).
 - ``ops``: the one K/V gather through block tables and the one INT8 KV quantize / dequantize.
+- ``connector``: the KV-connector contract (vLLM v1's scheduler / worker split) and the
+  offloading connector, a tiered prefix cache (device -> CPU -> checksummed files on disk).
 """

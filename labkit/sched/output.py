@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from labkit.kv.block_manager import BlockOps
 from labkit.sched.request import Sequence
@@ -26,6 +27,8 @@ class SchedulerOutput:
     num_batched_tokens: int
     token_budget: int
     block_ops: BlockOps = field(default_factory=BlockOps)  # apply before the forward
+    #: a KV connector's loads / saves for this step (its ``build_connector_meta``), else None
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:

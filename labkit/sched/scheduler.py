@@ -28,6 +28,9 @@ keeps none; TGI admits by token budget, reserving blocks for prompt + ``max_new_
 
 An optional admission policy (:mod:`labkit.sched.admission`) may refuse a waiting request (it is
 skipped and keeps its place) or a swapped one (it waits): LoRA's ``max_loras`` rule.
+A KV connector (``kv_connector``, :mod:`labkit.kv.connector`) is asked at admission how many
+tokens past the prefix-cache hit it can load, is told the blocks allocated for them, builds the
+step's metadata at the end of ``schedule()``, and hears of every finished or aborted sequence.
 
 ``batching="static"``: take a batch of up to max_num_seqs waiting requests when nothing runs, run
 it to completion, then the next — the baseline continuous batching is compared with.
@@ -49,6 +52,7 @@ from typing import Any
 from labkit.config import BATCHING, POLICIES, PREEMPTION_MODES, SchedulerConfig
 from labkit.kv.block_manager import BlockManager
 from labkit.sched.admission import AdmissionPolicy
+from labkit.sched.kv_transfer import commit_external, external_tokens
 from labkit.sched.output import ScheduledSeq, SchedulerOutput, SeqOutput
 from labkit.sched.policies_fair import FairShare, preempt_for_waiting
 from labkit.sched.request import Request, Sequence, SequenceStatus
@@ -105,9 +109,10 @@ def policy_key(policy: str, req: Request, seq_index: int) -> tuple:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  clock: Callable[[], float], stop_checker: StopChecker | None = None,
-                 admission: AdmissionPolicy | None = None) -> None:
+                 admission: AdmissionPolicy | None = None, kv_connector: Any = None) -> None:
         self.config = config
         self.admission = admission  # None: every request may run (see AdmissionPolicy)
+        self.connector = kv_connector  # its scheduler side, or None (labkit.kv.connector)
         self.bm = block_manager
         self.clock = clock
         self.stop_checker = stop_checker or StopChecker()
@@ -169,6 +174,11 @@ class Scheduler:
         elif seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
         seq.status = SequenceStatus.FINISHED
+        self._free_finished(seq)
+
+    def _free_finished(self, seq: Sequence) -> None:
+        if self.connector is not None:
+            self.connector.request_finished(seq, list(seq.block_table))
         self.bm.free(seq)
 
     def abort_request(self, req: Request) -> None:
@@ -216,8 +226,11 @@ class Scheduler:
         if self.fair:
             self.fair.charge(scheduled)
         self.num_preemptions += len(preempted) + len(vip)
-        return SchedulerOutput(scheduled, vip + preempted, cfg.max_num_batched_tokens - budget,
-                               cfg.max_num_batched_tokens, self.bm.take_block_ops())
+        out = SchedulerOutput(scheduled, vip + preempted, cfg.max_num_batched_tokens - budget,
+                              cfg.max_num_batched_tokens, self.bm.take_block_ops())
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        return out
 
     def _schedule_running(self, budget: int, scheduled: list[ScheduledSeq],
                           preempted: list[tuple[Sequence, str]]) -> int:
@@ -284,7 +297,7 @@ class Scheduler:
         if req.first_token_time is None and added:
             req.first_token_time = now
         if reason is not None:
-            self.bm.free(seq)
+            self._free_finished(seq)
             self._record_finish(seq, reason)
             if req.is_finished:
                 req.finish_time = now
@@ -395,12 +408,16 @@ class Scheduler:
                 skipped.append(heapq.heappop(self.waiting)[1])
                 continue
             blocks, hashes = bm.find_cached_prefix(seq)
-            num_new = seq.num_tokens - len(blocks) * bm.block_size
+            num_ext = external_tokens(self.connector, seq, len(blocks) * bm.block_size,
+                                      bm.block_size)
+            num_new = seq.num_tokens - len(blocks) * bm.block_size - num_ext
             if num_new > budget and not cfg.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            if not bm.allocate_slots(seq, num_new, blocks, hashes):
+            if not bm.allocate_slots(seq, num_ext + num_new, blocks, hashes):
                 break
+            if self.connector is not None:
+                commit_external(self.connector, seq, num_ext, bm.block_size)
             if static:
                 self.static_queue.pop(0)
             else:
@@ -408,7 +425,7 @@ class Scheduler:
             self.num_waiting -= 1
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = self.clock()
-                seq.num_cached_tokens = len(blocks) * bm.block_size
+                seq.num_cached_tokens = len(blocks) * bm.block_size + num_ext
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(self._scheduled(seq, num_new, True))

@@ -8,6 +8,11 @@
     --attention-backend torch|triton   the paged-attention implementation
     --enable-prefix-caching / --no-enable-prefix-caching
     --seed S                           seeds for unseeded requests (not an engine setting)
+    --kv-transfer-config JSON          a KV connector, e.g. '{"kv_connector": "offloading",
+                                       "kv_connector_extra_config": {"cpu_bytes": 1073741824}}'
+    --kv-offload-cpu-bytes N, --kv-offload-dir DIR, --kv-offload-disk-bytes N
+                                       the offloading connector's tiers (a shorthand for the
+                                       JSON above; folded into it by :func:`fold_kv_offload`)
 
 Why here and not in the launcher: the same names must reach both engine homes (a thread of the
 server, or the engine process through a pickled EngineSpec), so they travel as plain values in
@@ -28,8 +33,10 @@ from labkit.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES
 # vLLM's name -> labkit.quant.model.quantize_model's format (None: the checkpoint carries it)
 QUANTIZATION = {"int8": "int8", "int4": "int4_rtn", "nf4": "nf4", "fp8": "fp8",
                 "gptq": None, "awq": None, "gguf": None}
+KV_OFFLOAD_FLAGS = {"kv_offload_cpu_bytes": "cpu_bytes", "kv_offload_dir": "disk_dir",
+                    "kv_offload_disk_bytes": "disk_bytes"}  # flag -> the connector's setting
 FEATURE_FLAGS = ("quantization", "speculative_config", "kv_cache_dtype", "attention_backend",
-                 "enable_prefix_caching")
+                 "enable_prefix_caching", "kv_transfer_config", *KV_OFFLOAD_FLAGS)
 
 
 def _json_object(s: str) -> dict[str, Any]:
@@ -55,6 +62,14 @@ def add_feature_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None, help="reuse the KV of shared prompt prefixes (default on)")
+    p.add_argument("--kv-transfer-config", type=_json_object, default=None, metavar="JSON",
+                   help='a KV connector, e.g. \'{"kv_connector": "offloading", '
+                   '"kv_connector_extra_config": {"cpu_bytes": 1073741824}}\'')
+    p.add_argument("--kv-offload-cpu-bytes", type=int, default=None, metavar="N",
+                   help="offload KV blocks to a CPU tier of N bytes (the offloading connector)")
+    p.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                   help="and spill them to files under DIR (with --kv-offload-disk-bytes)")
+    p.add_argument("--kv-offload-disk-bytes", type=int, default=None, metavar="N")
     p.add_argument("--seed", type=int, default=None,
                    help="requests without a seed get one from a generator seeded with this, "
                    "in arrival order (labkit/serve/model_card.py)")
@@ -66,8 +81,22 @@ def features_of(args: argparse.Namespace) -> dict[str, Any]:
     return {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
 
 
+def fold_kv_offload(kw: dict[str, Any]) -> None:
+    """Turn the ``--kv-offload-*`` values in ``kw`` into the offloading connector's
+    ``kv_transfer_config`` (in place; without them ``kw`` keeps what it has)."""
+    extra = {KV_OFFLOAD_FLAGS[k]: kw.pop(k) for k in list(kw) if k in KV_OFFLOAD_FLAGS}
+    extra = {k: v for k, v in extra.items() if v is not None}
+    if not extra:
+        return
+    if kw.get("kv_transfer_config") is not None:
+        raise ValueError("--kv-offload-* configure the offloading connector; give them or "
+                         "--kv-transfer-config, not both")
+    kw["kv_transfer_config"] = {"kv_connector": "offloading", "kv_connector_extra_config": extra}
+
+
 def check_features(model: str, kw: dict[str, Any]) -> None:
     """Refuse, before anything loads, a combination the engine cannot run."""
+    fold_kv_offload(dict(kw))  # raises on --kv-offload-* with --kv-transfer-config
     q = kw.get("quantization")
     if q is None:
         return

@@ -12,6 +12,8 @@ users feel (TTFT and inter-token latency histograms). The names follow vLLM's
   choices it has) and finished sequences by finish reason (``sequence_success``: one per choice,
   ``n`` x prompts per request), rejections (429/503) by reason, timeouts by kind, aborts by
   reason;
+- with a KV connector (``--kv-offload-*``), per tier (``tier`` label: device, cpu, disk):
+  blocks hit, blocks loaded, bytes loaded and stored, evictions (counters), bytes held (gauge);
 - histograms (seconds): TTFT, inter-token latency, end-to-end latency and queue time. The
   engine's public API does not say when a request was first scheduled, so queue time here is
   arrival to the start of the step that produced its first token (equal to vLLM's queue time
@@ -32,6 +34,14 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25
                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4,
                0.5, 0.75, 1.0, 2.5, 5.0)
+KV_CONNECTOR_COUNTERS = {  # engine.stats()["kv_connector"][tier] key -> help
+    "hits": "KV blocks a new request found in this tier instead of computing them",
+    "loads": "KV blocks copied from this tier into the device pool",
+    "bytes_loaded": "Bytes copied from this tier into the device pool",
+    "bytes_stored": "Bytes written to this tier",
+    "evictions": "KV blocks this tier dropped (CPU: spilled to disk) to make room",
+    "corrupt": "Files that failed their checksum (dropped and recomputed)",
+}
 
 
 class _EngineCollector:
@@ -74,6 +84,25 @@ class _EngineCollector:
             c = CounterMetricFamily(P + name, doc, labels=lab)
             c.add_metric([self.model], float(v))
             yield c
+        yield from self._kv_connector(s.get("kv_connector") or {})
+
+    def _kv_connector(self, tiers: dict[str, dict[str, int]]):  # noqa: ANN202
+        """``engine.stats()["kv_connector"]`` (the offloading connector's tiers), by tier."""
+        if not tiers:
+            return
+        for key, doc in KV_CONNECTOR_COUNTERS.items():
+            c = CounterMetricFamily(P + "kv_connector_" + key, doc, labels=["model_name", "tier"])
+            for tier, counts in tiers.items():
+                if key in counts:
+                    c.add_metric([self.model, tier], float(counts[key]))
+            yield c
+        g = GaugeMetricFamily(P + "kv_connector_bytes_used", "Bytes a KV connector tier holds",
+                              labels=["model_name", "tier"])
+        for tier, counts in tiers.items():
+            if "bytes_used" in counts:
+                g.add_metric([self.model, tier], float(counts["bytes_used"]))
+        yield g
+
 
 
 class ServerMetrics:

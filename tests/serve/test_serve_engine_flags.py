@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -17,6 +18,7 @@ from labkit.quant.model import quantize_model
 from labkit.serve.api_server import ServeConfig
 from labkit.serve.engine_core import build_engine
 from labkit.serve.launcher import ENGINE_FLAGS, ServerThread, build_parser, main
+from labkit.serve.metrics import ServerMetrics, parse_metrics
 
 PROMPT = "def fib(n):"
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
@@ -101,11 +103,34 @@ def test_triton_attention_backend(labkit_tiny):
     assert got == want and eng.config.model.attention_backend == "triton"
 
 
+@pytest.mark.slow
+def test_kv_offload_flags_build_the_offloading_connector(labkit_tiny, tmp_path):
+    want = in_process(labkit_tiny)  # no connector: its output must not change
+    got, eng, again = served_text(["labkit-tiny", "--kv-offload-cpu-bytes", "4096",
+                                   "--kv-offload-dir", str(tmp_path),
+                                   "--kv-offload-disk-bytes", "1000000"], extra={})
+    assert got == want and again.json()["choices"][0]["text"] == want
+    conn = eng.kv_connector
+    assert (conn.cpu_bytes, conn.disk_dir, conn.disk_bytes) == (4096, str(tmp_path), 1000000)
+    s = eng.stats()["kv_connector"]
+    assert eng.config.cache.bytes_per_block > 4096  # no block fits the CPU tier: all to disk
+    assert s["cpu"]["blocks"] == 0 and s["disk"]["stores"] == s["disk"]["blocks"] > 0
+    scraped = parse_metrics(ServerMetrics(SimpleNamespace(stats=eng.stats(), num_in_flight=0),
+                                          NAME).render().decode())
+    assert scraped["labkit:kv_connector_bytes_stored_total"] == s["disk"]["bytes_stored"]
+    assert scraped["labkit:kv_connector_bytes_used"] == s["disk"]["bytes_used"] > 0
+    assert scraped["labkit:kv_connector_corrupt_total"] == 0
+    conn.close()
+
+
 def test_flags_default_to_the_engine_defaults():
     args = build_parser().parse_args(["labkit-tiny"])
     assert all(getattr(args, k) is None for k in ("quantization", "speculative_config",
                                                   "kv_cache_dtype", "attention_backend",
-                                                  "enable_prefix_caching"))
+                                                  "enable_prefix_caching",
+                                                  "kv_transfer_config", "kv_offload_dir",
+                                                  "kv_offload_cpu_bytes",
+                                                  "kv_offload_disk_bytes"))
     args = build_parser().parse_args(["m", "--speculative-config", NGRAM,
                                       "--enable-prefix-caching"])
     assert args.speculative_config["method"] == "ngram" and args.enable_prefix_caching is True
@@ -119,6 +144,8 @@ def test_flags_default_to_the_engine_defaults():
     ["labkit-tiny", "--speculative-config", "[1, 2]"],
     ["labkit-tiny", "--speculative-config", "{not json"],
     ["labkit-tiny", "--kv-cache-dtype", "fp4"],
+    ["labkit-tiny", "--kv-offload-cpu-bytes", "4096", "--kv-transfer-config",
+     '{"kv_connector": "offloading"}'],
 ])
 def test_impossible_combinations_exit_2_at_start(argv, capsys):
     with pytest.raises(SystemExit) as e:
