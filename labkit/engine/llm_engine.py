@@ -94,8 +94,10 @@ class LLMEngine:
         ``num_blocks`` the pool is sized from ``kv_cache_bytes`` (default: enough for
         max_num_seqs full-length sequences, capped at 256 MiB). An MoE model's trace also
         records each step's expert load (``expert_load``, :class:`labkit.model.moe.
-        ExpertLoadProbe`), read by a probe of the observer, not by the step.``kv_transfer_config``
-        (or ``kv_connector``) plugs a KV connector into both the scheduler and the executor."""
+        ExpertLoadProbe`), read by a probe of the observer, not by the step; its experts run
+        through the fused MoE Triton kernel with ``attention_backend="triton"`` and the loop
+        over experts otherwise (:func:`_moe_experts`). ``kv_transfer_config`` (or
+        ``kv_connector``) plugs a KV connector into both the scheduler and the executor."""
         from labkit.engine.model_runner import ModelExecutor, ModelRunner
         from labkit.kv.attention import get_attention_backend
         from labkit.kv.cache import PagedKVCache, kv_bytes_per_block
@@ -130,6 +132,7 @@ class LLMEngine:
         if getattr(c, "moe_layers", None) and isinstance(model, torch.nn.Module):
             engine.trace.meta["moe_layers"] = c.moe_layers  # the rows of each expert_load
             engine.observer.probes["expert_load"] = ExpertLoadProbe(model)
+            _moe_experts(model, config.model.attention_backend)
         return engine
 
     # ---- shortcuts into the config --------------------------------------------------------------
@@ -398,6 +401,21 @@ def update_text(tokenizer: Any, seq: Any, finished: bool = False) -> tuple[str, 
     if not visible.startswith(shown):  # a re-decode changed shown characters: resend it all
         return visible, hit
     return visible[len(shown):], hit
+
+
+def _moe_experts(model: torch.nn.Module, backend: str | None) -> None:
+    """The experts' implementation follows the engine's kernel backend, as attention does: the
+    grouped Triton kernel (``kernels/fused_moe.py``: tokens sorted by expert, one GEMM per
+    projection over all experts) for "triton", the reference loop otherwise. Set on the model's
+    MoE layers, so the last engine built on a model object decides for it."""
+    from labkit.model.moe import use_fused_experts
+
+    if backend == "triton":
+        from labkit.kernels.fused_moe import fused_moe
+
+        use_fused_experts(model, fused_moe)
+    else:
+        use_fused_experts(model, None)
 
 
 def _load_draft(config: EngineConfig, target: torch.nn.Module) -> None:

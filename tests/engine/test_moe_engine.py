@@ -170,3 +170,20 @@ def test_dense_trace_has_no_expert_load():
     eng = llm.llm_engine
     assert "moe_layers" not in eng.trace.meta and not eng.observer.probes
     assert all("expert_load" not in st for st in eng.trace.steps)
+
+
+def test_triton_backend_runs_the_fused_moe_kernel(ckpts, prompts, references, monkeypatch):
+    """attention_backend="triton": the experts go through kernels/fused_moe.py (counted), the
+    greedy output still equals transformers'; the torch backend puts the loop back."""
+    import labkit.kernels.fused_moe as fm
+
+    calls = []
+    real = fm.fused_moe
+    monkeypatch.setattr(fm, "fused_moe", lambda *a, **k: calls.append(1) or real(*a, **k))
+    arch = "qwen2_moe"
+    got, eng = _generate(ckpts[arch][1], prompts[:3], block_size=16, attention_backend="triton")
+    assert got == references[arch][:3]
+    assert len(calls) >= len(eng.executor.model.config.moe_layers)
+    n = len(calls)
+    got, _ = _generate(ckpts[arch][1], prompts[:1], block_size=16)
+    assert got == references[arch][:1] and len(calls) == n
