@@ -8,8 +8,13 @@ makes ``.venv-clients``) at it for the multiple-choice task of held-out Python
 quantized weights. Reported per format: lm-eval's accuracy, the in-process accuracy, the largest
 difference between the two loglikelihoods of any choice, and the accuracy change against float32.
 
-``outputs_match`` says the server path and the in-process path agree on every item (same choice
-picked wherever the top two choices are more than 1e-2 apart, loglikelihoods within 1e-3).
+``outputs_match`` says the server path and the in-process path agree on every item: the same
+choice picked wherever the top two choices are more than 1e-2 apart, and for float32 every
+loglikelihood within 1e-3. The quantized formats' loglikelihoods are not expected that close, and
+the report says by how much they differ (``max_ll_diff``): on CPU an INT8/INT4/GPTQ linear with
+more than 8 rows runs torch's packed kernel on bfloat16 activations, with 8 or fewer labkit's
+float32 GEMV (labkit/quant/cpu_packed.py, cpu_gemv.py), so how the server chunks a prompt
+changes the rounding of some rows, and one forward over the whole sequence does not.
 What this does not show: a 40-item task has a standard error of about 7 points at these
 accuracies, so a difference of one or two items between formats is noise; the per-item
 loglikelihood shift (``mean_abs_ll_shift_vs_fp32``) is the finer signal.
@@ -84,7 +89,8 @@ def compare_format(fmt: str, items: list[dict], tasks: Path, work: Path) -> dict
     from labkit.serve.process import ServerProcess
 
     model_arg, flags, model, tok = prepare(fmt, work)
-    with ServerProcess(model_arg, [*flags, "--dtype", "float32"], threads=None) as srv:
+    with ServerProcess(model_arg, [*flags, "--dtype", "float32", "--served-model-name",
+                                   "labkit-tiny"], threads=None) as srv:
         rows = run_lm_eval(srv.url, tasks, work / f"out-{fmt}")
     served = [[float(r[0][0]) for r in row["resps"]] for row in rows]
     mine = [score_choices(model, tok, it) for it in items]
@@ -93,9 +99,10 @@ def compare_format(fmt: str, items: list[dict], tasks: Path, work: Path) -> dict
     clear = [sorted(m)[-1] - sorted(m)[-2] > 1e-2 for m in mine]
     agree = all(r["acc"] == float(p == it["label"]) for r, p, it, c in
                 zip(rows, picked, items, clear) if c)
+    ll_ok = diff < 1e-3 or fmt != "fp32"  # see the module docstring for the quantized paths
     return {"format": fmt, "lm_eval_acc": sum(r["acc"] for r in rows) / len(rows),
             "in_process_acc": sum(p == it["label"] for p, it in zip(picked, items)) / len(items),
-            "max_ll_diff": diff, "agree": bool(agree and diff < 1e-3), "_ll": mine}
+            "max_ll_diff": diff, "agree": bool(agree and ll_ok), "_ll": mine}
 
 
 def chart(res: dict[str, Any], path: Path) -> None:
