@@ -129,12 +129,18 @@ class SchedulerConfig:
     watermark_low: float = 1.0
     num_lookahead_slots: int = 0  # extra KV slots per decoding sequence (speculative decoding)
     tenant_weights: dict[str, float] | None = None  # policy "fair": tenant -> share (default 1)
+    # per-tenant quotas, any policy (labkit.sched.quota): running sequences, KV blocks held
+    tenant_max_running: int | None = None
+    tenant_max_kv_blocks: int | None = None
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs)
         if self.max_num_batched_tokens is not None:
             check_int("max_num_batched_tokens", self.max_num_batched_tokens)
         check_int("num_lookahead_slots", self.num_lookahead_slots, 0)
+        for name in ("tenant_max_running", "tenant_max_kv_blocks"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name))
         for name, value, choices in (("policy", self.policy, POLICIES),
                                      ("preemption_mode", self.preemption_mode, PREEMPTION_MODES),
                                      ("batching", self.batching, BATCHING)):

@@ -52,6 +52,7 @@ from typing import Any
 from labkit.config import BATCHING, POLICIES, PREEMPTION_MODES, SchedulerConfig
 from labkit.kv.block_manager import BlockManager
 from labkit.sched.admission import AdmissionPolicy
+from labkit.sched.quota import TenantQuota, combine
 from labkit.sched.kv_transfer import commit_external, external_tokens
 from labkit.sched.output import ScheduledSeq, SchedulerOutput, SeqOutput
 from labkit.sched.policies_fair import FairShare, preempt_for_waiting
@@ -111,7 +112,12 @@ class Scheduler:
                  clock: Callable[[], float], stop_checker: StopChecker | None = None,
                  admission: AdmissionPolicy | None = None, kv_connector: Any = None) -> None:
         self.config = config
-        self.admission = admission  # None: every request may run (see AdmissionPolicy)
+        # None: every request may run (see AdmissionPolicy); per-tenant quotas join the
+        # executor's policy (labkit.sched.quota)
+        self.quota = (TenantQuota(config.tenant_max_running, config.tenant_max_kv_blocks,
+                                  block_manager.block_size)
+                      if config.tenant_max_running or config.tenant_max_kv_blocks else None)
+        self.admission = combine(admission, self.quota)
         self.connector = kv_connector  # its scheduler side, or None (labkit.kv.connector)
         self.bm = block_manager
         self.clock = clock

@@ -27,7 +27,8 @@ from labkit.serve.read_timeout import read_timeout_protocol
 
 ENGINE_FLAGS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "policy",
                 "max_model_len", "preemption_mode", "num_cpu_blocks", "kv_cache_bytes",
-                "tensor_parallel_size", "tenant_weights", *FEATURE_FLAGS)
+                "tensor_parallel_size", "tenant_weights", "tenant_max_running",
+                "tenant_max_kv_blocks", *FEATURE_FLAGS)
 
 
 class DrainingServer(uvicorn.Server):
@@ -152,6 +153,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    metavar="T=W,...", help="policy fair: each tenant's share of service "
                    "(tokens), e.g. a=2,b=1 (tenants are named by --api-key KEY:TENANT; "
                    "unlisted tenants weigh 1)")
+    p.add_argument("--tenant-max-running", type=int, default=None, metavar="N",
+                   help="per-tenant quota: at most N running sequences per tenant, any policy "
+                   "(labkit/sched/quota.py)")
+    p.add_argument("--tenant-max-kv-blocks", type=int, default=None, metavar="N",
+                   help="per-tenant quota: a tenant starts a sequence only while it holds at "
+                   "most N KV blocks with it")
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     p.add_argument("--num-cpu-blocks", type=int, default=0)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
