@@ -52,10 +52,10 @@ from typing import Any
 from labkit.config import BATCHING, POLICIES, PREEMPTION_MODES, SchedulerConfig
 from labkit.kv.block_manager import BlockManager
 from labkit.sched.admission import AdmissionPolicy
-from labkit.sched.quota import TenantQuota, combine
 from labkit.sched.kv_transfer import commit_external, external_tokens
 from labkit.sched.output import ScheduledSeq, SchedulerOutput, SeqOutput
 from labkit.sched.policies_fair import FairShare, preempt_for_waiting
+from labkit.sched.quota import TenantQuota, combine
 from labkit.sched.request import Request, Sequence, SequenceStatus
 from labkit.utils import cdiv
 
