@@ -38,6 +38,7 @@ from labkit.config import EngineConfig
 from labkit.engine.clock import WallClock
 from labkit.engine.executor import Executor, ModelRunnerOutput, executor_factory
 from labkit.engine.logprobs import decode_tokens
+from labkit.engine.model_setup import load_draft, moe_experts
 from labkit.engine.outputs import StepOutput
 from labkit.engine.sampling_params import SamplingParams
 from labkit.engine.structured_output import StructuredOutputManager
@@ -96,7 +97,7 @@ class LLMEngine:
         records each step's expert load (``expert_load``, :class:`labkit.model.moe.
         ExpertLoadProbe`), read by a probe of the observer, not by the step; its experts run
         through the fused MoE Triton kernel with ``attention_backend="triton"`` and the loop
-        over experts otherwise (:func:`_moe_experts`). ``kv_transfer_config`` (or
+        over experts otherwise (``model_setup.moe_experts``). ``kv_transfer_config`` (or
         ``kv_connector``) plugs a KV connector into both the scheduler and the executor."""
         from labkit.engine.model_runner import ModelExecutor, ModelRunner
         from labkit.kv.attention import get_attention_backend
@@ -126,13 +127,13 @@ class LLMEngine:
         if config.lora is not None:  # adapter slots on the model's linears (labkit.lora)
             executor = executor_factory("lora")(executor, config)
         if config.speculative is not None:
-            _load_draft(config, model)
+            load_draft(config, model)
             executor = executor_factory("speculative")(executor, config)
         engine = cls(config, executor, tokenizer, kv_connector=connector)
         if getattr(c, "moe_layers", None) and isinstance(model, torch.nn.Module):
             engine.trace.meta["moe_layers"] = c.moe_layers  # the rows of each expert_load
             engine.observer.probes["expert_load"] = ExpertLoadProbe(model)
-            _moe_experts(model, config.model.attention_backend)
+            moe_experts(model, config.model.attention_backend)
         return engine
 
     # ---- shortcuts into the config --------------------------------------------------------------
@@ -401,33 +402,3 @@ def update_text(tokenizer: Any, seq: Any, finished: bool = False) -> tuple[str, 
     if not visible.startswith(shown):  # a re-decode changed shown characters: resend it all
         return visible, hit
     return visible[len(shown):], hit
-
-
-def _moe_experts(model: torch.nn.Module, backend: str | None) -> None:
-    """The experts' implementation follows the engine's kernel backend, as attention does: the
-    grouped Triton kernel (``kernels/fused_moe.py``: tokens sorted by expert, one GEMM per
-    projection over all experts) for "triton", the reference loop otherwise. Set on the model's
-    MoE layers, so the last engine built on a model object decides for it."""
-    from labkit.model.moe import use_fused_experts
-
-    if backend == "triton":
-        from labkit.kernels.fused_moe import fused_moe
-
-        use_fused_experts(model, fused_moe)
-    else:
-        use_fused_experts(model, None)
-
-
-def _load_draft(config: EngineConfig, target: torch.nn.Module) -> None:
-    """Load the speculative draft model (if any) and check it against the target, before the
-    engine exists: a mismatch is a construction error, not a mid-generation one."""
-    spec = config.speculative
-    if spec is None or spec.method != "draft_model":
-        return
-    draft = spec.model
-    if not isinstance(draft, torch.nn.Module):
-        from labkit.model.loader import load_model
-
-        draft = load_model(draft, dtype=target.dtype, device=target.device)
-    spec.check_draft(draft.config, target.config, config.max_model_len)
-    spec.draft_model = draft.eval()
