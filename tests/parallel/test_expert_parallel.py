@@ -159,6 +159,18 @@ def test_bad_combinations_are_refused_by_name(ckpts):
         LLM(model=str(ckpts["mixtral"][1]), tensor_parallel_size=3, enable_expert_parallel=True)
 
 
+def test_cli_flag_reaches_the_plan(ckpts, capsys):
+    """`labkit generate --tp 3 --enable-expert-parallel` reaches make_plan (refused before any
+    worker starts: 4 experts do not split 3 ways)."""
+    from labkit.cli import main
+
+    with pytest.raises(SystemExit) as bad:
+        main(["generate", "--model", str(ckpts["mixtral"][1]), "--tp", "3",
+              "--enable-expert-parallel", "t1 t2"])
+    assert bad.value.code == 2
+    assert "num_experts 4 is not divisible by tensor_parallel_size 3" in capsys.readouterr().err
+
+
 def test_a_killed_rank_fails_cleanly(runs, prompts):
     """Last: it ends the shared qwen3_moe engine. A rank dies between steps; the step raises
     WorkerError, the request is aborted and freed, no worker survives."""
