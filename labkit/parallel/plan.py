@@ -25,9 +25,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from labkit.errors import EngineConfigError
+from labkit.errors import EngineConfigError, MoEUnsupportedError
 from labkit.model.config import ModelConfig
-from labkit.model.moe import refuse_moe
 
 
 class TensorParallelError(EngineConfigError):
@@ -90,8 +89,12 @@ def _experts_per_rank(config: ModelConfig, world: int, expert_parallel: bool) ->
     moe = getattr(config, "moe_layers", [])
     if not expert_parallel:
         if moe:
-            refuse_moe(config, "tensor parallelism without enable_expert_parallel=True "
-                       "(experts are placed on ranks, not sliced)")
+            err = MoEUnsupportedError("tensor parallelism", config.architecture, moe)
+            err.args = (f"tensor parallelism slices dense MLPs only: this {config.architecture} "
+                        f"has sparse MoE MLPs in layers {moe}. Pass enable_expert_parallel=True "
+                        "(--enable-expert-parallel) to place whole experts on the ranks "
+                        "instead (labkit.parallel.expert)",)
+            raise err
         return 0
     if not moe:
         raise TensorParallelError(
