@@ -161,7 +161,8 @@ def test_bad_combinations_are_refused_by_name(ckpts):
 
 def test_cli_flag_reaches_the_plan(ckpts, capsys):
     """`labkit generate --tp 3 --enable-expert-parallel` reaches make_plan (refused before any
-    worker starts: 4 experts do not split 3 ways)."""
+    worker starts: 4 experts do not split 3 ways); `labkit serve` passes the flag to the engine
+    settings only when given."""
     from labkit.cli import main
 
     with pytest.raises(SystemExit) as bad:
@@ -169,6 +170,11 @@ def test_cli_flag_reaches_the_plan(ckpts, capsys):
               "--enable-expert-parallel", "t1 t2"])
     assert bad.value.code == 2
     assert "num_experts 4 is not divisible by tensor_parallel_size 3" in capsys.readouterr().err
+    from labkit.serve.launcher import ENGINE_FLAGS, build_parser
+
+    for argv, want in ((["m", "--tp", "2", "--enable-expert-parallel"], True), (["m"], None)):
+        args = build_parser().parse_args(argv)
+        assert {k: getattr(args, k) for k in ENGINE_FLAGS}["enable_expert_parallel"] is want
 
 
 def test_a_killed_rank_fails_cleanly(runs, prompts):
