@@ -98,7 +98,8 @@ def _generate_tp(args: argparse.Namespace) -> int:
     from labkit.model.loader import CheckpointError
 
     try:
-        llm = LLM(args.model, tensor_parallel_size=args.tp, dtype=args.dtype, device=args.device)
+        llm = LLM(args.model, tensor_parallel_size=args.tp, dtype=args.dtype, device=args.device,
+                  enable_expert_parallel=args.enable_expert_parallel)
     except (CheckpointError, ValueError) as e:
         args.parser.error(str(e))
     try:
@@ -162,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     g.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor parallelism: split the model over N worker processes")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --tp N on an MoE model: place E/N whole experts on each worker "
+                   "and move tokens to them by all-to-all (labkit.parallel.expert)")
     g.set_defaults(func=_cmd_generate, parser=g)
 
     t = sub.add_parser("train", help="train the shipped tiny models", add_help=False)

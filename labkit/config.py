@@ -240,13 +240,22 @@ class ParallelConfig:
     """Devices sharing the model: ``tensor_parallel_size`` worker processes each hold a shard
     (labkit.parallel); whether the model's head counts divide is checked against the model
     when the executor is built. ``distributed_executor_backend="mp"`` (vLLM's name) runs the
-    model in worker processes even at size 1: one GPU proves the NCCL path that way."""
+    model in worker processes even at size 1: one GPU proves the NCCL path that way.
+
+    ``enable_expert_parallel`` (vLLM's flag) places each MoE layer's experts on the same ranks
+    instead (rank r holds experts ``r*E/N .. (r+1)*E/N - 1`` whole) and moves tokens to them
+    with all-to-all (:mod:`labkit.parallel.expert`); attention stays tensor parallel. In one
+    process (size 1, no "mp") there is nothing to place and the flag changes nothing."""
 
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: "mp" when size > 1, else in-process
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         check_int("tensor_parallel_size", self.tensor_parallel_size)
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise EngineConfigError(f"enable_expert_parallel must be True or False, got "
+                                    f"{self.enable_expert_parallel!r}")
         if self.distributed_executor_backend not in (None, "mp"):
             raise EngineConfigError(f"distributed_executor_backend must be None or 'mp', got "
                                     f"{self.distributed_executor_backend!r}")

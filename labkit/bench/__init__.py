@@ -20,4 +20,5 @@ BENCHMARKS = {
     "gguf": "labkit.bench.gguf",
     "engine-gpu": "labkit.bench.engine_gpu",
     "lm-eval": "labkit.bench.lm_eval_quant",
+    "moe": "labkit.bench.moe",
 }

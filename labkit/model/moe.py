@@ -29,8 +29,9 @@ trace reads them through :class:`ExpertLoadProbe`: each step's record of an MoE 
 ``expert_load`` [MoE layers][E] (tokens routed to each expert in that step's forward), with the
 layers in ``trace.meta["moe_layers"]``.
 
-**Not every feature handles experts.** TP, weight quantization, GGUF export and pruning address
-weights by the dense names; they call :func:`refuse_moe` and raise
+**Not every feature handles experts.** Weight quantization, GGUF export, pruning, and tensor
+parallelism without ``enable_expert_parallel`` (:mod:`labkit.parallel.expert` places experts on
+ranks) address weights by the dense names; they call :func:`refuse_moe` and raise
 :class:`~labkit.errors.MoEUnsupportedError` naming themselves and the architecture.
 """
 
@@ -110,6 +111,8 @@ class Experts(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Router (``gate``), stacked ``experts``, and Qwen2-MoE's gated ``shared_expert``."""
 
+    first_expert = 0  # the global index of experts[0] (an expert-parallel rank holds a range)
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         h = config.hidden_size
@@ -149,24 +152,30 @@ class SparseMoeBlock(nn.Module):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.view(shape)
 
+    def expert_tensor_names(self, prefix: str, expert: int) -> tuple[str, str, str]:
+        """The on-disk names of expert ``expert``'s gate, up and down weights."""
+        if self.architecture == "MixtralForCausalLM":
+            ex = prefix.removesuffix(".mlp") + f".block_sparse_moe.experts.{expert}"
+            return f"{ex}.w1.weight", f"{ex}.w3.weight", f"{ex}.w2.weight"
+        ex = f"{prefix}.experts.{expert}"
+        return f"{ex}.gate_proj.weight", f"{ex}.up_proj.weight", f"{ex}.down_proj.weight"
+
     def checkpoint_tensors(self, prefix: str) -> dict[str, tuple[str, torch.Tensor]]:
         """On-disk name -> (the parameter it fills, a view of its slice), for the loader.
 
-        ``prefix`` is this module's name in the model (``model.layers.3.mlp``)."""
+        ``prefix`` is this module's name in the model (``model.layers.3.mlp``). The stacked
+        row e holds expert ``first_expert + e`` (expert parallelism keeps a range)."""
         inter, E = self.experts.intermediate_size, self.experts.num_experts
         gu, down = self.experts.gate_up_proj.detach(), self.experts.down_proj.detach()
         gu_name, down_name = f"{prefix}.experts.gate_up_proj", f"{prefix}.experts.down_proj"
-        if self.architecture == "MixtralForCausalLM":
-            base, names = prefix.removesuffix(".mlp") + ".block_sparse_moe", ("w1", "w3", "w2")
-        else:
-            base, names = prefix, ("gate_proj", "up_proj", "down_proj")
         out: dict[str, tuple[str, torch.Tensor]] = {}
         for e in range(E):
-            ex = f"{base}.experts.{e}"
-            out[f"{ex}.{names[0]}.weight"] = (gu_name, gu[e, :inter])
-            out[f"{ex}.{names[1]}.weight"] = (gu_name, gu[e, inter:])
-            out[f"{ex}.{names[2]}.weight"] = (down_name, down[e])
-        if base != prefix:
+            g, u, d = self.expert_tensor_names(prefix, self.first_expert + e)
+            out[g] = (gu_name, gu[e, :inter])
+            out[u] = (gu_name, gu[e, inter:])
+            out[d] = (down_name, down[e])
+        base = prefix.removesuffix(".mlp") + ".block_sparse_moe"
+        if self.architecture == "MixtralForCausalLM":
             out[f"{base}.gate.weight"] = (f"{prefix}.gate.weight", self.gate.weight.detach())
         return out
 

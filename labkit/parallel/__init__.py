@@ -1,1 +1,2 @@
-"""Tensor parallelism over torch.distributed: process groups, sharded layers and workers."""
+"""Tensor and expert parallelism over torch.distributed: process groups, sharded layers,
+placed experts (expert.py) and workers."""

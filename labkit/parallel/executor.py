@@ -25,7 +25,8 @@ from labkit.kv.attention import get_attention_backend
 from labkit.kv.block_manager import BlockOps
 from labkit.model.config import ModelConfig
 from labkit.model.loader import CheckpointHandle
-from labkit.parallel.comm import TPGroup
+from labkit.model.moe import use_fused_experts
+from labkit.parallel.comm import TPGroup, merge_logs
 from labkit.parallel.plan import TensorParallelError, make_plan
 from labkit.parallel.shard import SafetensorsSource, StateDictSource, build_shard
 from labkit.parallel.workers import WorkerGroup
@@ -43,13 +44,18 @@ class RankRecipe:
     folder: str | None = None                       # load my slices from here ...
     state: dict[str, torch.Tensor] | None = field(default=None, repr=False)  # ... or from this
     device: str = "cpu"                             # "cuda": rank r on GPU r (NCCL)
+    expert_parallel: bool = False                   # place MoE experts (labkit.parallel.expert)
 
     def __call__(self, group: TPGroup) -> RankWorker:
-        plan = make_plan(self.config, group.world, group.rank)
+        plan = make_plan(self.config, group.world, group.rank, self.expert_parallel)
         source = SafetensorsSource(Path(self.folder)) if self.folder else \
             StateDictSource(self.state or {})
         device = f"cuda:{group.rank}" if self.device == "cuda" else self.device
         model = build_shard(self.config, plan, source, group, self.dtype, device)
+        if self.attention_backend == "triton" and plan.experts_per_rank:
+            from labkit.kernels.fused_moe import fused_moe  # as the engine does in-process
+
+            use_fused_experts(model, fused_moe)
         backend = get_attention_backend(self.attention_backend)
         c = self.cache
         runner = ModelRunner.for_model(model, c.block_size, c.num_blocks, c.num_cpu_blocks,
@@ -68,7 +74,9 @@ class RankWorker:
         calls = list(self.group.log.calls)
         log = self.group.log.reset()
         if self.group.rank:
-            return None  # every rank holds the same logits: one copy is enough
+            # every rank holds the same logits: one copy is enough; the log differs for the
+            # expert-parallel all-to-alls (each rank sends what its tokens routed)
+            return None, log, None
         return logits.cpu(), log, calls  # the driver samples on the CPU (no CUDA IPC)
 
     def apply_block_ops(self, ops: BlockOps) -> None:
@@ -106,8 +114,9 @@ class TPRunner:
                 owners: Any = None) -> torch.Tensor:
         """``owners`` (the chunks' sequences, for ``ModelRunner.step_hooks``) stay here: the
         ranks' runners have no step hooks (LoRA refuses tensor parallelism in this version)."""
-        logits, self.last_collectives, self.last_calls = \
-            self.workers.call("forward", chunks, rows)[0]
+        answers = self.workers.call("forward", chunks, rows)
+        logits, _, self.last_calls = answers[0]
+        self.last_collectives = merge_logs([log for _, log, _ in answers])
         return logits
 
 
@@ -150,12 +159,13 @@ def build_tp_executor(model: Any, config: EngineConfig) -> TPExecutor:
     """The registered ``"tensor_parallel"`` executor factory: ``model`` is a
     ``CheckpointHandle`` (each rank reads only its slices of the folder) or a loaded model (its
     tensors are sent to the ranks, which keep their slices). The model's device picks the
-    backend: gloo on CPU, NCCL on CUDA."""
-    world = config.parallel.tensor_parallel_size
-    make_plan(model.config, world, 0)  # fail here, with the count to fix, before spawning
+    backend: gloo on CPU, NCCL on CUDA. ``enable_expert_parallel`` places an MoE model's
+    experts on the ranks (:mod:`labkit.parallel.expert`)."""
+    world, ep = config.parallel.tensor_parallel_size, config.parallel.enable_expert_parallel
+    make_plan(model.config, world, 0, ep)  # fail here, with the count to fix, before spawning
     backend = distributed_backend(model.device, world)
     recipe = RankRecipe(model.config, config.cache, config.model.attention_backend, model.dtype,
-                        device=model.device.type)
+                        device=model.device.type, expert_parallel=ep)
     if isinstance(model, CheckpointHandle):
         recipe.folder = str(model.folder)
     else:  # pickled through the pipe: CPU copies (a CUDA tensor would need IPC handles)

@@ -14,6 +14,10 @@ with fewer KV heads than ranks each rank keeps a *copy* of the one KV head its q
 
 The embedding and the LM head are split by vocabulary rows: each rank looks up (or scores) only
 its slice of the vocabulary, then an all-reduce (embedding) or all-gather (logits) completes it.
+
+A mixture-of-experts layer is not sliced: with ``enable_expert_parallel`` its experts are
+*placed*, E/N whole experts per rank (``ShardPlan.expert_range``), and the tokens travel to them
+(:mod:`labkit.parallel.expert`); without the flag an MoE model is refused.
 """
 
 from __future__ import annotations
@@ -21,9 +25,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from labkit.errors import EngineConfigError
+from labkit.errors import EngineConfigError, MoEUnsupportedError
 from labkit.model.config import ModelConfig
-from labkit.model.moe import refuse_moe
 
 
 class TensorParallelError(EngineConfigError):
@@ -48,6 +51,7 @@ class ShardPlan:
     vocab_size: int          # the full vocabulary
     head_dim: int
     kv_replicas: int = 1     # ranks holding a copy of the same KV head
+    experts_per_rank: int = 0  # expert parallelism: whole experts on each rank (0: not used)
 
     @property
     def q_rows(self) -> tuple[int, int]:
@@ -70,25 +74,59 @@ class ShardPlan:
         return a, min(a + self.vocab_per_rank, self.vocab_size)
 
     @property
+    def expert_range(self) -> tuple[int, int]:
+        """The experts this rank holds, [start, stop) of every MoE layer's E."""
+        return self.rank * self.experts_per_rank, (self.rank + 1) * self.experts_per_rank
+
+    @property
     def kv_replicated(self) -> bool:
         """True when several ranks hold a copy of the same KV head (KV heads < ranks)."""
         return self.kv_replicas > 1
 
 
-def make_plan(config: ModelConfig, world: int, rank: int) -> ShardPlan:
+def _experts_per_rank(config: ModelConfig, world: int, expert_parallel: bool) -> int:
+    """E/N, or 0 without expert parallelism; refuses what cannot be placed, by name."""
+    moe = getattr(config, "moe_layers", [])
+    if not expert_parallel:
+        if moe:
+            err = MoEUnsupportedError("tensor parallelism", config.architecture, moe)
+            err.args = (f"tensor parallelism slices dense MLPs only: this {config.architecture} "
+                        f"has sparse MoE MLPs in layers {moe}. Pass enable_expert_parallel=True "
+                        "(--enable-expert-parallel) to place whole experts on the ranks "
+                        "instead (labkit.parallel.expert)",)
+            raise err
+        return 0
+    if not moe:
+        raise TensorParallelError(
+            f"enable_expert_parallel places the experts of MoE layers on ranks, but this "
+            f"{config.architecture} has no MoE layers: drop the flag (tensor parallelism alone "
+            "splits a dense model)")
+    if config.num_experts % world:
+        raise TensorParallelError(
+            f"num_experts {config.num_experts} is not divisible by tensor_parallel_size {world}: "
+            f"expert parallelism places num_experts / {world} whole experts on each rank; use "
+            f"a size that divides {config.num_experts}")
+    return config.num_experts // world
+
+
+def make_plan(config: ModelConfig, world: int, rank: int,
+              expert_parallel: bool = False) -> ShardPlan:
     """The shard of ``rank``; raises TensorParallelError naming the count that does not divide.
-    The plan slices dense MLPs only: an MoE model raises MoEUnsupportedError."""
-    refuse_moe(config, "tensor parallelism")
+    Dense MLPs are sliced; an MoE model needs ``expert_parallel`` (its experts are placed
+    whole), else it raises MoEUnsupportedError."""
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise TensorParallelError(f"tensor_parallel_size must be a positive integer, got {world!r}")
     if not 0 <= rank < world:
         raise TensorParallelError(f"rank {rank} is outside 0..{world - 1}")
+    per_rank = _experts_per_rank(config, world, expert_parallel)
     hq, hkv = config.num_attention_heads, config.num_key_value_heads
     if hq % world:
         raise TensorParallelError(
             f"num_attention_heads {hq} is not divisible by tensor_parallel_size {world}; "
             f"use a size that divides {hq}")
-    if config.intermediate_size % world:
+    dense = [i for i in range(config.num_hidden_layers) if i not in
+             getattr(config, "moe_layers", [])]
+    if dense and config.intermediate_size % world:  # the dense MLPs are sliced
         raise TensorParallelError(
             f"intermediate_size {config.intermediate_size} is not divisible by "
             f"tensor_parallel_size {world}")
@@ -108,14 +146,19 @@ def make_plan(config: ModelConfig, world: int, rank: int) -> ShardPlan:
                      kv_head_start=kv_start, intermediate=config.intermediate_size // world,
                      vocab_per_rank=_cdiv(config.vocab_size, world),
                      vocab_size=config.vocab_size, head_dim=config.head_dim,
-                     kv_replicas=replicas)
+                     kv_replicas=replicas, experts_per_rank=per_rank)
 
 
 def shard_config(config: ModelConfig, plan: ShardPlan) -> ModelConfig:
     """The config of the ordinary Llama that holds this rank's shard (full vocabulary kept:
     prompt validation and sampling read it; the parallel embedding and head replace the
-    modules that would otherwise hold the whole vocabulary)."""
+    modules that would otherwise hold the whole vocabulary). The experts keep their width
+    (``moe_intermediate_size`` pinned: Mixtral's defaults to ``intermediate_size``) and the
+    router all E outputs; :mod:`labkit.parallel.expert` keeps only this rank's experts."""
+    moe = {}
+    if getattr(config, "moe_layers", []):
+        moe = dict(moe_intermediate_size=config.expert_intermediate_size)
     return dataclasses.replace(config, num_attention_heads=plan.num_heads,
                                num_key_value_heads=plan.num_kv_heads,
                                intermediate_size=plan.intermediate, head_dim=config.head_dim,
-                               extra=dict(config.extra))
+                               extra=dict(config.extra), **moe)

@@ -29,9 +29,10 @@ class ShardFactory:
     folder: str | None = None
     state: dict[str, torch.Tensor] | None = None
     dtype: torch.dtype = torch.float32
+    expert_parallel: bool = False
 
     def __call__(self, group: TPGroup) -> ShardWorker:
-        plan = make_plan(self.config, group.world, group.rank)
+        plan = make_plan(self.config, group.world, group.rank, self.expert_parallel)
         source = SafetensorsSource(Path(self.folder)) if self.folder else \
             StateDictSource(self.state or {})
         model = build_shard(self.config, plan, source, group, self.dtype)

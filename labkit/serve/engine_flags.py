@@ -77,7 +77,7 @@ def add_feature_args(p: argparse.ArgumentParser) -> None:
 
 def features_of(args: argparse.Namespace) -> dict[str, Any]:
     """The feature flags a server was started with (those given), for ``/v1/models``."""
-    names = (*FEATURE_FLAGS, "seed", "tensor_parallel_size", "dtype")
+    names = (*FEATURE_FLAGS, "seed", "tensor_parallel_size", "enable_expert_parallel", "dtype")
     return {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
 
 

@@ -27,8 +27,8 @@ from labkit.serve.read_timeout import read_timeout_protocol
 
 ENGINE_FLAGS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "policy",
                 "max_model_len", "preemption_mode", "num_cpu_blocks", "kv_cache_bytes",
-                "tensor_parallel_size", "tenant_weights", "tenant_max_running",
-                "tenant_max_kv_blocks", *FEATURE_FLAGS)
+                "tensor_parallel_size", "enable_expert_parallel", "tenant_weights",
+                "tenant_max_running", "tenant_max_kv_blocks", *FEATURE_FLAGS)
 
 
 class DrainingServer(uvicorn.Server):
@@ -165,6 +165,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=None, metavar="N",
                    help="split the model over N worker processes (labkit.parallel)")
+    p.add_argument("--enable-expert-parallel", action="store_true", default=None,
+                   help="with --tp N on an MoE model: place E/N whole experts on each worker, "
+                   "tokens reach them by all-to-all (labkit.parallel.expert)")
     p.add_argument("--engine-mode", choices=("process", "thread"), default="process",
                    help="where the engine loop runs: its own process (default; vLLM's "
                    "EngineCore: no GIL shared with the HTTP loop) or a thread of the server")
