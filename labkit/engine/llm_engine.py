@@ -324,6 +324,7 @@ class LLMEngine:
                   "num_pending": len(sched.pending), "num_swapped": len(sched.swapped),
                   "num_preemptions": sched.num_preemptions, "num_steps": self.num_steps,
                   "num_requests": len(self.requests), "num_forgotten": self.num_forgotten})
+        s.update(self.executor.stats())
         c = self.config.cache
         if c.bytes_per_block is not None:  # a real KV pool (not the simulator's)
             s.update({"kv_cache_dtype": c.kv_cache_dtype, "kv_bytes_per_block": c.bytes_per_block,

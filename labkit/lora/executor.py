@@ -70,6 +70,17 @@ class LoRAExecutor(ModelExecutor):
                             f"{type(lora_request).__name__}")
         self.manager.add_lora(lora_request)
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.manager.remove_lora(lora_int_id)
+
+    def stats(self) -> dict[str, Any]:
+        """The manager's counters under ``lora_`` names (``engine.stats()``: /metrics)."""
+        s = self.manager.stats()
+        return {"lora_resident": len(s["resident"]), "lora_num_slots": s["num_slots"],
+                "lora_cpu_cached": len(s["cpu_cached"]),
+                **{f"lora_{k}": s[k] for k in ("disk_loads", "cpu_evictions", "slot_loads",
+                                                "slot_evictions")}}
+
     def admission_policy(self) -> LoRAAdmission:
         return LoRAAdmission(self.manager.max_loras)
 
