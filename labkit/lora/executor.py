@@ -34,7 +34,7 @@ from labkit.engine.model_runner import ModelExecutor
 from labkit.errors import LoRAError
 from labkit.lora.layers import LoRAContext, apply_lora
 from labkit.lora.manager import LoRAManager
-from labkit.lora.punica import TritonPunica
+from labkit.lora.punica import TorchPunica, TritonPunica
 from labkit.lora.request import LoRARequest
 from labkit.sched.request import Sequence
 
@@ -106,9 +106,10 @@ def make_lora_executor(base: Executor, config: EngineConfig) -> LoRAExecutor:
     """The engine's factory for ``enable_lora`` (registered by ``labkit/__init__.py``). The
     kernels follow the engine's kernel choice: with ``attention_backend="triton"`` the deltas
     run through ``kernels/lora_ops.py`` (:class:`~labkit.lora.punica.TritonPunica`: SGMV for
-    steps with prefill chunks, BGMV for decode steps), otherwise through the PyTorch ops."""
+    steps with prefill chunks, BGMV for decode steps), otherwise through
+    :class:`~labkit.lora.punica.TorchPunica` (the same plan in PyTorch)."""
     if not isinstance(base, ModelExecutor):
         raise LoRAError("LoRA needs the in-process model executor (real tensors)")
     c = config.lora
-    punica = TritonPunica() if config.model.attention_backend == "triton" else None
+    punica = TritonPunica() if config.model.attention_backend == "triton" else TorchPunica()
     return LoRAExecutor(base, c.max_loras, c.max_lora_rank, c.max_cpu_loras, punica)

@@ -5,7 +5,7 @@ mixed batch whose steps hold prefill chunks (SGMV) and decode-only steps (BGMV).
 from __future__ import annotations
 
 from labkit import LoRARequest
-from labkit.lora.punica import TritonPunica, segments
+from labkit.lora.punica import TorchPunica, TritonPunica, segments
 
 from .conftest import peft_greedy
 from .test_lora_engine import greedy, make_llm, tokens
@@ -38,7 +38,7 @@ def test_triton_lora_equals_torch_and_peft(llama_dir, llama_adapters):
                               lora_request=loras))
     assert {"sgmv", "bgmv"} <= set(kinds)  # prefill steps segmented, decode steps per row
     torch_llm = make_llm(llama_dir)
-    assert torch_llm.llm_engine.executor.context.punica is None
+    assert isinstance(torch_llm.llm_engine.executor.context.punica, TorchPunica)
     want_torch = tokens(torch_llm.generate(prompt_token_ids=PROMPTS, sampling_params=greedy(N),
                                            lora_request=loras))
     want_peft = [peft_greedy(llama_dir, None if r is None else r.lora_path, p, N)
