@@ -1,5 +1,6 @@
 """The LoRA ops behind :class:`~labkit.lora.layers.LoRAContext`, planned once per forward (vLLM's
-punica wrapper): :class:`TritonPunica` (the Triton kernels) and :class:`TorchPunica` (PyTorch).
+punica wrapper): :class:`TritonPunica` (the Triton kernels, below) and :class:`TorchPunica`
+(PyTorch, the engine's default; its own docstring says why it is not the per-slot loop).
 
 With ``LLM(..., enable_lora=True, attention_backend="triton")`` every wrapped projection's delta
 runs through ``kernels/lora_ops.py`` instead of the PyTorch loop of :mod:`labkit.lora.ops`.
@@ -102,61 +103,54 @@ class TritonPunica:
 
 
 class TorchPunica:
-    """The same per-forward plan in PyTorch (the engine's default LoRA ops).
+    """The engine's default LoRA ops in PyTorch: a few large ops per layer, not a loop.
 
-    :mod:`labkit.lora.ops` finds each slot's rows again in every layer (``unique`` and
-    ``nonzero`` per call, 2 x 7 projections x layers times a step); on a small model, where a
-    step's time is the number of ops it launches, that made a mixed batch several times slower
-    than the base model. Here the grouping is worked out once per forward, and each layer pays:
+    :mod:`labkit.lora.ops` (the reference) finds each slot's rows again in every layer and
+    runs a matmul per slot present; on a small model on a CPU a step's time is the number of
+    ops it launches, which made a mixed batch several times slower than the base model. Here
+    every layer runs the same five ops whatever the mix of adapters:
 
-    - a step with prefill chunks: one ``matmul`` per *segment* (a run of one slot, as SGMV),
-      on row slices (views: no gather, no scatter), expand as ``addmm_`` into the output;
-    - a decode-only step: one batched matmul over rows (BGMV's layout): each row's factor is
-      gathered (``lora_a[slot]``: T x r x H, small at decode's T) and ``bmm`` does every row
-      at once, whatever mix of adapters. Base rows gather slot 0 and are scaled by 0, adding
-      exactly nothing (``y + 0.0 == y``)."""
+        h = x @ A_all.T              A_all = lora_a viewed [S*r, H_in]: every slot at once
+        h *= onehot(slot)            [T, S, r]: a row keeps only its own slot's r columns
+        y += (h * scalings) @ B_all  B_all [S*r, H_out]: the row's own B, scaled
+
+    The one-hot mask is built once per forward (:meth:`prepare`). It costs ``max_loras`` times
+    the delta's FLOPs (``S * r`` columns instead of ``r``), small next to the base matmul while
+    ``S * r`` is much less than the hidden size; the Triton kernels (:class:`TritonPunica`)
+    skip that work instead. Base rows (slot -1) have an all-zero mask: their delta is exactly
+    0.0, so ``y`` keeps its bits."""
 
     def __init__(self) -> None:
         self.plan: _Plan | None = None
-        self.segs: list[tuple[slice, int]] = []
-        self.idx: torch.Tensor | None = None
-        self.keep: torch.Tensor | None = None
+        self.onehot: torch.Tensor | None = None
 
     def prepare(self, token_slots: torch.Tensor, query_lens: list[int] | None) -> None:
-        sgmv = query_lens is not None and max(query_lens, default=1) > 1
-        self.plan = _Plan(token_slots, sgmv)
-        if sgmv:
-            starts, seg_slots = segments(token_slots.tolist())
-            self.segs = [(slice(a, b), s) for a, b, s in zip(starts, starts[1:], seg_slots)
-                         if s >= 0]
-        else:
-            self.idx = token_slots.clamp(min=0)
-            self.keep = (token_slots >= 0).unsqueeze(1)
+        self.plan = _Plan(token_slots, False)
+        self.onehot = None  # built at the first layer, which knows S and the dtype
 
-    def _plan_for(self, token_slots: torch.Tensor) -> _Plan:
-        plan = self.plan
-        if plan is None or plan.token_slots is not token_slots:
+    def _mask(self, token_slots: torch.Tensor, num_slots: int, dtype: torch.dtype
+              ) -> torch.Tensor:
+        if self.plan is None or self.plan.token_slots is not token_slots:
             raise RuntimeError("TorchPunica used without prepare() for this forward's token "
                                "slots (LoRAContext.update_metadata calls it)")
-        return plan
+        if self.onehot is None or self.onehot.shape[1] != num_slots:
+            hot = torch.nn.functional.one_hot(token_slots.clamp(min=0), num_slots)
+            self.onehot = (hot * (token_slots >= 0).unsqueeze(1)).to(dtype)
+        return self.onehot
 
     def shrink(self, x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor
                ) -> torch.Tensor:
-        if not self._plan_for(token_slots).sgmv:
-            return torch.bmm(lora_a[self.idx], x.unsqueeze(2)).squeeze(2)
-        buf = x.new_zeros(x.shape[0], lora_a.shape[1])
-        for rows, s in self.segs:
-            torch.matmul(x[rows], lora_a[s].T, out=buf[rows])
-        return buf
+        s, r, h_in = lora_a.shape
+        mask = self._mask(token_slots, s, x.dtype)
+        h = (x @ lora_a.view(s * r, h_in).T).view(-1, s, r)
+        return h * mask.unsqueeze(2)
 
     def expand(self, y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor,
                token_slots: torch.Tensor, scalings: torch.Tensor) -> None:
-        if not self._plan_for(token_slots).sgmv:
-            delta = torch.bmm(lora_b[self.idx], buf.unsqueeze(2)).squeeze(2)
-            y.addcmul_(delta, torch.where(self.keep, scalings[self.idx].unsqueeze(1), 0.0))
-            return
-        for rows, s in self.segs:
-            y[rows].addmm_(buf[rows], lora_b[s].T, alpha=float(scalings[s]))
+        s, h_out, r = lora_b.shape
+        self._mask(token_slots, s, y.dtype)  # checks the plan
+        w = (buf * scalings.view(1, s, 1)).view(-1, s * r)
+        y.addmm_(w, lora_b.transpose(1, 2).reshape(s * r, h_out))
 
     def clear(self) -> None:
-        self.plan, self.segs, self.idx, self.keep = None, [], None, None
+        self.plan, self.onehot = None, None
