@@ -22,7 +22,7 @@ import labkit  # noqa: E402
 from labkit import LoRARequest, SamplingParams  # noqa: E402
 from labkit.engine.llm_engine import LLMEngine  # noqa: E402
 from labkit.serve.api_server import ServeConfig  # noqa: E402
-from labkit.serve.engine_core import build_engine  # noqa: E402
+from labkit.serve.engine_core import EngineSpec, build_engine  # noqa: E402
 from labkit.serve.engine_flags import check_features, lora_modules_of  # noqa: E402
 from labkit.serve.launcher import ENGINE_FLAGS, ServerThread, build_parser, main  # noqa: E402
 from labkit.serve.lora_routes import LoRAInUseError, engine_remove_lora  # noqa: E402
@@ -206,6 +206,23 @@ def test_cli_parses_the_lora_flags(tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["m", "--lora-modules", "noequals"])
     assert e.value.code == 2
+
+
+@pytest.mark.slow
+def test_engine_process_serves_adapters(folders, want):
+    """The other engine home: the flags travel in a pickled EngineSpec, the adapter in the add
+    command, and load / unload as picklable calls into the engine process."""
+    base, paths = folders
+    spec = EngineSpec(str(base), "float32", "cpu", {"num_blocks": 64, **LORA_KW}, 1)
+    with ServerThread(spec, None, ServeConfig(model_name=BASE,
+                                              lora_modules={"a1": str(paths["a1"])})) as srv:
+        assert tokens(complete(srv, "a1")) == want["a1"]
+        assert post(srv, "/v1/load_lora_adapter", lora_name="a3",
+                    lora_path=str(paths["a3"])).status_code == 200
+        assert tokens(complete(srv, "a3")) == want["a3"]
+        assert post(srv, "/v1/unload_lora_adapter", lora_name="a3").status_code == 200
+        r = post(srv, "/v1/load_lora_adapter", lora_name="big", lora_path=str(paths["r32"]))
+        assert r.status_code == 400 and "max_lora_rank" in r.text
 
 
 def test_engine_without_lora_refuses_loads(folders, labkit_tiny):
