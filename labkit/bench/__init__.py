@@ -12,6 +12,7 @@ BENCHMARKS = {
     "kernels-static": "labkit.bench.kernels_static",
     "quant": "labkit.bench.quant",
     "spec": "labkit.bench.spec",
+    "lora": "labkit.bench.lora",
     "serve": "labkit.bench.serve",
     "serve-soak": "labkit.bench.serve_soak",
     "serve-llamacpp": "labkit.bench.serve_llamacpp",

@@ -78,6 +78,16 @@ class Executor(ABC):
         raise LoRAError(f"request asks for LoRA adapter {lora_request!r} but the engine was "
                         "built without LoRA: LLM(..., enable_lora=True, max_loras=...)")
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """vLLM's ``remove_lora``: forget an adapter (its slot, its cached weights); False if
+        it was not loaded. The caller makes sure no live request uses it."""
+        raise LoRAError("this engine was built without LoRA: there is no adapter to remove")
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of the executor's own, merged into ``LLMEngine.stats()`` (LoRA: slot
+        loads and evictions, resident adapters); none by default."""
+        return {}
+
     def admission_policy(self) -> Any:
         """The scheduler's :class:`~labkit.sched.admission.AdmissionPolicy` this executor
         needs (LoRA: at most ``max_loras`` adapters running), or None."""

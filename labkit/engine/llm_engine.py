@@ -354,6 +354,7 @@ class LLMEngine:
                   "num_requests": len(self.requests), "num_forgotten": self.num_forgotten})
         if self.kv_connector is not None:  # per tier: hits, loads, bytes, evictions
             s["kv_connector"] = self.kv_connector.stats()
+        s.update(self.executor.stats())
         c = self.config.cache
         if c.bytes_per_block is not None:  # a real KV pool (not the simulator's)
             s.update({"kv_cache_dtype": c.kv_cache_dtype, "kv_bytes_per_block": c.bytes_per_block,

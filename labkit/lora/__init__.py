@@ -6,8 +6,10 @@
 The pieces, one module each: ``request`` (:class:`LoRARequest`), ``adapter`` (load and check a
 PEFT folder), ``ops`` (the batched shrink / expand delta), ``layers`` (the post-load transform:
 :class:`LoRALinear` slots and the shared per-step :class:`LoRAContext`), ``manager`` (device
-slots and the CPU cache, both LRU) and ``executor`` (the engine plug-in and the scheduler's
-admission rule). The engine meets it only at seams: ``Executor.add_lora`` /
+slots and the CPU cache, both LRU), ``punica`` (the per-forward plan the layers' deltas run
+through: PyTorch, or the Triton kernels of ``kernels/lora_ops.py`` with the Triton backend),
+``writer`` (PEFT-format adapters without peft) and ``executor`` (the engine plug-in and the
+scheduler's admission rule). The engine meets it only at seams: ``Executor.add_lora`` /
 ``admission_policy``, ``ModelRunner.step_hooks``, the request's ``lora_request`` data and the
 prefix-cache key.
 """

@@ -32,8 +32,9 @@ from labkit.config import EngineConfig
 from labkit.engine.executor import Executor
 from labkit.engine.model_runner import ModelExecutor
 from labkit.errors import LoRAError
-from labkit.lora.layers import apply_lora
+from labkit.lora.layers import LoRAContext, apply_lora
 from labkit.lora.manager import LoRAManager
+from labkit.lora.punica import TorchPunica, TritonPunica
 from labkit.lora.request import LoRARequest
 from labkit.sched.request import Sequence
 
@@ -56,9 +57,10 @@ class LoRAAdmission:
 
 class LoRAExecutor(ModelExecutor):
     def __init__(self, base: ModelExecutor, max_loras: int, max_lora_rank: int,
-                 max_cpu_loras: int) -> None:
+                 max_cpu_loras: int, punica: Any = None) -> None:
         super().__init__(base.runner)
-        self.context, layers = apply_lora(base.model, max_loras, max_lora_rank)
+        self.context, layers = apply_lora(base.model, max_loras, max_lora_rank,
+                                          LoRAContext(punica=punica))
         self.manager = LoRAManager(layers, max_loras, max_lora_rank, max_cpu_loras)
         self.runner.step_hooks.append(self.lora_step)
 
@@ -67,6 +69,17 @@ class LoRAExecutor(ModelExecutor):
             raise LoRAError(f"lora_request must be a labkit.LoRARequest, got "
                             f"{type(lora_request).__name__}")
         self.manager.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.manager.remove_lora(lora_int_id)
+
+    def stats(self) -> dict[str, Any]:
+        """The manager's counters under ``lora_`` names (``engine.stats()``: /metrics)."""
+        s = self.manager.stats()
+        return {"lora_resident": len(s["resident"]), "lora_num_slots": s["num_slots"],
+                "lora_cpu_cached": len(s["cpu_cached"]),
+                **{f"lora_{k}": s[k] for k in ("disk_loads", "cpu_evictions", "slot_loads",
+                                                "slot_evictions")}}
 
     def admission_policy(self) -> LoRAAdmission:
         return LoRAAdmission(self.manager.max_loras)
@@ -82,7 +95,7 @@ class LoRAExecutor(ModelExecutor):
         for lid, n in zip(ids, query_lens):
             slots.extend([self.manager.slot_of(lid)] * n)
         self.context.update_metadata(torch.tensor(slots, dtype=torch.long,
-                                                  device=self.runner.device))
+                                                  device=self.runner.device), list(query_lens))
         try:
             yield
         finally:
@@ -90,8 +103,13 @@ class LoRAExecutor(ModelExecutor):
 
 
 def make_lora_executor(base: Executor, config: EngineConfig) -> LoRAExecutor:
-    """The engine's factory for ``enable_lora`` (registered by ``labkit/__init__.py``)."""
+    """The engine's factory for ``enable_lora`` (registered by ``labkit/__init__.py``). The
+    kernels follow the engine's kernel choice: with ``attention_backend="triton"`` the deltas
+    run through ``kernels/lora_ops.py`` (:class:`~labkit.lora.punica.TritonPunica`: SGMV for
+    steps with prefill chunks, BGMV for decode steps), otherwise through
+    :class:`~labkit.lora.punica.TorchPunica` (the same plan in PyTorch)."""
     if not isinstance(base, ModelExecutor):
         raise LoRAError("LoRA needs the in-process model executor (real tensors)")
     c = config.lora
-    return LoRAExecutor(base, c.max_loras, c.max_lora_rank, c.max_cpu_loras)
+    punica = TritonPunica() if config.model.attention_backend == "triton" else TorchPunica()
+    return LoRAExecutor(base, c.max_loras, c.max_lora_rank, c.max_cpu_loras, punica)

@@ -29,6 +29,7 @@ base arithmetic stays one matmul; only the low-rank parts are per projection (as
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,22 +41,32 @@ from labkit.lora.ops import bgmv_expand, bgmv_shrink
 
 class LoRAContext:
     """The step's per-token slot ids, shared by every LoRA layer of one model. ``shrink`` and
-    ``expand`` are the batched-delta ops (:mod:`labkit.lora.ops`'s signatures), swappable for
-    the Triton ones."""
+    ``expand`` are the batched-delta ops (:mod:`labkit.lora.ops`'s signatures); ``punica``, if
+    given, supplies all three of ``prepare`` / ``shrink`` / ``expand`` instead (the Triton
+    kernels, :class:`~labkit.lora.punica.TritonPunica`), and is prepared once per forward with
+    the step's chunk lengths so it can choose SGMV or BGMV for every layer at once."""
 
-    def __init__(self, shrink: Callable = bgmv_shrink, expand: Callable = bgmv_expand) -> None:
+    def __init__(self, shrink: Callable = bgmv_shrink, expand: Callable = bgmv_expand,
+                 punica: Any = None) -> None:
         self.token_slots: torch.Tensor | None = None
         self.any_lora = False  # some token of this step has an adapter
-        self.shrink = shrink
-        self.expand = expand
+        self.punica = punica
+        self.shrink = punica.shrink if punica is not None else shrink
+        self.expand = punica.expand if punica is not None else expand
 
-    def update_metadata(self, token_slots: torch.Tensor) -> None:
-        """Set this forward's slot per token (int64 ``[T]``, -1 = base)."""
+    def update_metadata(self, token_slots: torch.Tensor,
+                        query_lens: list[int] | None = None) -> None:
+        """Set this forward's slot per token (int64 ``[T]``, -1 = base); ``query_lens`` are
+        the chunks' token counts (None: unknown, treated as decode rows)."""
         self.token_slots = token_slots
         self.any_lora = bool((token_slots >= 0).any())
+        if self.punica is not None and self.any_lora:
+            self.punica.prepare(token_slots, query_lens)
 
     def clear(self) -> None:
         self.token_slots, self.any_lora = None, False
+        if self.punica is not None:
+            self.punica.clear()
 
 
 class LoRALinear(nn.Module):

@@ -71,6 +71,20 @@ class LoRAManager:
             self.counts["cpu_evictions"] += 1
         return model
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter: its request, its CPU copy and its slot (zeroed, free again);
+        False if it was never added. vLLM's ``remove_lora``: the caller (the server's unload)
+        makes sure no live request uses it, since its tokens would lose their slot."""
+        if self.requests.pop(lora_int_id, None) is None:
+            return False
+        self.cpu_cache.pop(lora_int_id, None)
+        slot = self.slot_lru.pop(lora_int_id, None)
+        if slot is not None:
+            self.slots[slot] = None
+            for layer in self.layers.values():
+                layer.set_slot(slot, None, None, 0.0)
+        return True
+
     # ---- device slots ---------------------------------------------------------------------------
     def activate(self, lora_ids: set[int]) -> None:
         """Make every adapter of ``lora_ids`` resident in a slot (a step's adapters)."""

@@ -53,6 +53,7 @@ from labkit.serve import protocol, serving
 from labkit.serve.async_llm import AsyncLLM
 from labkit.serve.chat import chatml
 from labkit.serve.limits import Authenticator
+from labkit.serve.lora_routes import LoRARegistry, install_lora_routes
 from labkit.serve.metrics import ServerMetrics
 from labkit.serve.model_card import assign_seed, model_card, seeder
 from labkit.serve.protocol import APIError, bad
@@ -85,6 +86,7 @@ class ServeConfig:
     freeze_gc: bool = False
     seed: int | None = None  # --seed (labkit.serve.model_card.assign_seed)
     features: dict[str, Any] = field(default_factory=dict)  # shown in /v1/models
+    lora_modules: dict[str, str] = field(default_factory=dict)  # --lora-modules (lora_routes)
 
 
 class ServerState:
@@ -97,6 +99,8 @@ class ServerState:
         self.seeds = seeder(config.seed)
         self.metrics = ServerMetrics(llm, config.model_name)
         llm.on_step = self.metrics.on_step
+        self.loras = LoRARegistry(llm, config.model_name, config.lora_modules)
+        self.metrics.registry.register(self.loras)
         self.auth = Authenticator(config.api_keys, config.rate_limit_rps,
                                   config.rate_limit_tps, bucket=config.bucket)
         self.draining = False
@@ -218,7 +222,9 @@ async def _admit(state: ServerState, request: Request, kind: str) -> serving.Cal
         raise APIError(503, "the server is shutting down", "server_unavailable", None,
                        "draining", _retry_after(5))
     d = protocol.parse_json(await read_body(request, cfg.max_body_bytes))
-    parsed = protocol.parse_request(d, kind, served_model=cfg.model_name,
+    lora = state.loras.resolve(d.get("model"))  # a served adapter's name (lora_routes)
+    parsed = protocol.parse_request(d, kind, served_model=lora.lora_name if lora else
+                                    cfg.model_name,
                                     vocab_size=state.vocab_size, max_n=cfg.max_n)
     assign_seed(state.seeds, parsed.params)  # --seed: unseeded requests get one, in order
     parsed.extra["return_token_ids"] = protocol._bool(d, "return_token_ids")
@@ -244,11 +250,13 @@ async def _admit(state: ServerState, request: Request, kind: str) -> serving.Cal
                         protocol.now_s(), tokenizer=state.tokenizer)
     try:  # all at once: counted in flight before the next request's admission check
         call.streams = await state.llm.add_requests([
-            (state.new_request_id(), p_ids, parsed.params, parsed.priority, tenant)
+            (state.new_request_id(), p_ids, parsed.params, parsed.priority, tenant, lora)
             for p_ids in ids])
     except ValueError as e:  # add_requests aborted the ones it had added
         raise bad(*add_error(e, parsed.structured_field)) from None
     state.counts["accepted"] += 1
+    parsed.extra["lora_request"] = lora
+    state.loras.started(lora)
     m.accepted.labels(cfg.model_name).inc()
     m.prompt_tokens.labels(cfg.model_name).inc(sum(call.prompt_lens))
     return call
@@ -260,6 +268,7 @@ def _finish(state: ServerState, call: serving.Call) -> None:
     if call.outcome is None:  # the generator was cancelled (client gone) before we knew
         call.outcome = "aborted:disconnect"
     call.abort_all()
+    state.loras.finished(call.parsed.extra.get("lora_request"))
     kind, _, why = call.outcome.partition(":")
     if kind == "finished":
         state.counts["finished"] += 1
@@ -360,6 +369,7 @@ def build_app(llm: AsyncLLM, tokenizer: Any, config: ServeConfig | None = None,
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         llm.start()
+        await state.loras.load_modules()
         if config.freeze_gc:  # the app, torch and (in thread mode) the engine
             freeze_gc_heap()
         try:
@@ -394,7 +404,10 @@ def build_app(llm: AsyncLLM, tokenizer: Any, config: ServeConfig | None = None,
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [model_card(config.model_name, state.max_model_len,
-                                                      config.features)]}
+                                                      config.features),
+                                           *state.loras.cards(state.max_model_len)]}
+
+    install_lora_routes(app, state.loras)
 
     @app.get("/health")
     async def health() -> Response:

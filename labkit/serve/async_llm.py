@@ -237,21 +237,21 @@ class AsyncLLM:
                                               cache_salt)])
         return stream
 
-    async def add_requests(self, requests: list[tuple[str, str | list[int], SamplingParams,
-                                                      int, str | None]]
-                           ) -> list[RequestStream]:
-        """Queue several requests ``(request_id, prompt, params, priority, cache_salt)`` at
-        once: all are sent (and counted in :attr:`num_seqs_in_flight`) before the first
-        await, so an admission check followed by this call cannot be overtaken by another
-        request. All or nothing: if the core refuses one, the others are aborted and the
-        first error is raised."""
+    async def add_requests(self, requests: list[tuple[Any, ...]]) -> list[RequestStream]:
+        """Queue several requests ``(request_id, prompt, params, priority, cache_salt)``, each
+        optionally with a sixth item, its ``LoRARequest`` (None: the base model), at once:
+        all are sent (and counted in :attr:`num_seqs_in_flight`) before the first await, so
+        an admission check followed by this call cannot be overtaken by another request.
+        All or nothing: if the core refuses one, the others are aborted and the first error
+        is raised."""
         if not self.is_running:
             raise EngineDeadError(f"engine loop is not running ({self.dead!r})")
         sent = []
-        for request_id, prompt, params, priority, cache_salt in requests:
+        for request_id, prompt, params, priority, cache_salt, *lora in requests:
             stream = RequestStream(self, request_id, params.n)
             fut, cid = self._future(stream)
-            self._send(("add", cid, request_id, prompt, params, priority, cache_salt))
+            self._send(("add", cid, request_id, prompt, params, priority, cache_salt,
+                        lora[0] if lora else None))
             sent.append((fut, stream))
         self.num_pending_adds += len(sent)
         try:

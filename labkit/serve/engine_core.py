@@ -129,13 +129,14 @@ class EngineCore:
     def apply(self, cmd: tuple) -> None:
         eng, kind = self.engine, cmd[0]
         if kind == "add":
-            _, cid, rid, prompt, params, priority, salt = cmd
+            _, cid, rid, prompt, params, priority, salt, lora = cmd
             try:
                 if isinstance(prompt, list):
                     eng.add_request(rid, None, params, priority=priority, cache_salt=salt,
-                                    prompt_token_ids=prompt)
+                                    prompt_token_ids=prompt, lora_request=lora)
                 else:
-                    eng.add_request(rid, prompt, params, priority=priority, cache_salt=salt)
+                    eng.add_request(rid, prompt, params, priority=priority, cache_salt=salt,
+                                    lora_request=lora)
             except Exception as e:  # noqa: BLE001 - the caller gets it as its answer
                 self.emit(("reply", cid, self.err(e), None))
                 return

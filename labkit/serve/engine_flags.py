@@ -13,6 +13,10 @@
     --kv-offload-cpu-bytes N, --kv-offload-dir DIR, --kv-offload-disk-bytes N
                                        the offloading connector's tiers (a shorthand for the
                                        JSON above; folded into it by :func:`fold_kv_offload`)
+    --enable-lora [--max-loras N] [--max-lora-rank R] [--max-cpu-loras N]
+                                       adapter slots (labkit.lora); --lora-modules NAME=PATH
+                                       ... names the adapters served from the start (a server
+                                       setting: labkit/serve/lora_routes.py loads them)
 
 Why here and not in the launcher: the same names must reach both engine homes (a thread of the
 server, or the engine process through a pickled EngineSpec), so they travel as plain values in
@@ -36,7 +40,9 @@ QUANTIZATION = {"int8": "int8", "int4": "int4_rtn", "nf4": "nf4", "fp8": "fp8",
 KV_OFFLOAD_FLAGS = {"kv_offload_cpu_bytes": "cpu_bytes", "kv_offload_dir": "disk_dir",
                     "kv_offload_disk_bytes": "disk_bytes"}  # flag -> the connector's setting
 FEATURE_FLAGS = ("quantization", "speculative_config", "kv_cache_dtype", "attention_backend",
-                 "enable_prefix_caching", "kv_transfer_config", *KV_OFFLOAD_FLAGS)
+                 "enable_prefix_caching", "kv_transfer_config", *KV_OFFLOAD_FLAGS,
+                 "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
+LORA_SIZES = ("max_loras", "max_lora_rank", "max_cpu_loras")
 
 
 def _json_object(s: str) -> dict[str, Any]:
@@ -70,9 +76,38 @@ def add_feature_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-offload-dir", default=None, metavar="DIR",
                    help="and spill them to files under DIR (with --kv-offload-disk-bytes)")
     p.add_argument("--kv-offload-disk-bytes", type=int, default=None, metavar="N")
+    p.add_argument("--enable-lora", action="store_true", default=None,
+                   help="serve LoRA adapters (PEFT folders) mixed in one batch")
+    p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None,
+                   metavar="NAME=PATH", help="adapters served from the start; a request's "
+                   "model field picks one by NAME (needs --enable-lora)")
+    for name, help in (("max-loras", "adapters resident at once (device slots)"),
+                       ("max-lora-rank", "the highest adapter rank served"),
+                       ("max-cpu-loras", "adapters kept loaded in the CPU cache (LRU)")):
+        p.add_argument(f"--{name}", type=int, default=None, metavar="N", help=help)
     p.add_argument("--seed", type=int, default=None,
                    help="requests without a seed get one from a generator seeded with this, "
                    "in arrival order (labkit/serve/model_card.py)")
+
+
+def _lora_module(s: str) -> tuple[str, str]:
+    name, eq, path = s.partition("=")
+    if not name or not eq or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules takes NAME=PATH, got {s!r}")
+    return name, path
+
+
+def lora_modules_of(args: argparse.Namespace) -> dict[str, str]:
+    """``--lora-modules`` as ``{name: path}``; a repeated name or a missing ``--enable-lora``
+    is a ValueError (the launcher exits 2 with it)."""
+    pairs = getattr(args, "lora_modules", None) or []
+    names = [n for n, _ in pairs]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"--lora-modules names {dup} more than once")
+    if pairs and not getattr(args, "enable_lora", None):
+        raise ValueError("--lora-modules needs --enable-lora (as vLLM asks)")
+    return dict(pairs)
 
 
 def features_of(args: argparse.Namespace) -> dict[str, Any]:
@@ -97,6 +132,10 @@ def fold_kv_offload(kw: dict[str, Any]) -> None:
 def check_features(model: str, kw: dict[str, Any]) -> None:
     """Refuse, before anything loads, a combination the engine cannot run."""
     fold_kv_offload(dict(kw))  # raises on --kv-offload-* with --kv-transfer-config
+    sizes = sorted(k for k in LORA_SIZES if kw.get(k) is not None)
+    if sizes and not kw.get("enable_lora"):
+        raise ValueError(f"{['--' + k.replace('_', '-') for k in sizes]} only apply with "
+                         "--enable-lora")
     q = kw.get("quantization")
     if q is None:
         return

@@ -21,7 +21,13 @@ import uvicorn
 from labkit.serve.api_server import ServeConfig, build_app
 from labkit.serve.async_llm import AsyncLLM
 from labkit.serve.engine_core import EngineSpec, build_engine, chat_template_for
-from labkit.serve.engine_flags import FEATURE_FLAGS, add_feature_args, check_features, features_of
+from labkit.serve.engine_flags import (
+    FEATURE_FLAGS,
+    add_feature_args,
+    check_features,
+    features_of,
+    lora_modules_of,
+)
 from labkit.serve.limits import parse_api_keys
 from labkit.serve.read_timeout import read_timeout_protocol
 
@@ -252,6 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if unknown:  # a typo would silently weigh nobody
             raise ValueError(f"--tenant-weights names {unknown}, which no --api-key KEY:TENANT "
                              f"defines (tenants: {sorted(set(keys.values())) or 'none'})")
+        lora_modules = lora_modules_of(args)
         llm, tok, render = _engine_core(args)
     except (CheckpointError, ValueError) as e:
         p.error(str(e))
@@ -259,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       args.queue_timeout, args.request_timeout, keys, args.rate_limit_rps,
                       args.rate_limit_tps, args.max_body_bytes, drain_timeout=args.drain_timeout,
                       freeze_gc=True, request_read_timeout=args.request_read_timeout,
-                      seed=args.seed, features=features_of(args))
+                      seed=args.seed, features=features_of(args), lora_modules=lora_modules)
     app = build_app(llm, tok, cfg, render)
     server = DrainingServer(uvicorn_config(app, args.host, args.port, log_level="info",
                                            timeout_graceful_shutdown=5), app)

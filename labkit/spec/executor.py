@@ -97,6 +97,12 @@ class SpecDecodeExecutor(Executor):
         draft stays the base model, so an adapter's tokens are accepted less often."""
         self.base.add_lora(lora_request)
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.base.remove_lora(lora_int_id)
+
+    def stats(self) -> dict[str, Any]:
+        return self.base.stats()
+
     def admission_policy(self) -> Any:
         return self.base.admission_policy()
 
