@@ -58,7 +58,9 @@ DEPLOY = [
       "share pages without fragmenting memory. vLLM exposes the limits as max_loras (adapters "
       "in one batch), max_lora_rank and max_cpu_loras. The cost of staying unmerged is a few "
       "percent of latency and extra kernel launches. Common wrong answer: 'one replica per "
-      "adapter'.",
+      "adapter'. In labkit: LLM(..., enable_lora=True, max_loras=4) mixes adapters in one "
+      "batch (lora/punica.py; Triton SGMV/BGMV in kernels/lora_ops.py), and labkit bench lora "
+      "measures the mixed batch against one adapter at a time and the base model.",
       """
       import torch
       g = torch.Generator().manual_seed(0)

@@ -191,7 +191,11 @@ MODELS = [
       "token touches attention plus 2 of 8 experts: about 13B active parameters per token. All "
       "47B must still sit in memory, and at large batch every expert gets tokens, so memory and "
       "bandwidth look like a 47B model. With expert parallelism, tokens travel to their experts' "
-      "GPUs and back: two all-to-all exchanges per MoE layer, a major cost across nodes.",
+      "GPUs and back: two all-to-all exchanges per MoE layer, a major cost across nodes. In "
+      "labkit: an MoE checkpoint runs with LLM(..., tensor_parallel_size=2, "
+      "enable_expert_parallel=True), whose trace counts those bytes (layers x tokens x top-k x "
+      "hidden x dtype, each way); labkit bench moe measures it beside the loop and the fused "
+      "kernel.",
       """
       layers, d_model, ffn, vocab, experts, top_k = 32, 4096, 14336, 32000, 8, 2
       attn = d_model * (32 * 128) * 2 + d_model * (8 * 128) * 2  # q,o + k,v (GQA 32/8)

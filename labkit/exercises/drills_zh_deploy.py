@@ -29,7 +29,10 @@ ZH_DEPLOY: dict[str, tuple[str, str]] = {
         "配器放在主机内存里，活跃的那些按页换入一个和 KV 缓存共用的 GPU 内存池（两者都由 hidden "
         "大小的向量组成），这样不同 rank 的适配器和不同长度的序列共用页面，不产生显存碎片。vLLM "
         "用 max_loras（一个批里的适配器数）、max_lora_rank 和 max_cpu_loras 暴露这些上限。不合并"
-        "的代价是百分之几的延迟和多出来的 kernel 启动。常见错误回答：“每个适配器一个副本”。",
+        "的代价是百分之几的延迟和多出来的 kernel 启动。常见错误回答：“每个适配器一个副本”。在 "
+        "labkit 里：LLM(..., enable_lora=True, max_loras=4) 在一个批里混合多个适配器"
+        "（lora/punica.py；Triton 版 SGMV/BGMV 在 kernels/lora_ops.py），labkit bench lora 测混合批"
+        "与逐个适配器、与基座模型的吞吐对比。",
     ),
     "qlora-deploy": (
         "一个模型是用 QLoRA（NF4 基座加 16-bit 适配器）微调的。怎么部署？为什么“把适配器合并进原"

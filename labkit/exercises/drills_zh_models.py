@@ -94,7 +94,10 @@ ZH_MODELS: dict[str, tuple[str, str]] = {
         "token 只经过注意力层和 8 个专家里的 2 个：每 token 激活的参数约 13B。但 47B 参数必须全部"
         "放在显存里，而且批大时每个专家都会分到 token，所以显存和带宽的压力和 47B 模型一样。用专"
         "家并行（expert parallelism）时，token 要发到专家所在的 GPU 再发回来：每个 MoE 层两次 "
-        "all-to-all 通信，跨节点时这是主要开销。",
+        "all-to-all 通信，跨节点时这是主要开销。在 labkit 里：MoE 检查点用 LLM(..., "
+        "tensor_parallel_size=2, enable_expert_parallel=True) 运行，trace 会统计这些字节（层数 x "
+        "token 数 x top-k x hidden x 字节数，每个方向）；labkit bench moe 把它和逐专家循环、融合 "
+        "kernel 放在一起测。",
     ),
     "gguf": (
         "GGUF 是什么？Q4_0 存的是什么？",
