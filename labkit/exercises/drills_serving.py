@@ -33,6 +33,39 @@ SERVING = [
       print("free blocks after disconnect:", pool.num_free)
       assert pool.num_free == 8
       """),
+    d("structured-mask", "structured-outputs",
+      "A client asks for JSON matching a schema. How does the server guarantee the output "
+      "parses, what does it cost per step, and why is it harder than checking characters?",
+      "The server constrains decoding, it does not retry: the schema is compiled to a grammar "
+      "once per request (and cached), and at every step the grammar's current state gives the "
+      "set of vocabulary tokens that keep the text inside the language; every other token's "
+      "logit is set to -inf before sampling, for greedy and sampled rows alike, and the "
+      "grammar advances with each accepted token. When the object is complete only end-of-text "
+      "stays allowed, so the request stops through the ordinary EOS check. The hard part is "
+      "that the model emits byte-level BPE tokens, not characters: one token can close a string "
+      "and open the next key ('\":'), or stop halfway through a number, so the allowed set is "
+      "computed per token by walking each token's bytes through the grammar; xgrammar "
+      "precomputes most of this per grammar state so a step costs a bitmask fill (a fraction "
+      "of a millisecond per constrained row) beside the forward. With speculative decoding "
+      "each verify row is masked in the state after the drafts before it, and a draft the "
+      "grammar rejects is cut. Common wrong answer: 'generate, then validate and retry'.",
+      """
+      import labkit
+      from labkit.engine.sampling_params import StructuredOutputsParams
+      from labkit.engine.structured_output import StructuredOutputManager
+      model, tok = labkit.load_pretrained("labkit-tiny")
+      manager = StructuredOutputManager(tok, model.config.vocab_size, model.config.eos_token_ids)
+      schema = {"type": "object", "properties": {"age": {"type": "integer"}},
+                "required": ["age"]}
+      proc = manager.logits_processor_factory(
+          StructuredOutputsParams(json=schema, disable_any_whitespace=True))()
+      for piece in ['{"', 'age', '": ', '4', '2', '}']:
+          allowed = int(proc.allowed().sum())
+          print(f"{allowed:5} of {model.config.vocab_size} tokens allowed, then {piece!r}")
+          proc.accept(tok.encode(piece, add_special_tokens=False))
+      print("after the object:", int(proc.allowed().sum()), "token allowed (end of text)")
+      assert int(proc.allowed().sum()) == len(model.config.eos_token_ids)
+      """),
     d("rate-limit", "rate-limiting",
       "How do you rate-limit an LLM API, and why count tokens rather than requests?",
       "A token bucket per key: capacity B, refilled at r per second; a request spends its cost "

@@ -15,7 +15,7 @@ TOPICS_ZH: dict[str, str] = {
     "quantization": "量化", "speculative-decoding": "投机解码", "metrics": "延迟指标",
     "moe": "混合专家 MoE", "llama-cpp": "llama.cpp 与 GGUF",
     "tensorrt-llm": "TensorRT-LLM 推理引擎",
-    "frameworks": "推理框架选型", "compression": "模型压缩", "streaming": "流式输出",
+    "frameworks": "推理框架选型", "compression": "模型压缩", "streaming": "流式输出", "structured-outputs": "结构化输出",
     "rate-limiting": "限流", "gpu-sharing": "GPU 共享", "releases": "灰度发布与热更新",
     "gateways": "模型网关", "autoscaling": "弹性扩缩容", "failover": "故障转移",
     "monitoring": "监控与长尾延迟", "multi-tenancy": "多租户隔离",
