@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         warmup_steps=args.warmup_steps or preset.warmup_steps,
         eval_every=args.eval_every or preset.eval_every, eval_max_tokens=args.eval_max_tokens,
         checkpoint_every=args.checkpoint_every, stop_after=args.stop_after, seed=args.seed,
-        device=device)
+        device=device, aux_loss_coef=preset.aux_loss_coef, z_loss_coef=preset.z_loss_coef)
     if device == "cpu" and preset.name != "smoke" and args.max_steps is None:
         print(f"note: {preset.name} takes hours on a CPU (it was trained on a GPU); try "
               "--smoke, or --max-steps N for a shorter run", file=sys.stderr)
