@@ -51,8 +51,9 @@ def compare_models(model_dirs: list[str | Path], heldout: torch.Tensor, seq_len:
         model, _ = load_pretrained(d, dtype=torch.float32, device="cpu")
         c = model.config
         train_log = Path(d) / "train_log.json"
-        steps = json.loads(train_log.read_text())["steps"] if train_log.is_file() else None
-        rows.append({"model": Path(d).name, "path": str(d), "steps": steps,
+        other = json.loads(train_log.read_text()) if train_log.is_file() else {}
+        rows.append({"model": Path(d).name, "path": str(d), "steps": other.get("steps"),
+                     "tokens_seen": other.get("tokens_seen"),
                      "parameters": c.num_parameters(), "active": c.num_parameters(active=True),
                      "heldout_loss": evaluate(model, heldout.cpu(), seq_len, batch_size=8,
                                               max_tokens=max_tokens)})
@@ -82,8 +83,10 @@ def write_card(model_dir: str | Path, name: str, log: dict, data_meta: dict, com
         "",
         f"A {_fmt_params(log['num_parameters'])}-parameter {arch}-architecture {kind} trained by "
         "`labkit train` on the Python standard library's `.py` sources and `pydoc_data.topics`.",
-        "It exists so the lab runs with no downloads: it writes plausible-looking Python, not "
-        "correct programs.",
+        ("It exists so the lab has a mixture of experts to look inside with no downloads: its "
+         "router, its expert load, its kernels; its text is far from labkit-tiny's."
+         if moe else "It exists so the lab runs with no downloads: it writes plausible-looking "
+         "Python, not correct programs."),
         "",
         "| | |",
         "|---|---|",
@@ -180,13 +183,14 @@ def _moe_sections(log: dict, shipped: dict) -> list[str]:
     if rows:
         mine = shipped["heldout_loss_fp16_weights"]
         lines += ["", "Held-out loss beside other models, measured the same way (same windows, "
-                  "float32 on CPU):", "", "| model | parameters | active per token | held-out "
-                  "loss | perplexity |", "|---|---|---|---|---|",
+                  "float32 on CPU):", "", "| model | parameters | active per token | tokens "
+                  "trained on | held-out loss | perplexity |", "|---|---|---|---|---|---|",
                   f"| this model | {log['num_parameters']:,} | "
-                  f"{log.get('active_parameters', log['num_parameters']):,} | {mine:.4f} | "
-                  f"{math.exp(mine):.2f} |"]
+                  f"{log.get('active_parameters', log['num_parameters']):,} | "
+                  f"{log['tokens_seen']:,} | {mine:.4f} | {math.exp(mine):.2f} |"]
         lines += [f"| {r['model']} | {r['parameters']:,} | {r['active']:,} | "
-                  f"{r['heldout_loss']:.4f} | {math.exp(r['heldout_loss']):.2f} |" for r in rows]
+                  f"{r['tokens_seen'] or 0:,} | {r['heldout_loss']:.4f} | "
+                  f"{math.exp(r['heldout_loss']):.2f} |" for r in rows]
         lines += _verdict(log, mine, rows)
     return lines
 
