@@ -109,7 +109,9 @@ def write_card(model_dir: str | Path, name: str, log: dict, data_meta: dict, com
         f"| held-out loss of these float16 weights (float32 math) | {loss16:.4f} (perplexity "
         f"{math.exp(loss16):.2f}) |",
         f"| held-out set | {data_meta['heldout_documents']} files chosen by sha256 of their path, "
-        f"{data_meta['heldout_tokens']:,} tokens |",
+        f"{data_meta['heldout_tokens']:,} tokens"
+        + (f" (evaluations read the first {tc['eval_max_tokens']:,})"
+           if tc.get("eval_max_tokens") else "") + " |",
         f"| corpus | Python {data_meta['python_version']} stdlib, fingerprint "
         f"`{data_meta['corpus_fingerprint'][:16]}` |",
         f"| tokenizer | byte-level BPE, sha256 `{data_meta['tokenizer_sha256'][:16]}` |",
