@@ -39,6 +39,7 @@ EXERCISES: dict[str, tuple[str, str]] = {
                              "Tensor parallel: the all-reduce, on 2 gloo processes"),
     "prefix_affinity": ("13_prefix_affinity",
                         "Router: consistent hashing with bounded load on prefixes"),
+    "moe_routing": ("14_moe_routing", "MoE: top-k gating and the dispatch/combine permutation"),
 }
 
 

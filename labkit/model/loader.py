@@ -22,7 +22,7 @@ from labkit.model.llama import LlamaForCausalLM
 from labkit.model.tokenizer import Tokenizer
 from labkit.paths import DATASETS_DIR
 
-SHIPPED_MODELS = ("labkit-tiny", "labkit-tiny-draft")
+SHIPPED_MODELS = ("labkit-tiny", "labkit-tiny-draft", "labkit-tiny-moe")
 
 
 class CheckpointError(ValueError):

@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-after", type=int, help="stop after this step (resume later)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    p.add_argument("--compare-with", type=Path, nargs="+", default=[],
+                   help="model folders whose held-out loss the card lists beside this model's, "
+                   "measured the same way (e.g. a dense twin with the same active parameters)")
     p.add_argument("--sample-tokens", type=int, default=48,
                    help="new tokens per sample completion on the card")
     return p
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = load_tokenizer(args.data).get_vocab_size()
     preset = get_preset(args.preset, vocab_size=vocab)
 
-    from labkit.train.card import shipped_metrics, write_card
+    from labkit.train.card import compare_models, shipped_metrics, write_card
     from labkit.train.export import export_hf
     from labkit.train.trainer import TrainConfig, train
 
@@ -110,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         warmup_steps=args.warmup_steps or preset.warmup_steps,
         eval_every=args.eval_every or preset.eval_every, eval_max_tokens=args.eval_max_tokens,
         checkpoint_every=args.checkpoint_every, stop_after=args.stop_after, seed=args.seed,
-        device=device)
+        device=device, aux_loss_coef=preset.aux_loss_coef, z_loss_coef=preset.z_loss_coef)
     if device == "cpu" and preset.name != "smoke" and args.max_steps is None:
         print(f"note: {preset.name} takes hours on a CPU (it was trained on a GPU); try "
               "--smoke, or --max-steps N for a shorter run", file=sys.stderr)
@@ -129,9 +132,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stopped after step {log['steps']}; checkpoint at {ckpt} (rerun with --resume)",
               file=sys.stderr)
         return 0
+    if preset.model.moe_layers:
+        log["active_parameters"] = preset.model.num_parameters(active=True)
     export_hf(model, preset.model, args.data, out)
     shipped = shipped_metrics(out, data.heldout, seq_len, args.eval_max_tokens,
                               args.sample_tokens)
+    if args.compare_with:
+        shipped["compare"] = compare_models(args.compare_with, data.heldout, seq_len,
+                                            args.eval_max_tokens)
     command = "labkit train " + shlex.join(argv)
     write_card(out, preset.name, log, data.meta, command, shipped)
     summary = {"out": str(out), "steps": log["steps"], "tokens_seen": log["tokens_seen"],

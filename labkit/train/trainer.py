@@ -9,6 +9,8 @@
 * ``time_budget_s`` trains "as long as fits": it times a few warm-up steps and one evaluation, then
   fixes ``max_steps`` (logged, so the run can be repeated exactly with ``--max-steps``). The
   schedule only depends on ``max_steps`` after warm-up, so fixing it mid-warm-up changes nothing.
+* A mixture of experts adds ``aux_loss_coef * balance + z_loss_coef * z`` (:mod:`moe_loss`)
+  from the router logits of the same forward; both are logged beside the loss.
 * A checkpoint (model, optimizer, generator state, log) is written atomically every
   ``checkpoint_every`` steps and at the end; ``resume=True`` continues from it.
 """
@@ -26,6 +28,7 @@ from tqdm.auto import tqdm
 
 from labkit.model.config import ModelConfig
 from labkit.model.llama import LlamaForCausalLM
+from labkit.train.moe_loss import moe_aux_losses
 
 
 @dataclass
@@ -48,6 +51,8 @@ class TrainConfig:
     stop_after: int | None = None  # stop (with a checkpoint) after this step; resume later
     seed: int = 0
     device: str = "cpu"
+    aux_loss_coef: float = 0.0  # MoE load balancing (moe_loss.py); ignored for a dense model
+    z_loss_coef: float = 0.0  # MoE router z-loss
 
     def __post_init__(self) -> None:
         if self.max_steps is None and self.time_budget_s is None:
@@ -82,7 +87,7 @@ def init_weights(model: LlamaForCausalLM) -> None:
             torch.nn.init.zeros_(p)
         else:
             std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(
-                ("o_proj.weight", "down_proj.weight")) else 0.02
+                ("o_proj.weight", "down_proj.weight", "experts.down_proj")) else 0.02
             torch.nn.init.normal_(p, std=std)
 
 
@@ -209,6 +214,7 @@ def train(model_config: ModelConfig, cfg: TrainConfig, train_ids: torch.Tensor,
     calib, t_calib, calib_from = max(1, min(10, cfg.warmup_steps - 3)), None, 0
     bar = tqdm(total=max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
     running, n_running = torch.zeros((), device=device), 0
+    aux_running = torch.zeros(2, device=device)
     while max_steps is None or step < max_steps:
         if max_steps is None and t_calib is None and step >= 3:
             _sync(device)
@@ -231,8 +237,13 @@ def train(model_config: ModelConfig, cfg: TrainConfig, train_ids: torch.Tensor,
             g["lr"] = lr
         x, y = sample_batch(train_ids, cfg, gen)
         loss = lm_loss(model, x, y)
+        aux = moe_aux_losses(model)
+        total = loss
+        if aux:
+            total = loss + cfg.aux_loss_coef * aux["balance"] + cfg.z_loss_coef * aux["z"]
+            aux_running += torch.stack([aux["balance"].detach(), aux["z"].detach()])
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         running += loss.detach()
@@ -241,11 +252,15 @@ def train(model_config: ModelConfig, cfg: TrainConfig, train_ids: torch.Tensor,
         bar.update(1)
         if step % cfg.log_every == 0 or step == max_steps:
             mean = float(running) / n_running
+            entry = {"step": step, "loss": mean, "lr": lr, "grad_norm": float(gnorm),
+                     "tokens_seen": step * tokens_per_step,
+                     "elapsed_s": time.perf_counter() - t_start}
+            if aux:
+                entry["balance_loss"], entry["z_loss"] = (aux_running / n_running).tolist()
+            log["train"].append(entry)
             running.zero_()
+            aux_running.zero_()
             n_running = 0
-            log["train"].append({"step": step, "loss": mean, "lr": lr, "grad_norm": float(gnorm),
-                                 "tokens_seen": step * tokens_per_step,
-                                 "elapsed_s": time.perf_counter() - t_start})
             bar.set_postfix(loss=f"{mean:.3f}", lr=f"{lr:.2e}")
         if step % cfg.eval_every == 0 or step == max_steps:
             run_eval()

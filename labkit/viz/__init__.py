@@ -7,6 +7,7 @@ including one the learner makes. Needs the `lab` extra (ipywidgets 8, plotly, an
 from labkit.viz import theme
 from labkit.viz.latency import LatencyWidget
 from labkit.viz.memory import MemoryWidget
+from labkit.viz.moe import ExpertLoadWidget, TokenRoutingWidget
 from labkit.viz.page_table import PageTableWidget
 from labkit.viz.prefix_tree import PrefixTreeWidget
 from labkit.viz.quant import QuantWidget
@@ -16,6 +17,6 @@ from labkit.viz.spec import SpecWidget
 theme.install()  # plotly's 100 px top margin put every figure far below its cell
 
 __all__ = [
-    "LatencyWidget", "MemoryWidget", "PageTableWidget", "PrefixTreeWidget", "QuantWidget",
-    "ScheduleWidget", "SpecWidget",
+    "ExpertLoadWidget", "LatencyWidget", "MemoryWidget", "PageTableWidget", "PrefixTreeWidget",
+    "QuantWidget", "ScheduleWidget", "SpecWidget", "TokenRoutingWidget",
 ]
