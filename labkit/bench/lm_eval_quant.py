@@ -72,14 +72,16 @@ def run_lm_eval(url: str, tasks: Path, out: Path) -> list[dict]:
     args = ",".join([f"base_url={url}/v1/completions", "model=labkit-tiny",
                      "tokenizer_backend=huggingface",
                      f"tokenizer={REPO_ROOT / 'datasets' / 'models' / 'labkit-tiny'}",
-                     "num_concurrent=2", "max_retries=1", "tokenized_requests=True"])
+                     "num_concurrent=1", "max_retries=1", "tokenized_requests=True"])
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     run = subprocess.run([str(venv / "bin" / "lm_eval"), "--model", "local-completions",
                           "--model_args", args, "--include_path", str(tasks), "--tasks", TASK,
                           "--output_path", str(out), "--log_samples"], capture_output=True,
                          text=True, timeout=1800, env=env, cwd=out.parent)
-    if run.returncode:
-        raise RuntimeError(f"lm_eval failed:\n{run.stderr[-2000:]}")
+    if run.returncode:  # lm-eval's first error, not the retry noise after it
+        errors = [ln for ln in run.stderr.splitlines() if "Error" in ln or "error" in ln]
+        raise RuntimeError("lm_eval failed:\n" + "\n".join(errors[:10]) + "\n...\n" +
+                           run.stderr[-1500:])
     (path,) = out.rglob(f"samples_{TASK}_*.jsonl")
     return sorted((json.loads(s) for s in path.read_text().splitlines()),
                   key=lambda r: r["doc_id"])

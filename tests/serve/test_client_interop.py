@@ -50,7 +50,7 @@ def lm_eval_samples(server, tmp_path_factory) -> dict[str, list[dict]]:
     tasks = write_task_yaml(work / "tasks", limit=LIMIT)
     args = ",".join([f"base_url={server.url}/v1/completions", "model=labkit-tiny",
                      "tokenizer_backend=huggingface", f"tokenizer={TOKENIZER}",
-                     "num_concurrent=2", "max_retries=1", "tokenized_requests=True"])
+                     "num_concurrent=1", "max_retries=1", "tokenized_requests=True"])
     run = subprocess.run([f"{VENV}/bin/lm_eval", "--model", "local-completions", "--model_args",
                           args, "--include_path", str(tasks), "--tasks",
                           "labkit_code_mc,labkit_code_line", "--output_path", str(work / "out"),
