@@ -41,7 +41,7 @@ TASK = "labkit_code_mc"
 
 
 def clients_venv() -> Path:
-    return Path(os.environ.get("LABKIT_CLIENTS_VENV", REPO_ROOT / ".venv-clients"))
+    return Path(os.environ.get("LABKIT_CLIENTS_VENV") or REPO_ROOT / ".venv-clients").absolute()
 
 
 def prepare(fmt: str, work: Path) -> tuple[str, list[str], torch.nn.Module, Any]:

@@ -17,5 +17,5 @@ if [ ! -x "$VENV/bin/lm_eval" ] || [ ! -x "$VENV/bin/guidellm" ]; then
   "$VENV/bin/pip" install -q -c .ci/constraints.txt "lm-eval[api]==0.4.13" "guidellm==0.8.1"
 fi
 case "${1:-}" in --install-only|--deps-only) exit 0;; esac
-export LABKIT_CLIENTS_VENV="$VENV" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export LABKIT_CLIENTS_VENV="$(cd "$VENV" && pwd)" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec "$LABKIT_PY" -m pytest tests/serve/test_client_interop.py -m interop -q -rs -p no:xdist "$@"

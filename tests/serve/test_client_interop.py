@@ -19,11 +19,12 @@ import pytest
 from labkit.bench.lm_eval_tasks import LINE_FILE, MC_FILE, greedy_lines, load_items, score_choices
 from labkit.engine.llm import LLM
 from labkit.engine.llm_engine import LLMEngine
-from labkit.paths import DATASETS_DIR
+from labkit.paths import DATASETS_DIR, REPO_ROOT
 from labkit.serve.api_server import ServeConfig
 from labkit.serve.launcher import ServerThread
 
-VENV = os.environ.get("LABKIT_CLIENTS_VENV", ".venv-clients")
+# absolute: lm_eval and guidellm run with their work folder as the current directory
+VENV = Path(os.environ.get("LABKIT_CLIENTS_VENV") or REPO_ROOT / ".venv-clients").absolute()
 TOKENIZER = str(DATASETS_DIR / "models" / "labkit-tiny")
 LIMIT = 10
 pytestmark = [
