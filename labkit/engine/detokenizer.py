@@ -3,6 +3,6 @@
 (:mod:`labkit.sched.scheduler`)."""
 
 from labkit.engine.llm_engine import update_text
-from labkit.sched.scheduler import stop_string_hit
+from labkit.sched.stop import stop_string_hit
 
 __all__ = ["stop_string_hit", "update_text"]

@@ -53,7 +53,8 @@ from labkit.errors import (
 )
 from labkit.kv.block_manager import BlockManager
 from labkit.sched.request import Request
-from labkit.sched.scheduler import Scheduler, SchedulerOutput, SeqOutput, StopChecker
+from labkit.sched.scheduler import Scheduler, SchedulerOutput, SeqOutput
+from labkit.sched.stop import StopChecker
 
 FINISHED_RECORDS = 4096  # sequences whose timings a forgetting engine keeps (request_timings)
 
