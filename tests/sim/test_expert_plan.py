@@ -161,3 +161,19 @@ def test_table_and_bad_input():
         ep_plan("mixtral", "h100", 3)
     with pytest.raises(ValueError, match="experts"):
         ep_plan("mixtral", "h100", 2, load=[1, 2, 3])
+
+
+def test_readme_quotes_the_simulators_answer():
+    """The README's EP paragraph states what ep_table / ep_plan compute (rerun on a change)."""
+    text = " ".join((REPO_ROOT / "README.md").read_text(encoding="utf-8").split())
+    one, two = ep_table("deepseek-v3", "h200", layouts=(8, 16), tokens=4096)
+    copies = ep_plan("deepseek-v3", "h200", 16, redundant=32)
+    for quoted in (f"{one['weights_GiB_per_gpu']:.0f} GiB of weights per GPU of 141",
+                   f"{one['all_to_all_ms']:.1f} ms on one node and {two['all_to_all_ms']:.1f} ms",
+                   f"({two['all_to_all_ms'] / one['all_to_all_ms']:.1f}×",
+                   f"({one['tp_allreduce_ms']:.1f} and {two['tp_allreduce_ms']:.0f} ms)",
+                   f"max/mean {two['imbalance']:.1f};", f"gets {two['imbalance_eplb']:.2f}",
+                   f"32 copies get {copies.imbalance_eplb:.1f} for "
+                   f"{copies.eplb_extra_bytes_per_gpu / GiB:.1f} GiB",
+                   f"from {two['moe_ms']:.0f} to {1e3 * copies.moe_eplb_s:.0f} ms"):
+        assert quoted in text, quoted
