@@ -220,6 +220,21 @@ def _moe_layer_s(rows: float, experts: int, m: MoEPreset, g: GPUPreset, recv_byt
     return 2 * a2a + max(flops / g.peak_flops, weights / g.mem_bandwidth)
 
 
+def _memory(m: MoEPreset, g: GPUPreset, n: int, attention: str, copy_bytes: float,
+            utilization: float) -> tuple[float, bool, str, int, int]:
+    """Weights per GPU (experts / N, the rest replicated under DP attention or split under TP),
+    whether they fit, why, a token's KV on a GPU, and the deployment's KV tokens."""
+    dense = m.weight_bytes - m.routed_expert_bytes
+    weights = (dense if attention == "dp" else dense / n) + m.routed_expert_bytes / n + copy_bytes
+    budget = g.mem_bytes * utilization
+    fits = weights < budget
+    why = (f"{weights / GIB:.1f} GiB of weights per GPU {'<' if fits else '>='} "
+           f"{budget / GIB:.1f} GiB ({utilization:.0%} of {g.mem_bytes / GIB:.0f})")
+    kv_tok = m.kv_bytes_per_token_per_gpu(1 if attention == "dp" else n)
+    holders = n if attention == "dp" else 1  # DP: each GPU its own sequences' KV
+    return weights, fits, why, kv_tok, int(holders * (budget - weights) // kv_tok) if fits else 0
+
+
 def ep_plan(model: MoEPreset | str, gpu: GPUPreset | str, gpus: int, *,
             gpus_per_node: int = 8, tokens: int = 4096, attention: str = "dp",
             load: list[float] | None = None, skew: float = 1.0, seed: int = 0,
@@ -241,15 +256,8 @@ def ep_plan(model: MoEPreset | str, gpu: GPUPreset | str, gpus: int, *,
     n, nodes = gpus, -(-gpus // gpus_per_node)
     per_gpu = (m.num_experts + redundant) // n
     copy_bytes = m.moe_layers * m.expert_params * m.dtype_bytes * redundant / n
-    dense = m.weight_bytes - m.routed_expert_bytes
-    weights = (dense if attention == "dp" else dense / n) + m.routed_expert_bytes / n + copy_bytes
-    budget = g.mem_bytes * gpu_memory_utilization
-    fits = weights < budget
-    why = (f"{weights / GIB:.1f} GiB of weights per GPU {'<' if fits else '>='} "
-           f"{budget / GIB:.1f} GiB ({gpu_memory_utilization:.0%} of {g.mem_bytes / GIB:.0f})")
-    kv_tok = m.kv_bytes_per_token_per_gpu(1 if attention == "dp" else n)
-    holders = n if attention == "dp" else 1  # DP: each GPU its own sequences' KV
-    max_kv = int(holders * (budget - weights) // kv_tok) if fits else 0
+    weights, fits, why, kv_tok, max_kv = _memory(m, g, n, attention, copy_bytes,
+                                                  gpu_memory_utilization)
     load = sample_expert_load(m.num_experts, tokens, m.num_experts_per_tok, skew, seed) \
         if load is None else load
     if len(load) != m.num_experts:
