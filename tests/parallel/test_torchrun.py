@@ -34,15 +34,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(folder: Path, port: int, timeout_s: float = 240) -> list[tuple[int, str, str]]:
-    """Both torchrun "nodes" (rank = node rank); every process stopped on return."""
+def _launch(folder: Path, port: int, timeout_s: float = 240,
+            command: tuple[str, ...] = ()) -> list[tuple[int, str, str]]:
+    """Both torchrun "nodes" (rank = node rank) running ``command`` (default: labkit generate
+    at EP=2 on ``folder``); every process stopped on return."""
+    command = command or ("-m", "labkit.cli", "generate", PROMPT, "--model", str(folder), *ARGS)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     procs = [subprocess.Popen(
         [str(TORCHRUN), "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(r),
-         "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "labkit.cli",
-         "generate", PROMPT, "--model", str(folder), *ARGS],
+         "--master-addr", "127.0.0.1", "--master-port", str(port), *command],
         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True) for r in (0, 1)]
     try:
@@ -77,3 +79,18 @@ def test_external_launcher_needs_torchrun(tmp_path, monkeypatch):
     with pytest.raises(WorkerError, match="rank 0 of a torchrun job of 2"):
         LLM(str(folder), tensor_parallel_size=2, enable_expert_parallel=True,
             distributed_executor_backend="external_launcher")
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside python")
+def test_a_raising_rank_is_a_worker_error_and_every_process_ends(tmp_path):
+    """Rank 1 raises in a call: rank 0 gets WorkerError naming that rank and its error, the
+    group is stopped (a later call is refused by name) and both processes exit."""
+    _, folder = tiny_moe_checkpoint(tmp_path / "m", "qwen3_moe", seed=3)
+    script = Path(__file__).with_name("torchrun_fail_script.py")
+    (rc0, out0, err0), (rc1, _, err1) = _launch(folder, _free_port(),
+                                                command=(str(script), str(folder)))
+    assert rc0 == 0, err0[-3000:]
+    assert rc1 == 0, err1[-3000:]
+    assert "places 2" in out0
+    assert "WorkerError rank 1 failed in fail: | RuntimeError: boom on purpose" in out0
+    assert "after the launched ranks were stopped" in out0
