@@ -29,9 +29,7 @@ import httpx
 
 from labkit.serve.launcher import free_port
 from labkit.serve.metrics import parse_metrics
-from labkit.serve.process import ChildServer, ServerProcess, labkit_cmd
-
-DEFAULT_REPLICA_ARGS = ("--num-blocks", "256", "--max-num-seqs", "16")
+from labkit.serve.process import DEFAULT_REPLICA_ARGS, ChildServer, ServerProcess, labkit_cmd
 
 
 class Cluster:

@@ -19,9 +19,8 @@ from typing import Any
 
 import httpx
 
-from labkit.router.cluster import DEFAULT_REPLICA_ARGS
 from labkit.serve.launcher import free_port
-from labkit.serve.process import ChildServer, ServerProcess, labkit_cmd
+from labkit.serve.process import DEFAULT_REPLICA_ARGS, ChildServer, ServerProcess, labkit_cmd
 
 
 class PDCluster:
