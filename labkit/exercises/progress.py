@@ -40,6 +40,7 @@ EXERCISES: dict[str, tuple[str, str]] = {
     "prefix_affinity": ("13_prefix_affinity",
                         "Router: consistent hashing with bounded load on prefixes"),
     "moe_routing": ("14_moe_routing", "MoE: top-k gating and the dispatch/combine permutation"),
+    "kv_connector": ("16_kv_connector", "KV connector: matched tokens, salted keys, load targets"),
 }
 
 
