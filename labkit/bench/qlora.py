@@ -35,8 +35,10 @@ import torch
 
 from labkit.bench.common import bench_parser, environment, print_table, write_results
 
-QUICK = {"steps": 40, "max_chars": 120_000, "eval_windows": 8, "calib_windows": 16}
-FULL = {"steps": 150, "max_chars": 400_000, "eval_windows": 32, "calib_windows": 32}
+QUICK = {"steps": 40, "max_chars": 120_000, "heldout_chars": 20_000, "eval_windows": 8,
+         "calib_windows": 16}
+FULL = {"steps": 150, "max_chars": 400_000, "heldout_chars": 40_000, "eval_windows": 32,
+        "calib_windows": 32}
 SEQ_LEN = 128
 SYSTEMS = ("fp_base", "fp_base_adapter", "nf4_base", "a_nf4_adapter", "b_nf4_naive_merge",
            "c_fp_merged", "c_gptq_merged", "d_nf4_unmerged", "gptq_base", "d_gptq_unmerged")
@@ -166,7 +168,7 @@ def run(model: str = "labkit-tiny", quick: bool = True, style: str = "docstring"
 
     cfg = {**(QUICK if quick else FULL), **(sizes or {})}
     base = resolve_model_path(model)
-    sl = build_slice(style, max_chars=cfg["max_chars"])
+    sl = build_slice(style, max_chars=cfg["max_chars"], heldout_chars=cfg["heldout_chars"])
     train_ids, heldout_ids = slice_token_ids(load_tokenizer(base), sl)
     eval_w = _windows(heldout_ids, cfg["eval_windows"])
     g = torch.Generator().manual_seed(seed)

@@ -46,7 +46,7 @@ def test_finetune_lowers_loss_and_peft_loads_it(tmp_path, llama_dir):
     layers, log = finetune_lora(model, _cfg(), ids, ids[:600], progress=False)
     assert log["train"][-1]["loss"] < log["train"][0]["loss"] - 0.5
     assert log["eval"][-1]["heldout_loss"] < log["eval"][0]["heldout_loss"] - 0.5
-    assert all(float(m.lora_B.detach().abs().max()) > 0 for m in layers.values())  # it really trained
+    assert all(float(m.lora_B.detach().abs().max()) > 0 for m in layers.values())  # trained
     out = save_peft_adapter(tmp_path / "ad", adapter_weights(layers), 4, 8, base_model=llama_dir)
 
     ref = peft.PeftModel.from_pretrained(
