@@ -157,6 +157,7 @@ def write_card(out: Path, log: dict, slices: dict[str, StyleSlice]) -> None:
     lines += ["", "## Training curve", "", "| step | train loss | held-out loss |",
               "|---|---|---|"]
     evals = {e["step"]: e["heldout_loss"] for e in log["eval"]}
+    lines.append(f"| 0 (the base) | | {evals[0]:.4f} |")
     for e in log["train"]:
         h = evals.get(e["step"])
         lines.append(f"| {e['step']} | {e['loss']:.4f} | {'' if h is None else f'{h:.4f}'} |")
@@ -170,7 +171,7 @@ def write_card(out: Path, log: dict, slices: dict[str, StyleSlice]) -> None:
 def _data_line(s: StyleSlice) -> str:
     st = s.stats()
     rule = {"docstring": "functions with a docstring, outside the test suites",
-            "tests": "`test*` functions of the stdlib's test suites"}[s.style]
+            "tests": "`test*` methods of the stdlib's unittest suites"}[s.style]
     return (f"{rule} (labkit.train.lora_data): {st['train_functions']} functions from "
             f"{st['train_files']} files ({st['train_chars']:,} chars); held out "
             f"{st['heldout_functions']} functions from {st['heldout_files']} files")

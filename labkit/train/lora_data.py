@@ -5,8 +5,9 @@ Every slice is a list of *functions* (their source, as ``ast.get_source_segment`
 dedented), picked from the running Python's standard library (:mod:`labkit.train.corpus`):
 
 * ``docstring``: functions outside the test suite whose body starts with a docstring;
-* ``tests``: ``test*`` functions and methods of the test suite (``test/test_*.py`` and
-  ``*/tests/test_*.py``): ``unittest`` code, ``self.assertEqual`` and friends.
+* ``tests``: ``test*`` methods of classes in the test suites' ``test_*.py`` files: ``unittest``
+  code, ``self.assertEqual`` and friends (module-level ``test*`` functions are left out: in
+  the stdlib they are mostly doctests, docstring text rather than test code).
 
 (A third style, type-hinted code, was tried and dropped: Python 3.11's stdlib has only ~100
 fully annotated functions outside the tests, too few for a train / held-out split by file.)
@@ -60,12 +61,12 @@ def is_test_file(name: str) -> bool:
                                            for d in dirs)
 
 
-def matches(style: str, node: ast.AST, test_file: bool) -> bool:
-    """The rule of :data:`STYLES` for one AST node of a file."""
+def matches(style: str, node: ast.AST, test_file: bool, in_class: bool) -> bool:
+    """The rule of :data:`STYLES` for one AST node of a file (``in_class``: a method)."""
     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return False
     if style == "tests":
-        return test_file and node.name.startswith("test")
+        return test_file and in_class and node.name.startswith("test")
     if test_file:
         return False
     if style == "docstring":
@@ -87,9 +88,10 @@ def _functions(style: str, src: str, test_file: bool, max_len: int) -> list[str]
         tree = ast.parse(src)
     except (SyntaxError, ValueError):  # a few test fixtures are deliberately invalid
         return []
+    methods = {id(n) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for n in c.body}
     out = []
     for node in ast.walk(tree):
-        if matches(style, node, test_file):
+        if matches(style, node, test_file, id(node) in methods):
             seg = ast.get_source_segment(src, node)
             if seg and len(seg) <= max_len:
                 out.append(textwrap.dedent(" " * node.col_offset + seg))
