@@ -12,6 +12,7 @@ import pytest
 from labkit.model.loader import available_models
 
 
+@pytest.mark.slow
 @pytest.mark.skipif("labkit-tiny" not in available_models(), reason="labkit-tiny not shipped")
 def test_bench_qlora_quick_payload(tmp_path, monkeypatch):
     import labkit.bench.qlora as q

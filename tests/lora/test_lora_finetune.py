@@ -87,9 +87,9 @@ def adapter(tmp_path_factory, llama_dir):
 
 
 def test_lora_merge_cli_fp_equals_peft_unmerged(tmp_path, llama_dir, adapter):
-    from labkit.lora.cli import main
+    from labkit.cli import main
 
-    assert main(["merge", "--base", str(llama_dir), "--adapter", str(adapter),
+    assert main(["lora", "merge", "--base", str(llama_dir), "--adapter", str(adapter),
                  "--out", str(tmp_path / "merged")]) == 0
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     ref = peft.PeftModel.from_pretrained(
@@ -116,3 +116,11 @@ def test_naive_nf4_requantize_is_not_the_trained_model(llama_dir, adapter):
     assert isinstance(b.get_submodule("model.layers.0.self_attn.q_proj"), NF4Linear)
     with pytest.raises(ValueError, match="re-quantizes NF4 layers"):
         merge_lora(base, str(adapter), "nf4")
+
+
+def test_finetune_without_lora_is_refused(capsys):
+    from labkit.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["finetune", "--style", "tests", "--out", "/nonexistent"])
+    assert e.value.code == 2 and "--lora" in capsys.readouterr().err
