@@ -11,7 +11,9 @@ adapter on one style slice of the stdlib (``labkit finetune --lora --qlora``'s c
 * ``a_nf4_adapter``: (a) NF4 base + adapter, unmerged, exactly as trained;
 * ``b_nf4_naive_merge``: (b) ``nf4(deq(nf4(W)) + s B A)``: merged and re-quantized to NF4;
 * ``c_fp_merged``: ``deq(nf4(W)) + s B A`` in float32 (equals (a) up to rounding), and
-  ``c_gptq_merged``: (c) that, GPTQ 4-bit (calibrated on the slice's training text), served
+  ``c_gptq_merged``: (c) that, GPTQ 4-bit (calibrated on the slice's training text; group 64
+  by default, one scale per 64 weights like NF4's blocks, so the two 4-bit formats compare at
+  the same granularity), served
   through the engine (``labkit lora merge --quantize gptq`` writes this checkpoint);
 * ``d_nf4_unmerged`` / ``d_gptq_unmerged``: (d) the adapter served unmerged through labkit's
   multi-LoRA engine path (``LLM(enable_lora=True)``, ``LoRARequest``) over the NF4 base and
@@ -109,8 +111,8 @@ def train_adapter(base: Path, train_ids: torch.Tensor, heldout_ids: torch.Tensor
     return str(out)
 
 
-def measure(base: Path, adapter: str, eval_w: torch.Tensor, calib_w: torch.Tensor
-            ) -> dict[str, dict[str, Any]]:
+def measure(base: Path, adapter: str, eval_w: torch.Tensor, calib_w: torch.Tensor,
+            group_size: int = 64) -> dict[str, dict[str, Any]]:
     """Every system above: perplexity and weight bytes."""
     from labkit.lora.cli import gptq, merged_model, trained_on_nf4
     from labkit.lora.merge import merge_lora
@@ -129,8 +131,10 @@ def measure(base: Path, adapter: str, eval_w: torch.Tensor, calib_w: torch.Tenso
     fp_ad = load_model(base, dtype=torch.float32, device="cpu")
     load_adapter_layers(fp_ad, adapter)
     c_fp = merged_model(base, adapter, nf4_base=True, blocksize=blocksize)
-    c_gptq = gptq(merged_model(base, adapter, nf4_base=True, blocksize=blocksize), calib_w)
-    gptq_base = gptq(load_model(base, dtype=torch.float32, device="cpu"), calib_w)
+    c_gptq = gptq(merged_model(base, adapter, nf4_base=True, blocksize=blocksize), calib_w,
+                  group_size=group_size)
+    gptq_base = gptq(load_model(base, dtype=torch.float32, device="cpu"), calib_w,
+                     group_size=group_size)
     naive = merge_lora(nf4, adapter, "nf4")
     rows = {
         "fp_base": (forward_ppl(fp, eval_w), model_bytes(fp)),
@@ -159,8 +163,8 @@ def _nf4_layers(model: torch.nn.Module) -> list[tuple[str, Any]]:
 
 
 def run(model: str = "labkit-tiny", quick: bool = True, style: str = "docstring",
-        adapter: str | None = None, seed: int = 0, sizes: dict[str, Any] | None = None
-        ) -> dict[str, Any]:
+        adapter: str | None = None, seed: int = 0, sizes: dict[str, Any] | None = None,
+        group_size: int = 64) -> dict[str, Any]:
     """Everything above; returns the JSON payload."""
     from labkit.model.loader import resolve_model_path
     from labkit.train.lora_data import build_slice, slice_token_ids
@@ -181,13 +185,14 @@ def run(model: str = "labkit-tiny", quick: bool = True, style: str = "docstring"
                                     cfg["steps"], seed)
         else:
             adapter_src = str(adapter)
-        rows = measure(base, adapter, eval_w, calib_w)
+        rows = measure(base, adapter, eval_w, calib_w, group_size)
     naive = rows.pop("_naive_merge_bytes_changed")["fraction"]
     env = environment()
     env.pop("run_s", None)  # a duration: this result holds no timings
     return {"benchmark": "qlora", "model": str(model), "quick": quick, "style": style,
             "adapter": adapter_src, "adapter_steps": cfg["steps"], "seq_len": SEQ_LEN,
             "eval_windows": int(eval_w.shape[0]), "calib_windows": cfg["calib_windows"],
+            "nf4_blocksize": 64, "gptq_bits": 4, "gptq_group_size": group_size,
             "systems": list(SYSTEMS), "perplexity": {s: rows[s]["perplexity"] for s in SYSTEMS},
             "weight_bytes": {s: rows[s]["weight_bytes"] for s in SYSTEMS},
             "naive_merge_nf4_bytes_changed": naive,
@@ -216,9 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--style", default="docstring", help="the slice the adapter trains on")
     p.add_argument("--adapter", help="a QLoRA adapter folder (default: train one here)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--group-size", type=int, default=64,
+                   help="GPTQ group size (64: one scale per 64 weights, as NF4's blocks)")
     args = p.parse_args(argv)
     payload = run(args.model, quick=args.quick, style=args.style, adapter=args.adapter,
-                  seed=args.seed)
+                  seed=args.seed, group_size=args.group_size)
     print_table([{"system": s, "perplexity": payload["perplexity"][s],
                   "weight MB": payload["weight_bytes"][s] / 1e6} for s in payload["systems"]])
     print(f"naive NF4 re-quantize changed {payload['naive_merge_nf4_bytes_changed']:.1%} of the "

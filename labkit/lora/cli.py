@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="merge into the de-quantized NF4 base (auto: if the adapter's "
                    "finetune_log.json says it was trained with --qlora)")
     m.add_argument("--bits", type=int, default=4)
-    m.add_argument("--group-size", type=int, default=128)
+    m.add_argument("--group-size", type=int, default=64,
+                   help="GPTQ group size (64: one scale per 64 weights, as NF4's blocks)")
     m.add_argument("--calib-samples", type=int, default=32, help="GPTQ calibration windows")
     m.add_argument("--calib-seq-len", type=int, default=256)
     m.add_argument("--dtype", choices=("float32", "float16"), default="float32",

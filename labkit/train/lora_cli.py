@@ -24,7 +24,7 @@ import torch
 from labkit.train.lora_data import STYLES, StyleSlice, build_slice, slice_token_ids
 from labkit.train.lora_finetune import DEFAULT_TARGETS, LoRATrainConfig
 
-SAMPLE_PROMPTS = ("def ", "    def ")
+SAMPLE_PROMPTS = ("def ", "def test_")
 
 
 def build_parser() -> argparse.ArgumentParser:
