@@ -48,8 +48,9 @@ def _peft_greedy(adapter, prompt, n):
     model = transformers.AutoModelForCausalLM.from_pretrained(models_dir() / "labkit-tiny",
                                                               dtype=torch.float32)
     model = peft.PeftModel.from_pretrained(model, str(adapter)).eval()
+    x = torch.tensor([prompt])  # starts with EOT = id 0: an explicit mask, not pad inference
     with torch.no_grad():
-        out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=n,
+        out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n,
                              do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
