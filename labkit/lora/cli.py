@@ -48,12 +48,14 @@ def merged_model(base: str | Path, adapter: str | Path, nf4_base: bool | None = 
 
 
 def gptq(model: torch.nn.Module, calibration: torch.Tensor, bits: int = 4,
-         group_size: int = 128) -> torch.nn.Module:
+         group_size: int = 64, sym: bool = False) -> torch.nn.Module:
     """GPTQ every decoder linear of ``model`` on ``calibration`` windows (group sizes that do
-    not divide a layer fall back to the largest that does)."""
+    not divide a layer fall back to the largest that does). ``sym``: symmetric groups, for a
+    merged weight whose groups are all one sign (the GPTQ v1 layout cannot store a zero point
+    of 0, and saving says so)."""
     from labkit.quant.model import gptq_quantize_model
 
-    q, _ = gptq_quantize_model(model, calibration, bits=bits, group_size=group_size,
+    q, _ = gptq_quantize_model(model, calibration, bits=bits, group_size=group_size, sym=sym,
                                group_fallback=True, inplace=True, progress=False)
     return q
 
@@ -73,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--bits", type=int, default=4)
     m.add_argument("--group-size", type=int, default=64,
                    help="GPTQ group size (64: one scale per 64 weights, as NF4's blocks)")
+    m.add_argument("--sym", action="store_true", help="symmetric GPTQ groups")
     m.add_argument("--calib-samples", type=int, default=32, help="GPTQ calibration windows")
     m.add_argument("--calib-seq-len", type=int, default=256)
     m.add_argument("--dtype", choices=("float32", "float16"), default="float32",
@@ -96,7 +99,7 @@ def merge_command(args: argparse.Namespace) -> Path:
             raise SystemExit(f"{base} has no tokenizer: GPTQ needs calibration text")
         _, tok = load_pretrained(base)
         calib = corpus_windows(tok, "train", args.calib_samples, args.calib_seq_len, seed=0)
-        return save_quantized(gptq(model, calib, args.bits, args.group_size), args.out,
+        return save_quantized(gptq(model, calib, args.bits, args.group_size, args.sym), args.out,
                               tokenizer_dir=tok_dir)
     from labkit.train.export import export_hf, save_weights
 

@@ -124,3 +124,21 @@ def test_finetune_without_lora_is_refused(capsys):
     with pytest.raises(SystemExit) as e:
         main(["finetune", "--style", "tests", "--out", "/nonexistent"])
     assert e.value.code == 2 and "--lora" in capsys.readouterr().err
+
+
+def test_gptq_merge_keeps_the_adapter_and_round_trips(tmp_path, llama_dir, adapter):
+    """(c): merged into the de-quantized NF4 base, GPTQ 4-bit, saved and loaded back: the
+    served model is the merged one up to quantization, far closer to it than the base is."""
+    from labkit.lora.cli import gptq, merged_model
+    from labkit.quant.checkpoint import load_quantized, save_quantized
+
+    fp = merged_model(llama_dir, adapter, nf4_base=True, blocksize=64)
+    calib = torch.randint(0, 97, (8, 32), generator=torch.Generator().manual_seed(0))
+    q = gptq(merged_model(llama_dir, adapter, nf4_base=True, blocksize=64), calib, group_size=16,
+             sym=True)
+    back = load_quantized(save_quantized(q, tmp_path / "gptq", dtype=torch.float32))
+    base = load_model(llama_dir, dtype=torch.float32, device="cpu")
+    x = _stream()[:48][None]
+    lq, lf = _logits(back, x), _logits(fp, x)
+    torch.testing.assert_close(lq, _logits(q, x), atol=1e-4, rtol=1e-4)
+    assert (lq - lf).abs().mean() < 0.25 * (_logits(base, x) - lf).abs().mean()
