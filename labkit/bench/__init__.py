@@ -22,4 +22,5 @@ BENCHMARKS = {
     "engine-gpu": "labkit.bench.engine_gpu",
     "lm-eval": "labkit.bench.lm_eval_quant",
     "moe": "labkit.bench.moe",
+    "kv-offload": "labkit.bench.kv_offload",
 }
