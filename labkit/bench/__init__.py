@@ -23,4 +23,5 @@ BENCHMARKS = {
     "lm-eval": "labkit.bench.lm_eval_quant",
     "moe": "labkit.bench.moe",
     "kv-offload": "labkit.bench.kv_offload",
+    "disagg-sim": "labkit.bench.disagg_sim",
 }
