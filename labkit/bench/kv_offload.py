@@ -138,6 +138,18 @@ def run_config(model: Any, name: str, cfg: dict[str, Any], system: list[int],
     return res
 
 
+def warmup(model: Any, cfg: dict[str, Any]) -> None:
+    """One longest-length request through a throwaway engine, untimed: the first forward in a
+    process pays one-time costs (allocator growth, lazy initialisation) that would otherwise
+    land on whichever configuration runs first."""
+    from labkit import LLM
+
+    llm = LLM.from_model(model, block_size=cfg["block_size"], num_blocks=pool_blocks(cfg))
+    prompt = [1 + i % (model.config.vocab_size - 1) for i in range(final_len(cfg) -
+                                                                 cfg["max_tokens"])]
+    llm.generate(prompt_token_ids=[prompt], sampling_params=greedy_params(cfg["max_tokens"]))
+
+
 def ideal_hit_tokens(prompts: list[list[int]], replies: list[list[int]], block_size: int) -> int:
     """The most tokens any prefix cache could serve on this request order, from the tokens
     alone: a prompt's leading full blocks (never its last token) whose whole prefix some earlier
@@ -176,6 +188,7 @@ def run(model: str | Path = "labkit-tiny", quick: bool = True,
     cfg = {**(QUICK if quick else FULL), **(sizes or {})}
     m, _ = load_pretrained(resolve_model_path(model), dtype=torch.float32)
     system, users = messages(cfg, m.config.vocab_size, seed)
+    warmup(m, cfg)
     tmp = tempfile.mkdtemp(prefix="labkit-kv-bench-")
     try:
         res = {n: run_config(m, n, cfg, system, users, tmp) for n in CONFIGS}

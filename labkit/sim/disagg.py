@@ -39,11 +39,15 @@ prefill step of waiting prompts (FIFO, up to ``max_num_batched_tokens``) wheneve
 else one decode step of every running request; a step's time is ``cost.step_time`` (compute
 or memory roof + 0.5 ms overhead). Colocated: ``num_gpus`` such instances, requests dealt
 round robin. Disaggregated: P prefill-only instances, then the transfer, then D decode-only
-instances (round robin each). TTFT is arrival -> the KV (and the first token the prefill
-sampled) has landed on the decode GPU, because the client streams from the decode instance
-(labkit's router; vLLM's disaggregated proxy); TPOT = (finish - first token) / (output - 1).
-Not modelled: chunked prefill (Sarathi-Serve's answer to the same interference, which trades
-some TTFT for bounded stalls), decode-side memory backpressure on prefill, tensor parallelism.
+instances (round robin each). Admission reserves a request's whole KV (prompt + output) in
+``cost.max_kv_tokens`` and at most 256 requests run (no preemption). TTFT is arrival -> the
+decode instance admits the request (its KV has landed and a slot is free): the client streams
+from the decode instance (labkit's router; vLLM's disaggregated proxy), and counting the wait
+for a decode slot here makes an overloaded decode side visible at once, as it would be through
+backpressure, instead of only late in a finite trace. TPOT = (finish - first token) /
+(output - 1). Not modelled: chunked prefill (Sarathi-Serve's answer to the same interference,
+which trades some TTFT for bounded stalls), the prefill GPU's memory holding KV that waits for
+a decode slot, tensor parallelism.
 """
 
 from __future__ import annotations
