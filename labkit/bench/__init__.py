@@ -24,4 +24,6 @@ BENCHMARKS = {
     "lm-eval": "labkit.bench.lm_eval_quant",
     "moe": "labkit.bench.moe",
     "disagg": "labkit.bench.disagg",
+    "kv-offload": "labkit.bench.kv_offload",
+    "disagg-sim": "labkit.bench.disagg_sim",
 }
