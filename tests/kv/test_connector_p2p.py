@@ -180,3 +180,48 @@ def test_frame_round_trips_bit_exact(model, prompts):
 def test_bad_kv_transfer_params_are_named():
     with pytest.raises(SamplingParamsError, match="kv_transfer_params"):
         SamplingParams(kv_transfer_params=["not", "a", "dict"])
+
+
+def _server(behaviour):
+    """A loopback listener that accepts one connection and misbehaves: ``"silent"`` reads
+    everything and never answers, ``"hangup"`` reads a few bytes and closes (a decode
+    instance dying mid-transfer)."""
+    import threading
+    import time
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+
+    def serve():
+        conn, _ = srv.accept()
+        with conn:
+            if behaviour == "hangup":
+                conn.recv(16)
+                linger_0 = b"\x01\x00\x00\x00\x00\x00\x00\x00"  # close with a reset
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger_0)
+                return
+            while conn.recv(1 << 16):
+                pass
+            time.sleep(3)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return srv, t
+
+
+@pytest.mark.parametrize("behaviour", ["silent", "hangup"])
+def test_push_that_times_out_or_is_cut_fails_cleanly(model, prompts, behaviour):
+    srv, t = _server(behaviour)
+    try:
+        prefill = LLM.from_model(model, block_size=BS, num_blocks=32, kv_transfer_config={
+            "kv_connector": P2PProducer(model="tiny", timeout_s=0.5), "kv_role": "kv_producer"})
+        out = prefill.generate(prompt_token_ids=[prompts[0]],
+                               sampling_params=prefill_params(srv.getsockname()[1]))
+        assert len(out[0].outputs[0].token_ids) == 1
+        c = prefill.llm_engine.kv_connector
+        assert c.stats()["push"]["failed"] == 1 and c.stats()["push"]["blocks"] == 0
+        assert_no_leaks(prefill.llm_engine)
+    finally:
+        srv.close()
+        t.join(timeout=5)
