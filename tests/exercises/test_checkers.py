@@ -159,7 +159,9 @@ def test_every_exercise_has_negative_controls():
                  "tp_shard_attention": "test_tp_attention_exercise.py",
                  "tp_attention_forward": "test_tp_attention_exercise.py",
                  "prefix_affinity": "test_prefix_affinity_exercise.py",
-                 "moe_routing": "test_moe_routing_exercise.py"}
+                 "moe_routing": "test_moe_routing_exercise.py",
+                 "lora_delta": "test_lora_batching_exercise.py",
+                 "lora_slots": "test_lora_batching_exercise.py"}
     here = Path(__file__).parent
     for exercise, f in elsewhere.items():
         text = (here / f).read_text()
