@@ -19,12 +19,7 @@ Everything about a sequence's state (appending tokens, the stop checker, freeing
 detokenizes, and fails a step cleanly if anything inside it raises. It knows executors only by
 their contract (:mod:`labkit.engine.executor`): the real model (``ModelExecutor``), the
 simulator (``labkit.sim``) and speculative decoding (``labkit.spec``) plug in the same way.
-
-Detokenization (vLLM's detokenizer, :func:`update_text`): text is re-decoded from all output ids
-every step, not token by token, because a byte-level BPE token can be half a UTF-8 character:
-only the full decode is right. The delta a stream sees is what the text grew by, minus a tail
-that could still turn into a stop string. The scheduler's stop checker finds stop strings; the
-text is cut at them here, and the token that completed one stays in ``token_ids`` (as vLLM).
+Detokenization is :func:`labkit.engine.detokenizer.update_text`.
 """
 
 from __future__ import annotations
@@ -36,6 +31,7 @@ import torch
 
 from labkit.config import EngineConfig
 from labkit.engine.clock import WallClock
+from labkit.engine.detokenizer import update_text
 from labkit.engine.executor import Executor, ModelRunnerOutput, executor_factory
 from labkit.engine.logprobs import decode_tokens
 from labkit.engine.model_setup import load_draft, moe_experts
@@ -53,7 +49,8 @@ from labkit.errors import (
 )
 from labkit.kv.block_manager import BlockManager
 from labkit.sched.request import Request
-from labkit.sched.scheduler import Scheduler, SchedulerOutput, SeqOutput, StopChecker
+from labkit.sched.scheduler import Scheduler, SchedulerOutput, SeqOutput
+from labkit.sched.stop import StopChecker
 
 FINISHED_RECORDS = 4096  # sequences whose timings a forgetting engine keeps (request_timings)
 
@@ -379,27 +376,3 @@ def _timings(req: Request) -> list[dict[str, Any]]:
              "finish_reason": seq.finish_reason, "num_output_tokens": seq.num_output_tokens,
              "num_cached_tokens": req.seqs[0].num_cached_tokens}
             for seq in req.seqs]
-
-
-def update_text(tokenizer: Any, seq: Any, finished: bool = False) -> tuple[str, bool]:
-    """Decode ``seq``'s output and cut it at the first stop string; stores it in
-    ``seq.output_text``. Returns (the text a stream may show now, whether a stop string was hit).
-
-    While a sequence runs, the last ``len(longest stop string) - 1`` characters are held back
-    (vLLM does the same): they could be the start of a stop string that the next token
-    completes, and a stream must never show text that is cut later. Everything held back comes
-    out when the sequence finishes (``finished``, or a stop string hit), so the deltas of a
-    stream always add up to ``output_text``."""
-    text = tokenizer.decode(seq.output_token_ids)
-    hit = False
-    for s in seq.request.params.stop:
-        cut = text.find(s)
-        if cut >= 0:
-            text, hit = text[:cut], True
-    seq.output_text = text
-    hold = 0 if finished or hit else max((len(s) for s in seq.request.params.stop), default=1) - 1
-    visible = text[:max(0, len(text) - hold)]
-    shown, seq.streamed_text = seq.streamed_text, visible
-    if not visible.startswith(shown):  # a re-decode changed shown characters: resend it all
-        return visible, hit
-    return visible[len(shown):], hit

@@ -24,7 +24,7 @@ maps back to the client's index. One request has one ``max_tokens``: it asks for
 budget left and ends each choice itself (``finish_reason: length``) when its own budget is spent.
 
 **Stop strings**: a replica holds back the last ``len(longest stop) - 1`` characters of a
-sequence (``labkit.engine.llm_engine.update_text``: they could start a stop string), so when it
+sequence (``labkit.engine.detokenizer.update_text``: they could start a stop string), so when it
 dies the router has the ids of tokens whose text the client never got, and no tokenizer to
 decode them. It cuts back instead: after each event the replica's decoded length is exactly
 ``characters shown + hold`` (once something was shown), so the router knows token counts whose

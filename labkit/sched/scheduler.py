@@ -55,56 +55,15 @@ from labkit.sched.admission import AdmissionPolicy
 from labkit.sched.kv_transfer import commit_external, external_tokens
 from labkit.sched.output import ScheduledSeq, SchedulerOutput, SeqOutput
 from labkit.sched.policies_fair import FairShare, preempt_for_waiting
+from labkit.sched.policy import policy_key
 from labkit.sched.quota import TenantQuota, combine
 from labkit.sched.request import Request, Sequence, SequenceStatus
+from labkit.sched.stop import StopChecker, stop_string_hit
 from labkit.utils import cdiv
 
 __all__ = ["AdmissionPolicy", "BATCHING", "POLICIES", "PREEMPTION_MODES", "ScheduledSeq",
            "Scheduler", "SchedulerConfig", "SchedulerOutput", "SeqOutput", "StopChecker",
-           "policy_key"]
-
-
-def stop_string_hit(tokenizer: Any, seq: Any) -> bool:
-    """Does ``seq``'s output text so far contain one of its stop strings?"""
-    text = tokenizer.decode(seq.output_token_ids)
-    return any(s in text for s in seq.request.params.stop)
-
-
-class StopChecker:
-    def __init__(self, eos_token_ids: tuple[int, ...] = (), max_model_len: int | None = None,
-                 tokenizer: Any = None) -> None:
-        self.eos_token_ids = tuple(eos_token_ids)
-        self.max_model_len = max_model_len
-        self.tokenizer = tokenizer
-
-    def append(self, seq: Any, new: list[int], now: float) -> tuple[list[int], str | None]:
-        """Append ``new`` to ``seq`` up to its first stop; returns (appended, reason or None)."""
-        p = seq.request.params
-        eos = () if p.ignore_eos else self.eos_token_ids
-        limit = seq.num_prompt_tokens + p.max_tokens
-        if self.max_model_len is not None:
-            limit = min(limit, self.max_model_len)
-        strings = bool(p.stop) and self.tokenizer is not None
-        for i, tok in enumerate(new):
-            seq.token_ids.append(tok)
-            seq.token_times.append(now)
-            if tok in eos or tok in p.stop_token_ids:
-                return new[: i + 1], "stop"
-            if len(seq.token_ids) >= limit:
-                return new[: i + 1], "length"
-            if strings and stop_string_hit(self.tokenizer, seq):
-                return new[: i + 1], "stop"
-        return new, None
-
-
-def policy_key(policy: str, req: Request, seq_index: int) -> tuple:
-    if policy == "priority":
-        return (req.priority, req.arrival_time, req.index, seq_index)
-    if policy == "sjf":
-        return (req.prompt_len, req.arrival_time, req.index, seq_index)
-    if policy == "fair":  # served-token counter first: FairShare.rekey sets it every step
-        return (0.0, req.arrival_time, req.index, seq_index)
-    return (req.arrival_time, req.index, seq_index)
+           "policy_key", "stop_string_hit"]
 
 
 class Scheduler:

@@ -47,17 +47,17 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from labkit.serve import protocol, serving
 from labkit.serve.async_llm import AsyncLLM
+from labkit.serve.body import ClientGone, ReadTimedOut, read_body
+from labkit.serve.body import peer as _peer
 from labkit.serve.chat import chatml
 from labkit.serve.limits import Authenticator
 from labkit.serve.lora_routes import LoRARegistry, install_lora_routes
 from labkit.serve.metrics import ServerMetrics
 from labkit.serve.model_card import assign_seed, model_card, seeder
 from labkit.serve.protocol import APIError, bad
-from labkit.serve.read_timeout import READ_TIMED_OUT
 from labkit.serve.structured import add_error
 from labkit.utils import freeze_gc_heap
 
@@ -134,22 +134,6 @@ class ServerState:
                  "closed", _peer(client), what, self.config.request_read_timeout)
 
 
-def _peer(client: Any) -> str:
-    return f"{client[0]}:{client[1]}" if client else "client"
-
-
-class ReadTimedOut(Exception):
-    """The request did not arrive whole in time; the HTTP protocol answered 408 and closed."""
-
-
-class ClientGone(Exception):
-    """The client closed its connection before its request body was read whole."""
-
-    def __init__(self, received: int, expected: str | None) -> None:
-        super().__init__(f"{received} of {expected or 'unknown'} body bytes received")
-        self.received, self.expected = received, expected
-
-
 def _reject(state: ServerState, reason: str) -> None:
     state.counts["rejected"] += 1
     state.metrics.rejected.labels(state.config.model_name, reason).inc()
@@ -159,29 +143,6 @@ def error_response(e: APIError, state: ServerState | None = None) -> JSONRespons
     if state is not None:
         state.metrics.errors.labels(state.config.model_name, str(e.status)).inc()
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes. Raises
-    ClientGone if the connection closes first (ReadTimedOut if the server closed it: the
-    HTTP protocol has answered 408)."""
-    cl = request.headers.get("content-length")
-    too_big = APIError(413, f"request body exceeds {limit} bytes", "invalid_request_error",
-                       None, "request_too_large")
-    if cl is not None and cl.isdigit() and int(cl) > limit:
-        raise too_big
-    chunks, size = [], 0
-    try:
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                raise too_big
-            chunks.append(part)
-    except ClientDisconnect:
-        if request.scope.get(READ_TIMED_OUT):
-            raise ReadTimedOut from None
-        raise ClientGone(size, cl) from None
-    return b"".join(chunks)
 
 
 def _retry_after(seconds: float) -> dict[str, str]:

@@ -148,6 +148,7 @@ def test_bad_kv_cache_dtype(tiny_model, bad):
 
 @pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0")
                     in ("", "0"), reason="CPU tensors through Triton need TRITON_INTERPRET=1")
+@pytest.mark.slow
 def test_int8_with_triton_backend_equals_torch_backend(tiny_model, prompts):
     """The Triton kernels (interpreter on CPU) quantize in reshape_and_cache and dequantize in
     the attention tiles: the same greedy tokens as the torch backend's INT8 path, through

@@ -12,6 +12,7 @@ def test_main_needs_a_gpu(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_smoke_run_checks_every_kernel_and_reports():
     payload = bench.run(bench.SMOKE, "cpu")
     assert payload["errors"] == []

@@ -19,7 +19,7 @@ from test_block_pool import FakeSeq  # the block manager tests' stand-in sequenc
 from labkit.engine.invariants import assert_no_leaks
 from labkit.engine.llm import LLM
 from labkit.engine.sampling_params import SamplingParams
-from labkit.exercises import prefix_cache
+from labkit.exercises import prefix_cache_bugs as prefix_cache
 from labkit.kv.block_manager import BlockManager
 from labkit.kv.prefix import hash_prompt_blocks
 from labkit.model import testing

@@ -9,6 +9,7 @@ import torch
 from labkit.bench import quant as bench
 
 
+@pytest.mark.slow
 def test_bench_quant_quick(tmp_path):
     pytest.importorskip("labkit.train.corpus")
     out = tmp_path / "quant.json"
