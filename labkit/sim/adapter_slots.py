@@ -6,7 +6,9 @@ Every replica has ``max_loras`` device slots run as ``labkit.lora.manager.LoRAMa
 them (:class:`SlotLRU`): an adapter already resident is a hit; otherwise it is copied into a
 free slot, or into the slot of the least recently used adapter that no running request uses;
 when every slot's adapter is in use the request waits (the scheduler's LoRA admission rule,
-``labkit.lora.executor.LoRAAdmission``) until one frees. Time is a tick: one request arrives per
+``labkit.lora.executor.LoRAAdmission``) until one frees. The engine touches every running
+adapter at every step, so an adapter's recency here is refreshed when it is acquired and when
+one of its requests finishes. Time is a tick: one request arrives per
 tick and runs for a seeded number of ticks once admitted.
 
 The workload (:func:`adapter_workload`): requests for ``num_adapters`` adapters with Zipf
@@ -51,6 +53,11 @@ class SlotLRU:
         self.resident: OrderedDict[str, None] = OrderedDict()  # oldest first
         self.loads = self.evictions = 0
 
+    def touch(self, adapter: str | None) -> None:
+        """Mark a resident adapter most recently used (a step ran it)."""
+        if adapter in self.resident:
+            self.resident.move_to_end(adapter)
+
     def acquire(self, adapter: str, in_use: set[str]) -> bool:
         """Make ``adapter`` resident (a hit touches it); False when every slot holds an
         adapter in ``in_use`` (the request must wait)."""
@@ -88,6 +95,8 @@ class SlotReplica:
         done = [r for r in self.running if r[0] <= t]
         self.running = [r for r in self.running if r[0] > t]
         self.outstanding -= len(done)
+        for _, adapter in done:  # the engine touches a running adapter every step: its last
+            self.slots.touch(adapter)  # use is its request's last step, not its admission
         still: deque[tuple[int, str | None, int]] = deque()
         for arrived, adapter, ticks in self.waiting:
             in_use = {a for _, a in self.running if a is not None}

@@ -187,3 +187,30 @@ def test_the_router_learns_base_names_from_v1_models_and_keeps_adapters_together
     assert len(set(where["sql"])) == 1 and len(set(where["code"])) == 1
     assert where["sql"][0] != where["code"][0]
     assert sorted(where["tiny"]) == ["a", "b"]  # learned as the base: least-outstanding rotates
+
+
+def test_slot_lru_replays_lora_managers_choices(tmp_path):
+    """The simulator's slots against the engine's own LoRAManager on labkit-tiny (real adapters
+    in PEFT's format): one adapter per step, the same resident set and counts after each."""
+    import torch
+
+    from labkit.lora import LoRAManager, LoRARequest, apply_lora
+    from labkit.lora.writer import random_adapter
+    from labkit.model.loader import load_pretrained
+
+    model, _ = load_pretrained("labkit-tiny", dtype=torch.float32)
+    paths = [random_adapter(model, tmp_path / f"a{i}", ["q_proj"], r=4, seed=i)
+             for i in range(1, 6)]
+    _, layers = apply_lora(model, 3, 4)
+    manager = LoRAManager(layers, 3, 4, max_cpu_loras=5)
+    for i, p in enumerate(paths, 1):
+        manager.add_lora(LoRARequest(f"a{i}", i, p))
+    sim = SlotLRU(3)
+    for _, a in zip(range(60), adapter_workload(60, num_adapters=5, seed=7)):
+        lid = 1 if a[0] is None else int(a[0].split("-")[1]) + 1
+        manager.activate({lid})
+        sim.acquire(str(lid), set())
+        assert sorted(int(x) for x in sim.resident) == sorted(manager.slot_lru)
+        assert (sim.loads, sim.evictions) == (manager.counts["slot_loads"],
+                                              manager.counts["slot_evictions"])
+    assert sim.evictions > 10  # the trace did exercise the LRU
