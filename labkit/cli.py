@@ -60,6 +60,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         args.parser.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if not args.prompt:
         args.parser.error("PROMPT is empty: give some text to continue")
+    from labkit.parallel.launch import torchrun_env, worker_loop
+
+    launched = torchrun_env()  # torchrun started us: rank 0 drives, the others serve it
+    if launched is not None:
+        rank, world, _ = launched
+        if args.tp not in (1, world):
+            args.parser.error(f"--tp {args.tp} under torchrun must equal its WORLD_SIZE {world}")
+        if rank:
+            return worker_loop(args.device or "cpu")
+        args.tp = world
+        return _generate_tp(args, "external_launcher")
     if args.tp != 1:
         return _generate_tp(args)
     try:
@@ -91,15 +102,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_tp(args: argparse.Namespace) -> int:
-    """Stream through the engine with ``tensor_parallel_size=args.tp`` worker processes."""
+def _generate_tp(args: argparse.Namespace, backend: str | None = None) -> int:
+    """Stream through the engine with ``tensor_parallel_size=args.tp`` worker processes
+    (spawned here, or started by torchrun: ``backend="external_launcher"``)."""
     from labkit.engine.llm import LLM
     from labkit.engine.sampling_params import SamplingParams
     from labkit.model.loader import CheckpointError
 
     try:
         llm = LLM(args.model, tensor_parallel_size=args.tp, dtype=args.dtype, device=args.device,
-                  enable_expert_parallel=args.enable_expert_parallel)
+                  enable_expert_parallel=args.enable_expert_parallel,
+                  distributed_executor_backend=backend)
     except (CheckpointError, ValueError) as e:
         args.parser.error(str(e))
     try:
@@ -162,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=None, help="cpu or cuda (default cpu)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     g.add_argument("--tp", type=int, default=1, metavar="N",
-                   help="tensor parallelism: split the model over N worker processes")
+                   help="tensor parallelism: split the model over N worker processes (under "
+                   "torchrun: its WORLD_SIZE processes, on any number of nodes)")
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="with --tp N on an MoE model: place E/N whole experts on each worker "
                    "and move tokens to them by all-to-all (labkit.parallel.expert)")

@@ -41,6 +41,7 @@ import torch
 from tqdm.auto import tqdm
 
 from labkit.bench.common import bench_parser, compare, environment, print_table, write_results
+from labkit.sim.expert import all_to_all_bytes
 
 QUICK = {"prompts": 4, "prompt_len": 12, "max_tokens": 8, "prefill_tokens": 64,
          "max_seconds": 4.0}
@@ -195,9 +196,11 @@ def ep_run(path: Path, world: int, prompts: list[list[int]], max_tokens: int) ->
     finally:
         llm.shutdown()
     c = llm.model.config
-    per = len(c.moe_layers) * c.num_experts_per_tok * c.hidden_size * 4  # bytes per token
-    match = all(s["collectives"][kind]["bytes"] == per * s["num_batched_tokens"]
-                for s in steps for kind in ("all_to_all_dispatch", "all_to_all_combine"))
+    # the simulator's formula (labkit.sim.expert), every MoE layer, float32 activations
+    want = [len(c.moe_layers) * all_to_all_bytes(s["num_batched_tokens"], c.num_experts_per_tok,
+                                                 c.hidden_size, 4) for s in steps]
+    match = all(s["collectives"][kind]["bytes"] == w for s, w in zip(steps, want)
+                for kind in ("all_to_all_dispatch", "all_to_all_combine"))
     n = max(len(steps), 1)
     col = [s["collectives"] for s in steps]
     return {"ep": world, "steps": len(steps), "step_ms": 1e3 * wall / n,

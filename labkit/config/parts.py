@@ -152,6 +152,9 @@ class ParallelConfig:
     (labkit.parallel); whether the model's head counts divide is checked against the model
     when the executor is built. ``distributed_executor_backend="mp"`` (vLLM's name) runs the
     model in worker processes even at size 1: one GPU proves the NCCL path that way.
+    ``"external_launcher"`` (vLLM's name too) means torchrun started the ranks, possibly on
+    several machines: this process is rank 0 and the others wait in
+    ``labkit.parallel.launch.worker_loop``.
 
     ``enable_expert_parallel`` (vLLM's flag) places each MoE layer's experts on the same ranks
     instead (rank r holds experts ``r*E/N .. (r+1)*E/N - 1`` whole) and moves tokens to them
@@ -167,11 +170,12 @@ class ParallelConfig:
         if not isinstance(self.enable_expert_parallel, bool):
             raise EngineConfigError(f"enable_expert_parallel must be True or False, got "
                                     f"{self.enable_expert_parallel!r}")
-        if self.distributed_executor_backend not in (None, "mp"):
-            raise EngineConfigError(f"distributed_executor_backend must be None or 'mp', got "
+        if self.distributed_executor_backend not in (None, "mp", "external_launcher"):
+            raise EngineConfigError(f"distributed_executor_backend must be None, 'mp' or "
+                                    f"'external_launcher', got "
                                     f"{self.distributed_executor_backend!r}")
 
     @property
     def uses_workers(self) -> bool:
         """Whether the model runs in worker processes (labkit.parallel) or in this one."""
-        return self.tensor_parallel_size > 1 or self.distributed_executor_backend == "mp"
+        return self.tensor_parallel_size > 1 or self.distributed_executor_backend is not None

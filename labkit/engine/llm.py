@@ -47,7 +47,7 @@ class LLM:
             # alone) runs on prompt_token_ids, and a text prompt is then a named error
             skip = engine_settings.pop("skip_tokenizer_init", False) or not has_tokenizer(model)
             if (engine_settings.get("tensor_parallel_size", 1) != 1 or  # ranks read slices
-                    engine_settings.get("distributed_executor_backend") == "mp"):
+                    engine_settings.get("distributed_executor_backend") is not None):
                 model, tok = open_checkpoint(model, dtype, device, skip_tokenizer_init=skip)
             else:
                 model, tok = load_pretrained(model, dtype=dtype, device=device,

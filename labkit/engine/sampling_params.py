@@ -99,6 +99,11 @@ class SamplingParams:
     (:mod:`labkit.engine.structured_output`): tokens outside the grammar are masked before
     sampling, and the sequence ends with EOS when the grammar is complete. Logprobs of such a
     request are of the masked distribution (what was sampled from).
+
+    ``kv_transfer_params`` (vLLM's field for disaggregated serving) is read by a KV connector,
+    never by the sampler: ``{"do_remote_decode": True, "remote_host": H, "remote_port": P}`` makes
+    a prefill instance push the request's KV to the decode instance at ``H:P`` when it finishes
+    (:mod:`labkit.kv.connector.p2p`).
     """
 
     n: int = 1
@@ -114,6 +119,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -159,6 +165,11 @@ class SamplingParams:
                 raise SamplingParamsError(f"{name} must be None or an int in [0, {MAX_LOGPROBS}] "
                                           f"(how many top tokens to return), got {k!r}")
         self._check_structured_outputs()
+        ktp = self.kv_transfer_params
+        if ktp is not None and (not isinstance(ktp, dict) or any(not isinstance(k, str)
+                                                                  for k in ktp)):
+            raise SamplingParamsError(f"kv_transfer_params must be a dict with str keys, got "
+                                      f"{ktp!r}")
         if self.stop and not self.detokenize:
             raise SamplingParamsError(
                 "stop strings are matched on text: they need detokenize=True")

@@ -207,6 +207,34 @@ MODELS = [
             f"all-to-all {a2a / 1024:.0f} KiB/token/layer")
       assert 46e9 < total < 47.5e9 and 12.5e9 < active < 13.5e9
       """),
+    d("moe-ep-comm", "moe",
+      "Expert parallelism for DeepSeek-V3 (671B, 256 experts, top-8): does it fit one node of 8 "
+      "H200s, and what does a second node cost the all-to-all?",
+      "In FP8 the weights take about 625 GiB. With the experts spread over 8 GPUs and attention "
+      "replicated (data parallel, since the MLA cache cannot be split by head), each GPU holds "
+      "about 92 GiB of its 141: it fits (in bf16 it would need 184 GiB per GPU). Every MoE layer "
+      "dispatches tokens x 8 x 7168 x 2 bytes to the experts and combines as many back. On one "
+      "node 7/8 of a GPU's rows cross NVLink at 450 GB/s each way; on two nodes half of them "
+      "leave through the GPU's own 50 GB/s NIC, so the same step's all-to-all takes about 2.6x "
+      "longer although each GPU receives half as many rows. A skewed router makes it worse, "
+      "because the busiest GPU sets the pace; EPLB re-places experts by load and copies the "
+      "hottest ones into spare slots, bringing max/mean near 1 at the cost of those copies' "
+      "memory. In labkit: labkit.sim.expert (ep_table, ep_plan, eplb).",
+      """
+      import dataclasses
+      from labkit.sim.expert import ep_plan, ep_table
+      from labkit.sim.presets import get_model_preset
+      one, two = ep_table("deepseek-v3", "h200", layouts=(8, 16), tokens=4096)
+      for r in (one, two):
+          print(f"{r['gpus']} GPUs on {r['nodes']} node(s): {r['weights_GiB_per_gpu']:.0f} GiB "
+                f"of weights per GPU, all-to-all {r['all_to_all_ms']:.1f} ms a step, "
+                f"max/mean {r['imbalance']:.2f}, after EPLB {r['imbalance_eplb']:.2f}")
+      bf16 = dataclasses.replace(get_model_preset("deepseek-v3"), dtype_bytes=2)
+      print("bf16 on 8 GPUs:", ep_plan(bf16, "h200", 8).why)
+      ratio = two["all_to_all_ms"] / one["all_to_all_ms"]
+      print(f"two nodes / one node: {ratio:.1f}x")
+      assert one["fits"] and not ep_plan(bf16, "h200", 8).fits and 2.4 < ratio < 2.8
+      """),
     d("gguf", "llama-cpp",
       "What is GGUF, and what does Q4_0 store?",
       "GGUF is llama.cpp's single-file format: metadata (architecture, tokenizer, hyper-"

@@ -99,6 +99,19 @@ ZH_MODELS: dict[str, tuple[str, str]] = {
         "token 数 x top-k x hidden x 字节数，每个方向）；labkit bench moe 把它和逐专家循环、融合 "
         "kernel 放在一起测。",
     ),
+    "moe-ep-comm": (
+        "DeepSeek-V3（671B，256 个专家，top-8）用专家并行：一个 8 卡 H200 节点放得下吗？"
+        "加第二个节点，全对全通信要多付出什么？",
+        "FP8 下权重约 625 GiB。专家分散到 8 张 GPU、注意力层复制（数据并行，因为 MLA "
+        "的缓存无法按头切分）时，每张 GPU 约占 92 GiB（共 141 GiB）：放得下（bf16 则每张 "
+        "GPU 需要 184 GiB）。每个 MoE 层把 token 数 x 8 x 7168 x 2 字节分发（dispatch）"
+        "给专家，再合并（combine）回同样多。单节点时每张 GPU 的行有 7/8 走 NVLink（每个"
+        "方向 450 GB/s）；两个节点时其中一半要经这张 GPU 自己的 50 GB/s 网卡离开节点，所以"
+        "同一步的全对全通信（all-to-all）慢约 2.6x，尽管每张 GPU 收到的行只有一半。路由倾斜"
+        "会更糟，因为最忙的 GPU 决定整步的速度；EPLB 按负载重新放置专家，并把最热的专家复制"
+        "到空闲槽位，把 max/mean 降到接近 1（负载均衡），代价是这些副本占的显存。在 labkit "
+        "里：labkit.sim.expert（ep_table、ep_plan、eplb）。",
+    ),
     "gguf": (
         "GGUF 是什么？Q4_0 存的是什么？",
         "GGUF 是 llama.cpp 的单文件格式：元数据（架构、分词器、超参数）加上张量，排布方式让文件可"

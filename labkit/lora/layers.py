@@ -54,6 +54,16 @@ class LoRAContext:
         self.shrink = punica.shrink if punica is not None else shrink
         self.expand = punica.expand if punica is not None else expand
 
+    def add_lora(self, x: torch.Tensor, y: torch.Tensor, layer: LoRALinear) -> None:
+        """Add ``layer``'s per-token deltas for ``x [T, in]`` into ``y [T, out]`` in place:
+        through the punica object when there is one (it may use the layer's packed weights,
+        :class:`~labkit.lora.punica.TorchPunica`), else shrink then expand."""
+        if self.punica is not None:
+            self.punica.add_lora(x, y, layer)
+        else:
+            self.expand(y, self.shrink(x, layer.lora_a, self.token_slots), layer.lora_b,
+                        self.token_slots, layer.scalings)
+
     def update_metadata(self, token_slots: torch.Tensor,
                         query_lens: list[int] | None = None) -> None:
         """Set this forward's slot per token (int64 ``[T]``, -1 = base); ``query_lens`` are
@@ -85,6 +95,11 @@ class LoRALinear(nn.Module):
         self.register_buffer("lora_b", torch.zeros(max_loras, self.out_features, max_rank, **kw),
                              persistent=False)
         self.register_buffer("scalings", torch.zeros(max_loras, **kw), persistent=False)
+        # every slot's B, transposed and scaled, stacked: [S*r, H_out]. One addmm then adds
+        # each row's own delta (TorchPunica); kept in step with the slots by set_slot only
+        self.register_buffer("lora_b_packed", torch.zeros(max_loras * max_rank,
+                                                          self.out_features, **kw),
+                             persistent=False)
 
     @torch.no_grad()
     def set_slot(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None,
@@ -94,12 +109,15 @@ class LoRALinear(nn.Module):
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         self.scalings[slot] = 0.0
+        rows = self.lora_b_packed.view(self.lora_a.shape[0], -1, self.out_features)[slot]
+        rows.zero_()
         if a is None:
             return
         r = a.shape[0]
         self.lora_a[slot, :r].copy_(a)
         self.lora_b[slot, :, :r].copy_(b)
         self.scalings[slot] = scaling
+        rows[:r].copy_(b.T * scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.add_lora(x, self.base_layer(x))
@@ -116,7 +134,7 @@ class LoRALinear(nn.Module):
         if x2.shape[0] != slots.shape[0]:  # a stale context would apply the wrong adapters
             raise RuntimeError(f"LoRA context has {slots.shape[0]} token slots for a forward "
                                f"of {x2.shape[0]} tokens")
-        ctx.expand(y2, ctx.shrink(x2, self.lora_a, slots), self.lora_b, slots, self.scalings)
+        ctx.add_lora(x2, y2, self)
         return y2.view(y.shape)
 
 

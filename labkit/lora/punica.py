@@ -28,6 +28,7 @@ implementation the same way.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -98,6 +99,11 @@ class TritonPunica:
         else:
             self.ops.bgmv_expand(y, buf, lora_b, token_slots, scalings)
 
+    def add_lora(self, x: torch.Tensor, y: torch.Tensor, layer: Any) -> None:
+        """One layer's deltas: the kernels' shrink then expand on the layer's slot tensors."""
+        buf = self.shrink(x, layer.lora_a, layer.context.token_slots)
+        self.expand(y, buf, layer.lora_b, layer.context.token_slots, layer.scalings)
+
     def clear(self) -> None:
         self.plan = None
 
@@ -114,6 +120,13 @@ class TorchPunica:
         h *= onehot(slot)            [T, S, r]: a row keeps only its own slot's r columns
         y += (h * scalings) @ B_all  B_all [S*r, H_out]: the row's own B, scaled
 
+    In the engine (:meth:`add_lora`) the five are three, on weights laid out for them once per
+    adapter load instead of per step: ``A_all`` is a view of the slots, the layer's
+    ``lora_b_packed`` holds every slot's ``B.T`` already scaled (written by ``set_slot``), and
+    the mask is widened to ``[T, S*r]`` once per forward, so a layer's delta is
+    ``y.addmm_((x @ A_all.T) * mask, B_packed)``: with a few hundred projections per step, on
+    a CPU, the number of ops is the cost.
+
     The one-hot mask is built once per forward (:meth:`prepare`). It costs ``max_loras`` times
     the delta's FLOPs (``S * r`` columns instead of ``r``), small next to the base matmul while
     ``S * r`` is much less than the hidden size; the Triton kernels (:class:`TritonPunica`)
@@ -123,10 +136,21 @@ class TorchPunica:
     def __init__(self) -> None:
         self.plan: _Plan | None = None
         self.onehot: torch.Tensor | None = None
+        self.wide: torch.Tensor | None = None  # the mask per column of A_all: [T, S*r]
 
     def prepare(self, token_slots: torch.Tensor, query_lens: list[int] | None) -> None:
         self.plan = _Plan(token_slots, False)
-        self.onehot = None  # built at the first layer, which knows S and the dtype
+        self.onehot = self.wide = None  # built at the first layer, which knows S, r, dtype
+
+    def add_lora(self, x: torch.Tensor, y: torch.Tensor, layer: Any) -> None:
+        """``y += (x @ A_all.T) * mask @ B_packed`` (see the class doc): three ops."""
+        s, r, h_in = layer.lora_a.shape
+        wide = self.wide
+        if wide is None or wide.shape[1] != s * r or wide.dtype != x.dtype:
+            mask = self._mask(layer.context.token_slots, s, x.dtype)
+            wide = self.wide = mask.repeat_interleave(r, dim=1)
+        h = x @ layer.lora_a.view(s * r, h_in).T
+        y.addmm_(h.mul_(wide), layer.lora_b_packed)
 
     def _mask(self, token_slots: torch.Tensor, num_slots: int, dtype: torch.dtype
               ) -> torch.Tensor:
@@ -153,4 +177,4 @@ class TorchPunica:
         y.addmm_(w, lora_b.transpose(1, 2).reshape(s * r, h_out))
 
     def clear(self) -> None:
-        self.plan, self.onehot = None, None
+        self.plan, self.onehot, self.wide = None, None, None

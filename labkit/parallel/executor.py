@@ -27,6 +27,7 @@ from labkit.model.config import ModelConfig
 from labkit.model.loader import CheckpointHandle
 from labkit.model.moe import use_fused_experts
 from labkit.parallel.comm import TPGroup, merge_logs
+from labkit.parallel.launch import LaunchedGroup
 from labkit.parallel.plan import TensorParallelError, make_plan
 from labkit.parallel.shard import SafetensorsSource, StateDictSource, build_shard
 from labkit.parallel.workers import WorkerGroup
@@ -50,7 +51,8 @@ class RankRecipe:
         plan = make_plan(self.config, group.world, group.rank, self.expert_parallel)
         source = SafetensorsSource(Path(self.folder)) if self.folder else \
             StateDictSource(self.state or {})
-        device = f"cuda:{group.rank}" if self.device == "cuda" else self.device
+        # the GPU the worker set before joining: rank r (spawned) or LOCAL_RANK (torchrun)
+        device = f"cuda:{torch.cuda.current_device()}" if self.device == "cuda" else self.device
         model = build_shard(self.config, plan, source, group, self.dtype, device)
         if self.attention_backend == "triton" and plan.experts_per_rank:
             from labkit.kernels.fused_moe import fused_moe  # as the engine does in-process
@@ -103,7 +105,8 @@ class TPRunner:
 
     sample = staticmethod(ModelRunner.sample)
 
-    def __init__(self, workers: WorkerGroup, model: CheckpointHandle, block_size: int) -> None:
+    def __init__(self, workers: WorkerGroup | LaunchedGroup, model: CheckpointHandle,
+                 block_size: int) -> None:
         self.workers, self.model, self.block_size = workers, model, block_size
         self.device = torch.device("cpu")  # where the logits arrive and sampling runs
         self.last_collectives: dict[str, dict[str, int]] = {}
@@ -141,15 +144,16 @@ class TPExecutor(ModelExecutor):
         self.runner.workers.shutdown()
 
 
-def distributed_backend(device: torch.device | str, world: int) -> str:
-    """"gloo" for CPU ranks, "nccl" for GPU ranks (rank r on GPU r: there must be ``world``)."""
+def distributed_backend(device: torch.device | str, world: int, local: bool = True) -> str:
+    """"gloo" for CPU ranks, "nccl" for GPU ranks (rank r on GPU r: there must be ``world``,
+    unless the ranks are not all ``local``: torchrun places them, a node's LOCAL_RANK each)."""
     kind = torch.device(device).type
     if kind == "cpu":
         return "gloo"
     if kind != "cuda":
         raise TensorParallelError(f"tensor parallelism runs on cpu (gloo) or cuda (NCCL), "
                                   f"not {kind}")
-    if torch.cuda.device_count() < world:
+    if local and torch.cuda.device_count() < world:
         raise TensorParallelError(f"tensor_parallel_size {world} needs {world} GPUs (rank r "
                                   f"on GPU r); this machine has {torch.cuda.device_count()}")
     return "nccl"
@@ -163,7 +167,8 @@ def build_tp_executor(model: Any, config: EngineConfig) -> TPExecutor:
     experts on the ranks (:mod:`labkit.parallel.expert`)."""
     world, ep = config.parallel.tensor_parallel_size, config.parallel.enable_expert_parallel
     make_plan(model.config, world, 0, ep)  # fail here, with the count to fix, before spawning
-    backend = distributed_backend(model.device, world)
+    launched = config.parallel.distributed_executor_backend == "external_launcher"
+    backend = distributed_backend(model.device, world, local=not launched)
     recipe = RankRecipe(model.config, config.cache, config.model.attention_backend, model.dtype,
                         device=model.device.type, expert_parallel=ep)
     if isinstance(model, CheckpointHandle):
@@ -171,5 +176,6 @@ def build_tp_executor(model: Any, config: EngineConfig) -> TPExecutor:
     else:  # pickled through the pipe: CPU copies (a CUDA tensor would need IPC handles)
         recipe.state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     handle = CheckpointHandle(model.config, Path(), model.dtype)
-    workers = WorkerGroup(world, recipe, backend=backend)
+    workers = LaunchedGroup(world, recipe, backend=backend) if launched else \
+        WorkerGroup(world, recipe, backend=backend)
     return TPExecutor(TPRunner(workers, handle, config.cache.block_size))

@@ -30,7 +30,8 @@ step's forward, ``num_batched_tokens``: every rank dispatches only its share, so
 including each rank's chunk for itself; ``remote_bytes`` counts only the rows addressed to
 another rank (depends on the routing: about (N-1)/N of it when experts are picked uniformly).
 The counts (E int64 per rank) and the gather (N * ceil(T/N) * H per layer) are logged as their
-own kinds, so the formula can be checked on the activations alone.
+own kinds, so the formula can be checked on the activations alone
+(:func:`labkit.sim.expert.all_to_all_bytes` is that formula; the simulator prices it at scale).
 
 The all-to-alls are ``torch.distributed.all_to_all_single`` with uneven splits, which gloo
 (CPU) implements as well as NCCL.

@@ -29,9 +29,7 @@ import httpx
 
 from labkit.serve.launcher import free_port
 from labkit.serve.metrics import parse_metrics
-from labkit.serve.process import ChildServer, ServerProcess, labkit_cmd
-
-DEFAULT_REPLICA_ARGS = ("--num-blocks", "256", "--max-num-seqs", "16")
+from labkit.serve.process import DEFAULT_REPLICA_ARGS, ChildServer, ServerProcess, labkit_cmd
 
 
 class Cluster:
@@ -201,7 +199,12 @@ def main(argv: list[str] | None = None) -> int:
                                 "and a router on loopback, stopped together on Ctrl-C.")
     sub = p.add_subparsers(dest="action", required=True)
     up = sub.add_parser("up", help="start N replicas and a router")
-    up.add_argument("n", type=int, metavar="N")
+    up.add_argument("n", type=int, metavar="N", nargs="?", default=None,
+                    help="replicas (colocated); or give --prefill and --decode instead")
+    up.add_argument("--prefill", type=int, default=None, metavar="P",
+                    help="prefill instances of a disaggregated cluster (with --decode)")
+    up.add_argument("--decode", type=int, default=None, metavar="D",
+                    help="decode instances of a disaggregated cluster (with --prefill)")
     up.add_argument("--policy", default="prefix-affinity", choices=list(POLICIES))
     up.add_argument("--model", default="labkit-tiny")
     up.add_argument("--port", type=int, default=8000, help="the router's port")
@@ -209,7 +212,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="extra argument for every `labkit serve` (repeat), e.g. "
                     "--replica-arg=--max-num-seqs --replica-arg=8")
     args = p.parse_args(argv)
-    if args.n < 1:
+    pd = args.prefill is not None or args.decode is not None
+    if pd and (args.n is not None or args.prefill is None or args.decode is None):
+        p.error("a disaggregated cluster takes --prefill P and --decode D (and no N)")
+    if not pd and (args.n is None or args.n < 1):
         p.error(f"N must be >= 1, got {args.n}")
     extra = DEFAULT_REPLICA_ARGS if args.replica_arg is None else tuple(args.replica_arg)
 
@@ -221,12 +227,24 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
-    c = Cluster(args.n, args.model, args.policy, extra, router_port=args.port)
-    print(f"starting {args.n} x {args.model} and a router ({args.policy}) ...", flush=True)
+    if pd:
+        from labkit.router.pd_cluster import PDCluster
+
+        try:
+            c: Any = PDCluster(args.prefill, args.decode, args.model, extra, args.port)
+        except ValueError as e:
+            p.error(str(e))
+        servers = [*c.prefill, *c.decode]
+        print(f"starting {args.prefill} prefill + {args.decode} decode x {args.model} and the "
+              "P/D proxy ...", flush=True)
+    else:
+        c = Cluster(args.n, args.model, args.policy, extra, router_port=args.port)
+        servers = c.replicas
+        print(f"starting {args.n} x {args.model} and a router ({args.policy}) ...", flush=True)
     try:
         with c:
-            for name, r in zip(c.names, c.replicas):
-                print(f"  {name}: {r.url}  (pid {r.pid})")
+            for r in servers:
+                print(f"  {r.name}: {r.url}  (pid {r.pid})")
             print(f"router: {c.url}  (OpenAI base URL {c.url}/v1; /metrics, /admin/replicas)\n"
                   "Ctrl-C stops everything.", flush=True)
             while True:

@@ -226,8 +226,15 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``labkit router --replica URL --replica URL [--policy P] [--host H] [--port P]``."""
+    """``labkit router --replica URL --replica URL [--policy P] [--host H] [--port P]``;
+    with ``--prefill URL --decode URL`` the disaggregated proxy (:mod:`labkit.router.disagg`)."""
     import argparse
+    import sys
+
+    if "--prefill" in (sys.argv[1:] if argv is None else argv):
+        from labkit.router.disagg import main as pd_main
+
+        return pd_main(argv)
 
     import uvicorn
 

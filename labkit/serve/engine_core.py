@@ -77,11 +77,17 @@ def build_engine(model: str, *, tokenizer: Any = None, dtype: str | None = None,
 
     from labkit.engine.llm_engine import LLMEngine
     from labkit.model.loader import open_checkpoint
-    from labkit.serve.engine_flags import check_features, fold_kv_offload, load_for_serving
+    from labkit.serve.engine_flags import (
+        check_features,
+        fold_kv_offload,
+        fold_kv_role,
+        load_for_serving,
+    )
 
     kw = {k: v for k, v in engine_kw.items() if v is not None}
     check_features(model, kw)  # a combination that cannot run fails here, before loading
     fold_kv_offload(kw)  # --kv-offload-* -> kv_transfer_config
+    fold_kv_role(kw, model)  # --kv-role / --kv-transfer-port -> the p2p connector
     quantization = kw.pop("quantization", None)
     if kw.get("tensor_parallel_size", 1) > 1:  # the worker processes read their own slices
         m, tok = open_checkpoint(model, getattr(torch, dtype) if dtype else None, device)

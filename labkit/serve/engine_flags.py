@@ -13,6 +13,9 @@
     --kv-offload-cpu-bytes N, --kv-offload-dir DIR, --kv-offload-disk-bytes N
                                        the offloading connector's tiers (a shorthand for the
                                        JSON above; folded into it by :func:`fold_kv_offload`)
+    --kv-role prefill|decode [--kv-transfer-port P]
+                                       prefill/decode disaggregation (the p2p connector; a
+                                       decode instance receives KV on port P; also folded)
     --enable-lora [--max-loras N] [--max-lora-rank R] [--max-cpu-loras N]
                                        adapter slots (labkit.lora); --lora-modules NAME=PATH
                                        ... names the adapters served from the start (a server
@@ -39,8 +42,10 @@ QUANTIZATION = {"int8": "int8", "int4": "int4_rtn", "nf4": "nf4", "fp8": "fp8",
                 "gptq": None, "awq": None, "gguf": None}
 KV_OFFLOAD_FLAGS = {"kv_offload_cpu_bytes": "cpu_bytes", "kv_offload_dir": "disk_dir",
                     "kv_offload_disk_bytes": "disk_bytes"}  # flag -> the connector's setting
+KV_ROLE_FLAGS = {"prefill": "kv_producer", "decode": "kv_consumer"}  # flag -> vLLM's kv_role
 FEATURE_FLAGS = ("quantization", "speculative_config", "kv_cache_dtype", "attention_backend",
                  "enable_prefix_caching", "kv_transfer_config", *KV_OFFLOAD_FLAGS,
+                 "kv_role", "kv_transfer_port",
                  "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
 LORA_SIZES = ("max_loras", "max_lora_rank", "max_cpu_loras")
 
@@ -76,6 +81,11 @@ def add_feature_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-offload-dir", default=None, metavar="DIR",
                    help="and spill them to files under DIR (with --kv-offload-disk-bytes)")
     p.add_argument("--kv-offload-disk-bytes", type=int, default=None, metavar="N")
+    p.add_argument("--kv-role", choices=sorted(KV_ROLE_FLAGS), default=None,
+                   help="prefill: push each finished request's KV to the decode instance its "
+                   "kv_transfer_params name; decode: receive KV on --kv-transfer-port")
+    p.add_argument("--kv-transfer-port", type=int, default=None, metavar="P",
+                   help="where a --kv-role decode instance listens for KV (127.0.0.1)")
     p.add_argument("--enable-lora", action="store_true", default=None,
                    help="serve LoRA adapters (PEFT folders) mixed in one batch")
     p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None,
@@ -129,9 +139,36 @@ def fold_kv_offload(kw: dict[str, Any]) -> None:
     kw["kv_transfer_config"] = {"kv_connector": "offloading", "kv_connector_extra_config": extra}
 
 
+def fold_kv_role(kw: dict[str, Any], model: str) -> None:
+    """Turn ``--kv-role`` / ``--kv-transfer-port`` in ``kw`` into the p2p connector's
+    ``kv_transfer_config`` (in place). Both sides name the model the same way (its folder or
+    file name), which the receiver checks on every transfer."""
+    role, port = kw.pop("kv_role", None), kw.pop("kv_transfer_port", None)
+    if role is None:
+        if port is not None:
+            raise ValueError("--kv-transfer-port goes with --kv-role decode")
+        return
+    if kw.get("kv_transfer_config") is not None:
+        raise ValueError("--kv-role configures the p2p connector; give it or "
+                         "--kv-transfer-config / --kv-offload-*, not both")
+    extra: dict[str, Any] = {"model": Path(str(model)).name}
+    if role == "decode":
+        if port is None or not 0 < port < 65536:
+            raise ValueError("--kv-role decode needs --kv-transfer-port P (1..65535): the "
+                             "router tells prefill instances where to push")
+        extra.update(host="127.0.0.1", port=port)
+    elif port is not None:
+        raise ValueError("--kv-transfer-port is where a decode instance listens; a prefill "
+                         "instance pushes to the port each request names")
+    kw["kv_transfer_config"] = {"kv_connector": "p2p", "kv_role": KV_ROLE_FLAGS[role],
+                                "kv_connector_extra_config": extra}
+
+
 def check_features(model: str, kw: dict[str, Any]) -> None:
     """Refuse, before anything loads, a combination the engine cannot run."""
-    fold_kv_offload(dict(kw))  # raises on --kv-offload-* with --kv-transfer-config
+    folded = dict(kw)
+    fold_kv_offload(folded)  # raises on --kv-offload-* with --kv-transfer-config
+    fold_kv_role(folded, model)
     sizes = sorted(k for k in LORA_SIZES if kw.get(k) is not None)
     if sizes and not kw.get("enable_lora"):
         raise ValueError(f"{['--' + k.replace('_', '-') for k in sizes]} only apply with "

@@ -42,6 +42,14 @@ KV_CONNECTOR_COUNTERS = {  # engine.stats()["kv_connector"][tier] key -> help
     "evictions": "KV blocks this tier dropped (CPU: spilled to disk) to make room",
     "corrupt": "Files that failed their checksum (dropped and recomputed)",
 }
+KV_TRANSFER_COUNTERS = {  # engine.stats()["kv_connector"]["push" | "receive"] key -> help
+    "requests": "Requests whose KV a prefill instance pushed (or tried to)",
+    "frames": "KV transfers a decode instance accepted",
+    "blocks": "KV blocks pushed / received",
+    "bytes": "KV bytes pushed / received",
+    "failed": "Pushes that failed (decode instance gone, refused, timed out)",
+    "refused": "Transfers a decode instance refused (malformed, incompatible, oversize)",
+}
 
 
 class _EngineCollector:
@@ -102,6 +110,13 @@ class _EngineCollector:
             if "bytes_used" in counts:
                 g.add_metric([self.model, tier], float(counts["bytes_used"]))
         yield g
+        for key, doc in KV_TRANSFER_COUNTERS.items():  # the p2p connector (P/D), by direction
+            c = CounterMetricFamily(P + "kv_transfer_" + key, doc,
+                                    labels=["model_name", "direction"])
+            for direction in ("push", "receive"):
+                if key in tiers.get(direction, {}):
+                    c.add_metric([self.model, direction], float(tiers[direction][key]))
+            yield c
 
 
 

@@ -30,6 +30,9 @@ def labkit_cmd(*argv: str) -> list[str]:
     return [sys.executable, "-m", "labkit.cli", *argv]
 
 
+# what a local cluster's replicas run with unless told otherwise (labkit cluster up)
+DEFAULT_REPLICA_ARGS = ("--num-blocks", "256", "--max-num-seqs", "16")
+
 class ChildServer:
     """``cmd`` listening on 127.0.0.1:``port``, ready when ``GET health`` answers 200.
     ``launch()`` and ``wait_ready()`` are separate so several children start in parallel;

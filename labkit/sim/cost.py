@@ -18,9 +18,11 @@ prefill) share the single weight read, which is why piggybacking decodes on a pr
 Simplifications (stated so a learner can argue with them): peaks are datasheet peaks (real kernels
 reach ~60-80% of FLOP/s and ~80-90% of bandwidth); ``2 · params`` counts the embedding table as a
 matmul and runs ``lm_head`` on every token (a few % too many FLOPs for prefill); activations are
-not counted as memory traffic. ``STEP_OVERHEAD_S`` = 0.5 ms stands for the per-step CPU work
-(scheduling, input preparation, sampling, kernel launches) that a CUDA-graph-captured engine such
-as vLLM keeps to a few hundred µs to ~1 ms.
+not counted as memory traffic. For a mixture of experts ``params`` is the active count (top-k
+experts) and the weight bytes are the experts the step's tokens touch (``weight_bytes_read``:
+about the active weights at batch 1, all of them at a few hundred tokens). ``STEP_OVERHEAD_S``
+= 0.5 ms stands for the per-step CPU work (scheduling, input preparation, sampling, kernel
+launches) that a CUDA-graph-captured engine such as vLLM keeps to a few hundred µs to ~1 ms.
 """
 
 from __future__ import annotations
@@ -89,9 +91,9 @@ def step_cost(
         return StepCost(0.0, 0.0, 0.0, 0.0, 0.0)
     if attention_pairs is None:
         attention_pairs = context_tokens + new_tokens + num_prefill_tokens**2 // 2
-    flops = 2.0 * m.num_params * new_tokens
+    flops = 2.0 * m.active_params * new_tokens
     flops += 4.0 * m.num_layers * m.num_heads * m.head_dim * attention_pairs
-    nbytes = float(m.weight_bytes) + m.kv_bytes_per_token * (context_tokens + new_tokens)
+    nbytes = m.weight_bytes_read(new_tokens) + m.kv_bytes_per_token * (context_tokens + new_tokens)
     return StepCost(flops, nbytes, flops / g.peak_flops, nbytes / g.mem_bandwidth, overhead_s)
 
 

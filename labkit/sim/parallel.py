@@ -121,7 +121,7 @@ def plan(model: ModelPreset | str, gpu: GPUPreset | str, tp: int = 1, pp: int = 
                          f"over pp={pp} do not divide")
     n, layers = tp * pp, m.num_layers // pp
     weights = m.weight_bytes / n
-    kv_tok = 2 * layers * kv_heads_per_gpu(m, tp) * m.head_dim * m.dtype_bytes
+    kv_tok = m.kv_bytes_per_token_per_gpu(tp, layers)
     free = g.mem_bytes * gpu_memory_utilization - weights
     max_kv = int(free // kv_tok) if free > 0 else 0  # a stage's GPUs hold the same tokens
     mbatch = -(-batch // mb)  # sequences per micro-batch
@@ -129,13 +129,13 @@ def plan(model: ModelPreset | str, gpu: GPUPreset | str, tp: int = 1, pp: int = 
     ar = pp * 2 * layers * ring_allreduce_s(act, tp, link)
     hop = LINKS[pp_link]
     p2p = (pp - 1) * (act / hop.bandwidth + hop.hop_latency_s)
-    flops = (2.0 * m.num_params * mbatch + 4.0 * m.num_layers * m.num_heads * m.head_dim
+    flops = (2.0 * m.active_params * mbatch + 4.0 * m.num_layers * m.num_heads * m.head_dim
              * mbatch * context) / n
-    mem_s = (weights + kv_tok * mbatch * context) / g.mem_bandwidth
+    mem_s = (m.weight_bytes_read(mbatch) / n + kv_tok * mbatch * context) / g.mem_bandwidth
     tpot = pp * max(mem_s, flops / g.peak_flops) + ar + p2p + STEP_OVERHEAD_S
     in_flight = min(mb, pp)
     fits = max_kv // context >= batch
-    pf_flops = (2.0 * m.num_params * prompt + 2.0 * m.num_layers * m.num_heads * m.head_dim
+    pf_flops = (2.0 * m.active_params * prompt + 2.0 * m.num_layers * m.num_heads * m.head_dim
                 * prompt * prompt) / n
     pf_act = prompt * m.hidden_size * m.dtype_bytes
     ttft = pp * (max(pf_flops / g.peak_flops, weights / g.mem_bandwidth)

@@ -24,6 +24,15 @@ Model geometry is copied from each model's public Hugging Face ``config.json``
 (meta-llama/Llama-2-7b-hf, meta-llama/Meta-Llama-3-8B, Qwen/Qwen2.5-7B, meta-llama/Llama-2-70b-hf,
 meta-llama/Llama-3.2-1B, TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T). Parameter counts
 computed from it match the published counts exactly (tests/sim/test_presets.py).
+
+Mixture-of-experts presets (:class:`MoEPreset`) come from the same kind of source:
+mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen3-30B-A3B and deepseek-ai/DeepSeek-V3 ``config.json``
+(``num_local_experts`` / ``num_experts`` / ``n_routed_experts``, ``num_experts_per_tok``,
+``moe_intermediate_size``, ``n_shared_experts``, ``first_k_dense_replace``, and DeepSeek's MLA
+ranks ``q_lora_rank`` 1536, ``kv_lora_rank`` 512, ``qk_rope_head_dim`` 64). Their totals match
+the published counts: Mixtral 46,702,792,704 and Qwen3-30B-A3B 30,532,122,624 exactly;
+DeepSeek-V3 671.03B against the report's "671B total, 37B activated", which leaves out the
+multi-token-prediction module (one more MoE layer, 14B: the 685B on its model page).
 """
 
 from __future__ import annotations
@@ -87,6 +96,21 @@ class ModelPreset:
         return embed + lm_head + self.num_layers * self.params_per_layer + self.hidden_size
 
     @property
+    def active_params(self) -> int:
+        """Parameters one token multiplies (the FLOPs' ``params``): all, for a dense model."""
+        return self.num_params
+
+    def weight_bytes_read(self, num_tokens: int) -> float:
+        """Weight bytes a step of ``num_tokens`` reads: all of them for a dense model."""
+        return float(self.weight_bytes)
+
+    def kv_bytes_per_token_per_gpu(self, tp: int = 1, layers: int | None = None) -> int:
+        """KV bytes one GPU holds per token when ``layers`` layers (default all) are split over
+        ``tp`` ranks by KV head: down to one head per rank, then every rank keeps a copy."""
+        layers = self.num_layers if layers is None else layers
+        return 2 * layers * max(1, self.num_kv_heads // tp) * self.head_dim * self.dtype_bytes
+
+    @property
     def weight_bytes(self) -> int:
         return self.num_params * self.dtype_bytes
 
@@ -95,6 +119,111 @@ class ModelPreset:
         """K and V, every layer, every KV head: 2 · layers · kv_heads · head_dim · bytes.
         GQA is why Llama-3-8B needs 4x less KV per token than Llama-2-7B."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class MoEPreset(ModelPreset):
+    """A mixture-of-experts decoder: the first ``first_k_dense`` layers keep a dense MLP of
+    ``intermediate_size``, every later layer has ``num_experts`` routed SwiGLU experts of
+    ``moe_intermediate_size`` (a token runs ``num_experts_per_tok`` of them) plus
+    ``num_shared_experts`` that every token runs, and a router ``[num_experts, hidden]``.
+
+    ``kv_lora_rank > 0`` means DeepSeek's multi-head latent attention (MLA): q goes through a
+    rank-``q_lora_rank`` bottleneck, and the cache holds one compressed latent of
+    ``kv_lora_rank`` plus one shared rotary key of ``qk_rope_head_dim`` per token and layer,
+    instead of K and V per head. ``kv_dtype_bytes`` (0: ``dtype_bytes``) lets FP8 weights sit
+    beside a bf16 cache, as DeepSeek-V3 is served."""
+
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 0
+    num_shared_experts: int = 0
+    first_k_dense: int = 0
+    router_bias: bool = False     # DeepSeek-V3's e_score_correction_bias, one per expert
+    qk_norm: bool = False         # Qwen3's per-head RMSNorm on q and k
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    kv_dtype_bytes: int = 0
+
+    @property
+    def moe_layers(self) -> int:
+        return self.num_layers - self.first_k_dense
+
+    @property
+    def attn_params(self) -> int:
+        """One layer's attention projections (and MLA's two norms / Qwen3's q/k norms)."""
+        d, h = self.hidden_size, self.num_heads
+        if not self.kv_lora_rank:
+            q, kv = h * self.head_dim, self.num_kv_heads * self.head_dim
+            return 2 * d * q + 2 * d * kv + (2 * self.head_dim if self.qk_norm else 0)
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim  # head_dim is MLA's v_head_dim
+        return (d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * h * qk
+                + d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+                + self.kv_lora_rank * h * (self.qk_nope_head_dim + self.head_dim)
+                + h * self.head_dim * d)
+
+    @property
+    def expert_params(self) -> int:
+        """One SwiGLU expert: gate, up and down."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    def _moe_layer(self, experts_run: int) -> int:
+        router = self.num_experts * self.hidden_size + (self.num_experts if self.router_bias
+                                                         else 0)
+        return (self.attn_params + router + 2 * self.hidden_size
+                + (experts_run + self.num_shared_experts) * self.expert_params)
+
+    def _params(self, experts_run: int) -> int:
+        d = self.hidden_size
+        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        dense = self.attn_params + 3 * d * self.intermediate_size + 2 * d
+        return (embed + self.first_k_dense * dense + self.moe_layers * self._moe_layer(experts_run)
+                + d)
+
+    @property
+    def num_params(self) -> int:
+        return self._params(self.num_experts)
+
+    @property
+    def active_params(self) -> int:
+        """What one token multiplies: top-k routed + shared experts, everything else whole
+        (the embedding counted, as Mixtral's 12.9B and Qwen3's 3.3B count it)."""
+        return self._params(self.num_experts_per_tok)
+
+    @property
+    def routed_expert_bytes(self) -> int:
+        """Every routed expert of every MoE layer: what expert parallelism spreads over ranks."""
+        return self.moe_layers * self.num_experts * self.expert_params * self.dtype_bytes
+
+    def weight_bytes_read(self, num_tokens: int) -> float:
+        """A step reads the experts its tokens chose: with uniform routing a given expert is
+        missed by all ``T`` tokens with probability ``(1 - k/E)^T``, so batch 1 reads about the
+        active weights and a few hundred tokens read them all."""
+        e, k = self.num_experts, self.num_experts_per_tok
+        touched = e * (1 - (1 - k / e) ** max(num_tokens, 0))
+        return float(self.weight_bytes - self.routed_expert_bytes
+                     + self.routed_expert_bytes * touched / e)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """GQA: K and V per KV head. MLA: one latent of kv_lora_rank + the shared rope key."""
+        if not self.kv_lora_rank:
+            return super().kv_bytes_per_token
+        return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * self._kv_bytes
+
+    @property
+    def _kv_bytes(self) -> int:
+        return self.kv_dtype_bytes or self.dtype_bytes
+
+    def kv_bytes_per_token_per_gpu(self, tp: int = 1, layers: int | None = None) -> int:
+        """MLA's latent belongs to every head, so tensor parallelism cannot split it: each TP
+        rank keeps the whole latent (why DeepSeek serves attention data parallel)."""
+        layers = self.num_layers if layers is None else layers
+        if self.kv_lora_rank:
+            return layers * (self.kv_lora_rank + self.qk_rope_head_dim) * self._kv_bytes
+        return 2 * layers * max(1, self.num_kv_heads // tp) * self.head_dim * self._kv_bytes
 
 
 def _gpu(name: str, tflops: float, mem_gib: float, tb_per_s: float, source: str,
@@ -130,6 +259,20 @@ MODELS: dict[str, ModelPreset] = {
                     max_position_embeddings=131072),
         ModelPreset("tinyllama-1.1b", 22, 2048, 32, 4, 64, 5632, 32000,
                     max_position_embeddings=2048),
+        # Mixtures of experts (positional: layers, hidden, heads, kv heads, head dim, dense
+        # intermediate, vocab).
+        MoEPreset("mixtral-8x7b", 32, 4096, 32, 8, 128, 14336, 32000,
+                  max_position_embeddings=32768, num_experts=8, num_experts_per_tok=2,
+                  moe_intermediate_size=14336),
+        MoEPreset("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 6144, 151936,
+                  max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8,
+                  moe_intermediate_size=768, qk_norm=True),
+        # FP8 weights (1 byte, as released; the block scales' 0.006% left out), bf16 MLA cache.
+        MoEPreset("deepseek-v3", 61, 7168, 128, 128, 128, 18432, 129280, dtype_bytes=1,
+                  max_position_embeddings=163840, num_experts=256, num_experts_per_tok=8,
+                  moe_intermediate_size=2048, num_shared_experts=1, first_k_dense=3,
+                  router_bias=True, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                  qk_rope_head_dim=64, kv_dtype_bytes=2),
     )
 }
 
@@ -138,7 +281,9 @@ _GPU_ALIASES = {
     "a100": "a100-80gb", "a100-sxm-80gb": "a100-80gb", "a100-sxm": "a100-80gb",
     "h100": "h100-sxm", "h200": "h200-sxm", "4090": "rtx-4090", "rtx4090": "rtx-4090",
 }
-_MODEL_ALIASES = {"llama-3.1-8b": "llama-3-8b", "tinyllama": "tinyllama-1.1b"}
+_MODEL_ALIASES = {"llama-3.1-8b": "llama-3-8b", "tinyllama": "tinyllama-1.1b",
+                  "mixtral": "mixtral-8x7b", "qwen3-moe": "qwen3-30b-a3b",
+                  "deepseek-v3-671b": "deepseek-v3", "deepseek": "deepseek-v3"}
 
 
 def _normalise(name: str) -> str:

@@ -3,7 +3,9 @@
 - :mod:`.base`: the contract (:class:`KVConnectorBase`: scheduler side and worker side) and the
   per-layer hooks on the paged cache;
 - :mod:`.offloading`: :class:`OffloadingConnector`, a tiered prefix cache (device -> CPU ->
-  disk) over :mod:`.tiers`.
+  disk) over :mod:`.tiers`;
+- :mod:`.p2p`: :class:`P2PProducer` / :class:`P2PConsumer`, prefill/decode disaggregation
+  (a prefill engine pushes a finished request's KV to a decode engine, :mod:`.transfer`).
 
 An engine gets one through its config (vLLM's ``kv_transfer_config``)::
 
@@ -24,17 +26,21 @@ from typing import Any
 from labkit.errors import EngineConfigError
 from labkit.kv.connector.base import KVConnectorBase, KVConnectorMetadata, attach_layer_hooks
 from labkit.kv.connector.offloading import OffloadingConnector, OffloadingMetadata
+from labkit.kv.connector.p2p import P2PConsumer, P2PProducer, make_p2p_connector
 
 __all__ = ["KVConnectorBase", "KVConnectorMetadata", "OffloadingConnector", "OffloadingMetadata",
-           "attach_layer_hooks", "create_kv_connector", "register_kv_connector"]
+           "P2PConsumer", "P2PProducer", "attach_layer_hooks", "create_kv_connector",
+           "register_kv_connector"]
 
-# name -> (factory from kv_connector_extra_config, the kv_roles it serves)
-_REGISTRY: dict[str, tuple[Callable[[dict[str, Any]], KVConnectorBase], tuple[str, ...]]] = {}
+# name -> (factory from kv_connector_extra_config and the kv_role, the kv_roles it serves)
+_Factory = Callable[[dict[str, Any], str], KVConnectorBase]
+_REGISTRY: dict[str, tuple[_Factory, tuple[str, ...]]] = {}
 
 
-def register_kv_connector(name: str, factory: Callable[[dict[str, Any]], KVConnectorBase],
+def register_kv_connector(name: str, factory: _Factory,
                           roles: tuple[str, ...] = ("kv_both",)) -> None:
-    """Make ``kv_transfer_config={"kv_connector": name, ...}`` build ``factory(extra)``."""
+    """Make ``kv_transfer_config={"kv_connector": name, ...}`` build
+    ``factory(extra, kv_role)``."""
     _REGISTRY[name] = (factory, roles)
 
 
@@ -53,8 +59,9 @@ def create_kv_connector(config: Any) -> KVConnectorBase:
     if config.kv_role not in roles:
         raise EngineConfigError(f"kv_connector {c!r} serves kv_role {roles}, not "
                                 f"{config.kv_role!r}")
-    return factory(dict(config.kv_connector_extra_config))
+    return factory(dict(config.kv_connector_extra_config), config.kv_role)
 
 
 for _name in ("offloading", "OffloadingConnector"):  # labkit's name and vLLM's
-    register_kv_connector(_name, OffloadingConnector.from_extra_config)
+    register_kv_connector(_name, lambda extra, role: OffloadingConnector.from_extra_config(extra))
+register_kv_connector("p2p", make_p2p_connector, roles=("kv_producer", "kv_consumer"))
