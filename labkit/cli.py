@@ -1,4 +1,5 @@
-"""The ``labkit`` command: info, generate, train, bench, drill, serve, router, cluster.
+"""The ``labkit`` command: info, generate, train, finetune, lora, bench, drill, serve, router,
+cluster.
 
 Subcommands that need heavy modules import them only when run, so ``labkit --help`` is instant.
 """
@@ -186,6 +187,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("rest", nargs=argparse.REMAINDER)
     t.set_defaults(func=lambda a: _delegate("labkit.train.cli", a.rest))
 
+    ft = sub.add_parser("finetune", help="train a LoRA / QLoRA adapter: labkit finetune --lora",
+                        add_help=False)
+    ft.add_argument("rest", nargs=argparse.REMAINDER)
+    ft.set_defaults(func=lambda a: _delegate("labkit.train.lora_cli", a.rest))
+
+    lo = sub.add_parser("lora", help="LoRA adapters: labkit lora merge --base B --adapter A "
+                        "--out O [--quantize gptq]", add_help=False)
+    lo.add_argument("rest", nargs=argparse.REMAINDER)
+    lo.set_defaults(func=lambda a: _delegate("labkit.lora.cli", a.rest))
+
     d = sub.add_parser("distill", help="distill a student from a teacher", add_help=False)
     d.add_argument("rest", nargs=argparse.REMAINDER)
     d.set_defaults(func=lambda a: _delegate("labkit.compress.cli", a.rest))
@@ -232,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-_PASSTHROUGH = {"train": "labkit.train.cli", "drill": "labkit.exercises.drills",
+_PASSTHROUGH = {"train": "labkit.train.cli", "finetune": "labkit.train.lora_cli",
+                "lora": "labkit.lora.cli", "drill": "labkit.exercises.drills",
                 "serve": "labkit.serve.launcher", "router": "labkit.router.proxy",
                 "distill": "labkit.compress.cli", "prune": "labkit.compress.prune_cli",
                 "cluster": "labkit.router.cluster", "profile": "labkit.engine.profile_cli"}

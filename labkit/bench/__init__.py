@@ -14,6 +14,7 @@ BENCHMARKS = {
     "spec": "labkit.bench.spec",
     "lora": "labkit.bench.lora",
     "lora-router": "labkit.bench.lora_router",
+    "qlora": "labkit.bench.qlora",
     "serve": "labkit.bench.serve",
     "serve-soak": "labkit.bench.serve_soak",
     "serve-llamacpp": "labkit.bench.serve_llamacpp",
@@ -23,4 +24,5 @@ BENCHMARKS = {
     "engine-gpu": "labkit.bench.engine_gpu",
     "lm-eval": "labkit.bench.lm_eval_quant",
     "moe": "labkit.bench.moe",
+    "disagg": "labkit.bench.disagg",
 }

@@ -43,6 +43,7 @@ EXERCISES: dict[str, tuple[str, str]] = {
     "lora_delta": ("15_lora_batching", "Multi-LoRA: the batched delta for rows of mixed adapters"),
     "lora_slots": ("15_lora_batching", "Multi-LoRA: the adapter slots' LRU, never evicting one "
                    "in use"),
+    "kv_connector": ("16_kv_connector", "KV connector: matched tokens, salted keys, load targets"),
 }
 
 

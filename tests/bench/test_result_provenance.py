@@ -103,3 +103,19 @@ def test_claims_table_names_a_listed_run_and_says_when_it_was_busy():
     ({"environment": {}}, None)])
 def test_recorded_load_reads_every_form(payload, want):
     assert recorded_load(payload) == want
+
+
+def failed_checks(d: dict) -> list[str]:
+    """Top-level boolean checks of a result (``outputs_match``, ``kv_bytes_match_formula``,
+    any ``*match*`` key) that are False."""
+    return sorted(k for k, v in d.items() if "match" in k and v is False)
+
+
+def test_no_committed_result_failed_its_own_checks():
+    """A run whose own equality check failed (outputs differ, bytes off the formula) measured
+    something broken: it is not a result to commit."""
+    bad = {p.name: failed_checks(json.loads(p.read_text()))
+           for p in sorted(RESULTS_DIR.glob("*.json"))}
+    assert not {k: v for k, v in bad.items() if v}
+    assert failed_checks({"outputs_match": False, "ep_bytes_match_formula": True,
+                          "speedup": 2.0}) == ["outputs_match"]  # the check can fail

@@ -1,4 +1,5 @@
-"""The core reads in one sitting: no function in engine / sched / kv / spec over 50 lines."""
+"""The code reads in one sitting: no function in engine / sched / kv / spec over 50 lines, and no
+module of labkit (or kernels/) over 400 lines (one concept per module, nano-vllm's size)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,27 @@ def test_the_check_flags_a_long_function():
 
     assert long_functions(src(51), "m") == ["m:f (51 lines)"]
     assert long_functions(src(50), "m") == []
+
+
+MAX_MODULE_LINES = 400
+
+
+def long_modules(root) -> list[str]:
+    """``path (lines)`` of every .py file under ``root`` longer than MAX_MODULE_LINES."""
+    return [f"{p.relative_to(root.parent)} ({n} lines)" for p in sorted(root.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES]
+
+
+def test_modules_are_short():
+    found = long_modules(ROOT) + long_modules(ROOT.parent / "kernels")
+    assert not found, "split these modules (one concept each): " + ", ".join(found)
+
+
+def test_the_module_check_flags_a_long_module(tmp_path):
+    """Negative control: 401 lines are reported, 400 are not."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "ok.py").write_text("x = 1\n" * 400)
+    assert long_modules(pkg) == []
+    (pkg / "long.py").write_text("x = 1\n" * 401)
+    assert long_modules(pkg) == ["pkg/long.py (401 lines)"]

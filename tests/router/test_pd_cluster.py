@@ -3,8 +3,9 @@ as a ``PDCluster`` (two ``labkit serve`` children and the P/D proxy on 127.0.0.1
 
 One test, in phases (a module-scoped cluster would be started once per xdist worker):
 1. completions through the proxy, streamed and not, equal the reference greedy generation; the
-   prefill instance pushed KV blocks and the decode instance received the same number, and
-   neither holds a block afterwards;
+   prefill instance pushed exactly the formula's KV bytes (labkit.bench.disagg.kv_bytes_formula:
+   full prompt blocks x 16 x layers x 2 x kv heads x head dim x 4), the decode instance received
+   the same, and neither holds a block afterwards;
 2. the prefill instance is killed: requests still succeed with the same text (the decode
    instance computes the prompt itself) and the proxy counts the failed prefills;
 3. the decode instance is killed too: the client gets a 503 with an OpenAI error body, and
@@ -19,6 +20,7 @@ import httpx
 import pytest
 import torch
 
+from labkit.bench.disagg import kv_bytes_formula
 from labkit.model.generate import generate
 from labkit.model.loader import load_pretrained
 from labkit.router.pd_cluster import PDCluster
@@ -55,16 +57,19 @@ def metrics(server) -> dict[str, float]:
 
 def test_pd_cluster_equals_reference_and_survives_its_faults():
     want = reference(PROMPTS)
-    c = PDCluster(1, 1, replica_args=("--num-blocks", "128", "--max-num-seqs", "8"))
+    c = PDCluster(1, 1, replica_args=("--num-blocks", "128", "--max-num-seqs", "8",
+                                      "--dtype", "float32", "--block-size", "16"))
     with c:
         for p, w in zip(PROMPTS, want):  # 1. both hops, both answer shapes
             r = complete(c.url, p, stream=False)
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == w
             assert complete(c.url, p, stream=True) == w
-        pushed = metrics(c.prefill[0])["labkit:kv_transfer_blocks_total"]
-        assert pushed > 0
-        assert metrics(c.decode[0])["labkit:kv_transfer_blocks_total"] == pushed
+        blocks, nbytes = kv_bytes_formula(PROMPTS * 2)  # each prompt sent twice
+        pushed, got = metrics(c.prefill[0]), metrics(c.decode[0])
+        assert pushed["labkit:kv_transfer_blocks_total"] == blocks > 0
+        assert pushed["labkit:kv_transfer_bytes_total"] == nbytes
+        assert got["labkit:kv_transfer_bytes_total"] == nbytes
         for s in (*c.prefill, *c.decode):
             assert metrics(s)["labkit:kv_cache_usage_perc"] == 0  # no block left held
         assert c.state()["prefilled"] == 2 * len(PROMPTS)

@@ -44,3 +44,13 @@ def test_run_tiny_schema_and_outputs_match():
     speedups = [s["speedup_at_measured_alpha"][2] for s in by_c]
     assert all(x > 0 for x in speedups)
     assert all(a > b for a, b in zip(speedups, speedups[1:]))  # strictly: c is priced
+    # the report and the chart read the same payload (labkit/bench/spec_report.py)
+    import tempfile
+    from pathlib import Path
+
+    from labkit.bench.spec_report import print_report, write_chart
+
+    print_report(payload, SIM)
+    with tempfile.TemporaryDirectory() as d:
+        write_chart(payload, Path(d) / "spec.html", SIM)
+        assert (Path(d) / "spec.html").stat().st_size > 0
