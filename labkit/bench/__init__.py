@@ -13,6 +13,7 @@ BENCHMARKS = {
     "quant": "labkit.bench.quant",
     "spec": "labkit.bench.spec",
     "lora": "labkit.bench.lora",
+    "lora-router": "labkit.bench.lora_router",
     "qlora": "labkit.bench.qlora",
     "serve": "labkit.bench.serve",
     "serve-soak": "labkit.bench.serve_soak",

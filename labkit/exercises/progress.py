@@ -40,6 +40,9 @@ EXERCISES: dict[str, tuple[str, str]] = {
     "prefix_affinity": ("13_prefix_affinity",
                         "Router: consistent hashing with bounded load on prefixes"),
     "moe_routing": ("14_moe_routing", "MoE: top-k gating and the dispatch/combine permutation"),
+    "lora_delta": ("15_lora_batching", "Multi-LoRA: the batched delta for rows of mixed adapters"),
+    "lora_slots": ("15_lora_batching", "Multi-LoRA: the adapter slots' LRU, never evicting one "
+                   "in use"),
     "kv_connector": ("16_kv_connector", "KV connector: matched tokens, salted keys, load targets"),
 }
 

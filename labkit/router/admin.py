@@ -65,6 +65,9 @@ def add_admin_routes(app: FastAPI, by_name: dict[str, Any], health: HealthTracke
         try:
             body = dict(await request.json())
             app.state.policy = get_policy(body.pop("policy"), **body)
+            if hasattr(app.state.policy, "observe_models"):  # adapter-affinity's base names
+                for cards in app.state.model_cards.values():
+                    app.state.policy.observe_models(cards)
         except (ValueError, KeyError, TypeError) as exc:
             return router_error(400, f"send {{\"policy\": NAME, its keyword arguments...}}: "
                                 f"{exc}", "invalid_policy")

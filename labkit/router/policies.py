@@ -33,6 +33,11 @@ engine's own chained block hash, so "same key" means "same cached blocks". Why v
 with one point per replica the arcs differ by factors of several; with ``V`` points each the
 shares are within about ``1/sqrt(V)`` of even. Why the ring (not ``hash % n``): removing a
 replica moves only the keys it owned, everything else stays warm.
+
+- ``adapter-affinity``: a request whose ``model`` names a LoRA adapter goes to a replica that
+  already holds that adapter in a device slot, so it is not copied in again (and another
+  adapter evicted): :class:`AdapterAffinity`, the same bounded loads; base-model requests go
+  to the least outstanding.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import bisect
 import hashlib
 import itertools
 import math
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -65,6 +71,7 @@ class RouteKey:
     token_ids: Sequence[int] | None = None
     text: str | None = None
     user: str | None = None
+    model: str | None = None  # the body's ``model``: the base model or a LoRA adapter's name
 
 
 def _h64(data: bytes) -> int:
@@ -184,11 +191,90 @@ class PrefixAffinity:
         raise AssertionError("unreachable: n * capacity exceeds the outstanding total")
 
 
-POLICIES = {c.name: c for c in (RoundRobin, LeastOutstanding, PrefixAffinity)}
+class AdapterAffinity:
+    """Send a LoRA request where its adapter already sits in a slot, with bounded loads.
+
+    Why: a replica holds ``max_loras`` adapters in its device slots (``labkit.lora.manager``,
+    LRU). Round-robin hands every replica every adapter, so under more adapters than slots each
+    replica keeps copying adapters in and evicting others (a slot load per request, and a
+    request whose adapter has no free slot waits for one). Affinity gives each replica a few
+    adapters to keep.
+
+    What the router knows: where it sent each adapter. Per replica it keeps the adapters of its
+    last requests, at most ``max_loras`` of them, least recently used out first: the same LRU
+    the replica runs, so it is a model of the replica's slots (a guess, not a read: a replica
+    restarted or with an adapter unloaded differs until requests refresh it). A request for
+    adapter X goes to the least outstanding replica holding X whose load is under the cap of
+    :class:`PrefixAffinity` (``ceil((1 + eps) * m / n)``, at least ``min_load``); when none is,
+    X is loaded somewhere new: the least outstanding replica under the cap, preferring one with
+    a free slot in the model, ties broken by rendezvous hashing of (X, replica) so that X's new
+    home does not depend on the order of the replicas. A hot adapter therefore spreads over as
+    many replicas as its load needs, and no more.
+
+    Which ``model`` values are adapters: any name other than the base models'. The base names
+    come from ``base_models`` and from the replicas' ``/v1/models`` (the router passes each
+    replica's cards to :meth:`observe_models`; a card with no ``parent`` is a base model).
+    Requests without ``model`` or naming a base model go to the least outstanding replica."""
+
+    name = "adapter-affinity"
+
+    def __init__(self, max_loras: int = 1, eps: float | None = 0.25, min_load: int = 0,
+                 base_models: Sequence[str] = ()) -> None:
+        if max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1 (the replicas' --max-loras), got "
+                             f"{max_loras}")
+        if eps is not None and eps <= 0:
+            raise ValueError(f"eps must be > 0 (or None for no bound), got {eps}")
+        if min_load < 0:
+            raise ValueError(f"min_load must be >= 0, got {min_load}")
+        self.max_loras, self.eps, self.min_load = max_loras, eps, min_load
+        self.base_models = set(base_models)
+        self.slots: dict[str, OrderedDict[str, None]] = {}  # replica -> adapters, oldest first
+        self._fallback = LeastOutstanding()
+        self._bound = PrefixAffinity(eps=eps, min_load=min_load)
+
+    def observe_models(self, cards: Sequence[dict[str, Any]]) -> None:
+        """Learn the base model names from a replica's ``/v1/models`` ``data``."""
+        self.base_models.update(c["id"] for c in cards
+                                if isinstance(c, dict) and c.get("id") and not c.get("parent"))
+
+    def adapter_of(self, key: Any) -> str | None:
+        """The adapter a request names, or None for the base model."""
+        model = getattr(key, "model", None)
+        return model if isinstance(model, str) and model not in self.base_models else None
+
+    def holders(self, adapter: str) -> list[str]:
+        """Replicas the router believes hold ``adapter`` in a slot."""
+        return [name for name, lru in self.slots.items() if adapter in lru]
+
+    def choose(self, key: RouteKey, replicas: Sequence[Replica]) -> Replica:
+        _check(replicas)
+        adapter = self.adapter_of(key)
+        if adapter is None:
+            return self._fallback.choose(key, replicas)
+        cap = self._bound.capacity(replicas)
+        under = [r for r in replicas if r.outstanding < cap]  # never empty: n * cap > m - 1
+        held = [r for r in under if adapter in self.slots.get(r.name, ())]
+        if held:
+            r = min(held, key=lambda r: r.outstanding)
+        else:
+            r = min(under, key=lambda r: (len(self.slots.get(r.name, ())) >= self.max_loras,
+                                          r.outstanding, -_h64(f"{adapter}@{r.name}".encode())))
+        lru = self.slots.setdefault(r.name, OrderedDict())
+        lru[adapter] = None
+        lru.move_to_end(adapter)
+        while len(lru) > self.max_loras:
+            lru.popitem(last=False)
+        return r
 
 
-def get_policy(name: str, **kw: Any) -> RoundRobin | LeastOutstanding | PrefixAffinity:
-    """A policy by name (``round-robin``, ``least-outstanding``, ``prefix-affinity``)."""
+POLICIES = {c.name: c for c in (RoundRobin, LeastOutstanding, PrefixAffinity, AdapterAffinity)}
+
+
+def get_policy(name: str, **kw: Any
+               ) -> RoundRobin | LeastOutstanding | PrefixAffinity | AdapterAffinity:
+    """A policy by name (``round-robin``, ``least-outstanding``, ``prefix-affinity``,
+    ``adapter-affinity``)."""
     key = name.strip().lower().replace("_", "-")
     if key not in POLICIES:
         raise ValueError(f"unknown routing policy {name!r}; valid names: {', '.join(POLICIES)}")

@@ -48,16 +48,19 @@ __all__ = ["Upstream", "create_app", "main", "route_key"]
 
 def route_key(body: dict[str, Any]) -> RouteKey:
     """The text a policy hashes: the prompt, or the chat messages' contents in order (the
-    system prompt first, which is what requests share)."""
+    system prompt first, which is what requests share); and the ``model`` the request names
+    (a LoRA adapter's name picks that adapter on a replica)."""
+    model = body.get("model") if isinstance(body.get("model"), str) else None
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return RouteKey(token_ids=prompt, user=body.get("user"))
+        return RouteKey(token_ids=prompt, user=body.get("user"), model=model)
     if isinstance(prompt, list):
         prompt = prompt[0] if prompt and isinstance(prompt[0], str) else None
     if prompt is None and isinstance(body.get("messages"), list):
         prompt = "".join(str(m.get("content", "")) for m in body["messages"]
                          if isinstance(m, dict))
-    return RouteKey(text=prompt if isinstance(prompt, str) else None, user=body.get("user"))
+    return RouteKey(text=prompt if isinstance(prompt, str) else None, user=body.get("user"),
+                    model=model)
 
 
 def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
@@ -109,14 +112,32 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
                 metrics.open.labels(u.name).set(health.breakers[u.name].state != "closed")
             await asyncio.sleep(probe_interval_s)
 
+    async def models_loop() -> None:
+        """Read each replica's ``/v1/models`` once (retrying until it answers): which names
+        are base models, for a policy that tells adapters apart (``adapter-affinity``)."""
+        while len(app.state.model_cards) < len(by_name):
+            for u in by_name.values():
+                if u.name in app.state.model_cards:
+                    continue
+                with contextlib.suppress(httpx.TransportError, ValueError, KeyError):
+                    r = await client.get(u.url + "/v1/models", timeout=probe_timeout_s)
+                    if 400 <= r.status_code < 500:  # no such route, or it needs a key
+                        app.state.model_cards[u.name] = []
+                    elif r.status_code == 200:
+                        app.state.model_cards[u.name] = r.json()["data"]
+                        if hasattr(app.state.policy, "observe_models"):
+                            app.state.policy.observe_models(app.state.model_cards[u.name])
+            await asyncio.sleep(probe_interval_s or 1.0)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         prober = asyncio.create_task(probe_loop()) if probe_interval_s else None
+        models = asyncio.create_task(models_loop())
         analysis = None  # the canary's PromQL analysis loop, when it reads Prometheus
         if canary is not None and canary.promql is not None:
             analysis = asyncio.create_task(canary.promql_loop())
         yield
-        for task in (prober, analysis):
+        for task in (prober, analysis, models):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -133,6 +154,7 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
                   max_failovers)
     app.state.upstreams, app.state.health, app.state.policy = ups, health, pol
     app.state.failovers, app.state.canary, app.state.candidates = relay.failovers, canary, cands
+    app.state.model_cards = {}  # replica name -> its /v1/models data (models_loop)
 
     async def forward(request: Request, path: str) -> Response:
         raw = await request.body()

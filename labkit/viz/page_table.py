@@ -31,15 +31,17 @@ class PageTableWidget(widgets.VBox):
     tokens in the hover text. `step` is where the slider starts: by default the step of peak
     KV use (the slider stays free). `max_blocks` / `max_seqs` bound what is drawn for big
     simulations; `max_width` (pixels) is the widest the figure gets (cells shrink to fit, so
-    it stays inside a notebook's or a tab's box).
+    it stays inside a notebook's or a tab's box). `groups` (request id -> label, e.g. the
+    LoRA adapter each request runs) colours "owner" by label instead of by request.
     """
 
     def __init__(self, trace: Any, tokenizer: Any = None, step: int | None = None,
                  color_by: str = "owner", columns: int | None = None,
-                 max_blocks: int = 1024, max_seqs: int = 16, max_width: int = 880) -> None:
+                 max_blocks: int = 1024, max_seqs: int = 16, max_width: int = 880,
+                 groups: dict[str, str] | None = None) -> None:
         if color_by not in COLOR_MODES:
             raise ValueError(f"color_by must be one of {COLOR_MODES}, got {color_by!r}")
-        self.tokenizer = tokenizer
+        self.tokenizer, self.groups = tokenizer, groups
         self.max_blocks, self.max_seqs, self._columns = max_blocks, max_seqs, columns
         self.max_width = max_width
         self.slider = widgets.IntSlider(description="step", min=0, max=0, continuous_update=False,
@@ -72,7 +74,7 @@ class PageTableWidget(widgets.VBox):
         self.trace = td.as_trace_dict(trace)
         meta = self.trace["meta"]
         self.block_size, self.num_blocks = int(meta["block_size"]), int(meta["num_blocks"])
-        self.colors = td.request_color(self.trace)
+        self.colors = td.request_color(self.trace, self.groups)
         self._build_figure()
         last = len(self.trace["steps"]) - 1
         step = td.peak_step(self.trace) if step is None else step
@@ -248,7 +250,9 @@ class PageTableWidget(widgets.VBox):
                 f"{kv.get('cached', len(state['cached']))}, free {kv.get('free', '?')}</div>")
 
     def _legend_html(self) -> str:
-        if self.color_by.value == "owner":
+        if self.color_by.value == "owner" and self.groups is not None:
+            items = list(td.group_colors(self.groups).items())[:16]
+        elif self.color_by.value == "owner":
             items = [(rid, c) for rid, c in list(self.colors.items())[:16]]
         elif self.color_by.value == "ref count":
             items = [(f"ref {i + 1}{'+' if i == 3 else ''}", c) for i, c in enumerate(REF_COLORS)]

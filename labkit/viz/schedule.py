@@ -22,11 +22,14 @@ class ScheduleWidget(widgets.VBox):
     """Gantt chart (steps × requests) of a trace plus the token budget used per step.
 
     `max_requests` / `max_steps` bound what is drawn (the first ones) for big simulations.
-    Set `.step` (or link a PageTableWidget's slider to it) to mark a step.
+    Set `.step` (or link a PageTableWidget's slider to it) to mark a step. `groups` (request
+    id -> label, e.g. its LoRA adapter) writes each row's label beside its id, in the label's
+    colour (the same colours as PageTableWidget's `groups`).
     """
 
-    def __init__(self, trace: Any, max_requests: int = 64, max_steps: int = 600) -> None:
-        self.max_requests, self.max_steps = max_requests, max_steps
+    def __init__(self, trace: Any, max_requests: int = 64, max_steps: int = 600,
+                 groups: dict[str, str] | None = None) -> None:
+        self.max_requests, self.max_steps, self.groups = max_requests, max_steps, groups
         self.view = FigureView("labkit-schedule-figure")
         self.summary = widgets.HTML()
         self.summary.add_class("labkit-schedule-summary")
@@ -77,6 +80,11 @@ class ScheduleWidget(widgets.VBox):
         fig.update_yaxes(title_text="tokens", range=[0, top * 1.15], row=1, col=1)
         fig.update_yaxes(autorange="reversed", type="category", title_text="request",
                          row=2, col=1)
+        if self.groups is not None:  # each request's label (its adapter), in the label's colour
+            colors = td.request_color(self.trace, self.groups)
+            fig.update_yaxes(tickvals=rids, ticktext=[
+                f"<span style='color:{colors.get(r, '#444')}'>{r} · {self.groups.get(r, '')}"
+                "</span>" for r in rids], row=2, col=1)
         fig.update_xaxes(title_text="engine step", row=2, col=1)
         fig.update_layout(height=120 + gantt_h + 110, width=900, plot_bgcolor="white",
                           margin=dict(l=70, r=20, t=20, b=40), bargap=0.1,

@@ -76,11 +76,21 @@ def _engine_replay():
     return replay
 
 
-def request_color(trace: dict) -> dict[str, str]:
-    """A stable colour per request id (in arrival order)."""
-    return {
-        rid: REQUEST_PALETTE[i % len(REQUEST_PALETTE)] for i, rid in enumerate(trace["requests"])
-    }
+def request_color(trace: dict, groups: dict[str, str] | None = None) -> dict[str, str]:
+    """A stable colour per request id (in arrival order); with ``groups`` (request id -> a
+    label, e.g. its LoRA adapter), one colour per label instead, so a mixed batch shows which
+    adapter each request runs."""
+    if groups is None:
+        return {rid: REQUEST_PALETTE[i % len(REQUEST_PALETTE)]
+                for i, rid in enumerate(trace["requests"])}
+    labels = group_colors(groups)
+    return {rid: labels[groups[rid]] for rid in trace["requests"] if rid in groups}
+
+
+def group_colors(groups: dict[str, str]) -> dict[str, str]:
+    """A colour per distinct label of ``groups``, in order of first appearance."""
+    labels = list(dict.fromkeys(groups.values()))
+    return {g: REQUEST_PALETTE[i % len(REQUEST_PALETTE)] for i, g in enumerate(labels)}
 
 
 def seq_request(seq_id: str) -> str:

@@ -160,6 +160,8 @@ def test_every_exercise_has_negative_controls():
                  "tp_attention_forward": "test_tp_attention_exercise.py",
                  "prefix_affinity": "test_prefix_affinity_exercise.py",
                  "moe_routing": "test_moe_routing_exercise.py",
+                 "lora_delta": "test_lora_batching_exercise.py",
+                 "lora_slots": "test_lora_batching_exercise.py",
                  "kv_connector": "test_kv_connector_exercise.py"}
     here = Path(__file__).parent
     for exercise, f in elsewhere.items():

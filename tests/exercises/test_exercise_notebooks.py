@@ -78,7 +78,7 @@ def test_notebooks_committed_without_outputs(path):
 
 # Exercise notebooks written after the main notebooks' first-cell rule (tests/notebooks/
 # test_lab_settings.py) follow it too: they end with the progress widget.
-WIDGET_NOTE = [p for p in NOTEBOOKS if p.stem[:2] in ("12", "13")]
+WIDGET_NOTE = [p for p in NOTEBOOKS if p.stem[:2] in ("12", "13", "15")]
 
 
 @pytest.mark.parametrize("path", WIDGET_NOTE, ids=lambda p: p.stem)

@@ -103,3 +103,19 @@ def test_results_the_notebooks_read_are_committed():
     assert names, "expected the notebooks to read committed results"
     missing = sorted(n for n in names if not (RESULTS / n).exists())
     assert not missing, f"notebooks read datasets/results/{missing}, which is not committed"
+
+
+def test_lora_router_paragraph_matches_its_json():
+    """The Multi-LoRA section's "Routing adapters" paragraph quotes lora_router.json."""
+    d = _result("lora_router")
+    text = " ".join(README.split("**Routing adapters.**", 1)[1].split("\n\n", 1)[0].split())
+    by = {r["policy"]: r for r in d["rows"]}
+    for label, key in (("round-robin", "round-robin"), ("least-outstanding", "least-outstanding"),
+                       ("adapter-affinity", "adapter-affinity"),
+                       ("`min_load=4`", "adapter-affinity min_load=4"),
+                       ("unbounded", "adapter-affinity unbounded")):
+        assert f"{label} {by[key]['loads_per_request']:.3f}" in text, (label, text)
+    assert f"({d['affinity_vs_round_robin']:.1f}x fewer)" in text
+    assert f"{d['setup']['num_requests']:,} requests" in text
+    assert (f"a peak of {by['adapter-affinity unbounded']['peak_outstanding']} requests on one "
+            f"replica against {by['adapter-affinity']['peak_outstanding']}") in text

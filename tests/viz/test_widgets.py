@@ -162,3 +162,19 @@ def test_prefix_tree_by_hand(trace):
     assert list(icicle.parents).count("root") == 1 and len(icicle.ids) == 4
     w.slider.value = 4
     assert "3 live blocks (3 cached" in w.summary.value
+
+
+def test_widgets_colour_requests_by_group(trace, fold):
+    """LoRA: requests of one adapter share a colour in the page table and the Gantt labels."""
+    groups = {"A": "sql", "B": "base", "C": "sql", "D": "code"}
+    w = PageTableWidget(trace, step=1, groups=groups)
+    pal = td.REQUEST_PALETTE
+    assert w.colors == {"A": pal[0], "B": pal[1], "C": pal[0], "D": pal[2]}
+    grid, owner = w.figure.data[0], w.block_state(1)["owners"]
+    for p, holders in owner.items():
+        assert grid.marker.color[p] == w.colors[td.seq_request(holders[0][0])]
+    legend = w.legend.value
+    assert "sql" in legend and "code" in legend and " A</span>" not in legend
+    s = ScheduleWidget(trace, groups=groups)
+    ticks = dict(zip(s.figure.layout.yaxis2.tickvals, s.figure.layout.yaxis2.ticktext))
+    assert ticks["C"] == f"<span style='color:{pal[0]}'>C · sql</span>"
