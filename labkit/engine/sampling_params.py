@@ -165,14 +165,27 @@ class SamplingParams:
                 raise SamplingParamsError(f"{name} must be None or an int in [0, {MAX_LOGPROBS}] "
                                           f"(how many top tokens to return), got {k!r}")
         self._check_structured_outputs()
-        ktp = self.kv_transfer_params
-        if ktp is not None and (not isinstance(ktp, dict) or any(not isinstance(k, str)
-                                                                  for k in ktp)):
-            raise SamplingParamsError(f"kv_transfer_params must be a dict with str keys, got "
-                                      f"{ktp!r}")
+        self._check_kv_transfer_params()
         if self.stop and not self.detokenize:
             raise SamplingParamsError(
                 "stop strings are matched on text: they need detokenize=True")
+
+    def _check_kv_transfer_params(self) -> None:
+        """A dict with str keys; with ``do_remote_decode`` it must name where the KV goes, or
+        the prefill engine would find out only when the request finishes, inside a step."""
+        ktp = self.kv_transfer_params
+        if ktp is None:
+            return
+        if not isinstance(ktp, dict) or any(not isinstance(k, str) for k in ktp):
+            raise SamplingParamsError(f"kv_transfer_params must be a dict with str keys, got "
+                                      f"{ktp!r}")
+        if ktp.get("do_remote_decode"):
+            host, port = ktp.get("remote_host"), ktp.get("remote_port")
+            if not isinstance(host, str) or not host or not _is_int(port) \
+                    or not 0 < port < 65536:
+                raise SamplingParamsError(
+                    "kv_transfer_params with do_remote_decode needs remote_host (a non-empty "
+                    f"str) and remote_port (an int in 1..65535), got {ktp!r}")
 
     def _check_structured_outputs(self) -> None:
         so = self.structured_outputs

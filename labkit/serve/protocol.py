@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from labkit.engine.sampling_params import SamplingParams
+from labkit.errors import SamplingParamsError
 from labkit.serve.logprobs import FieldError, LogprobsAsk, parse_logprobs
 from labkit.serve.structured import FIELDS as STRUCTURED_FIELDS
 from labkit.serve.structured import parse_structured
@@ -314,16 +315,16 @@ def parse_request(d: dict[str, Any], kind: str, *, served_model: str,
     stop_ids = d.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or any(not _is_int(t) or t < 0 for t in stop_ids):
         raise bad("stop_token_ids must be a list of token ids", "stop_token_ids")
-    ktp = d.get("kv_transfer_params")
-    if ktp is not None and not isinstance(ktp, dict):
-        raise bad(f"kv_transfer_params must be an object, got {ktp!r}", "kv_transfer_params")
-    params = SamplingParams(
-        n=n, temperature=_num(d, "temperature", 1.0, 0.0, 2.0),
-        top_p=_num(d, "top_p", 1.0, 0.0, 1.0, lo_open=True), top_k=top_k,
-        max_tokens=max_tokens or 1, stop=_stop(d.get("stop")), stop_token_ids=stop_ids,
-        seed=seed, ignore_eos=_bool(d, "ignore_eos"), logprobs=ask.k,
-        prompt_logprobs=ask.engine_prompt_k, structured_outputs=constraint,
-        kv_transfer_params=ktp)
+    kw = {"kv_transfer_params": d.get("kv_transfer_params")}
+    try:  # what the fields above did not check yet (kv_transfer_params) is a 400 too
+        params = SamplingParams(
+            n=n, temperature=_num(d, "temperature", 1.0, 0.0, 2.0),
+            top_p=_num(d, "top_p", 1.0, 0.0, 1.0, lo_open=True), top_k=top_k,
+            max_tokens=max_tokens or 1, stop=_stop(d.get("stop")), stop_token_ids=stop_ids,
+            seed=seed, ignore_eos=_bool(d, "ignore_eos"), logprobs=ask.k,
+            prompt_logprobs=ask.engine_prompt_k, structured_outputs=constraint, **kw)
+    except SamplingParamsError as e:
+        raise bad(str(e), "kv_transfer_params" if "kv_transfer" in str(e) else None) from None
     if ignored:  # vLLM's behaviour: the request is served, the log says what was dropped
         log.warning("ignored fields labkit does not know: %s", ", ".join(ignored))
     # vLLM: usage on every chunk only when include_usage asks for usage at all

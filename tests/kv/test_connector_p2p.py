@@ -225,3 +225,12 @@ def test_push_that_times_out_or_is_cut_fails_cleanly(model, prompts, behaviour):
     finally:
         srv.close()
         t.join(timeout=5)
+
+
+def test_a_remote_decode_without_an_address_is_refused_at_construction():
+    with pytest.raises(SamplingParamsError, match="remote_host"):
+        SamplingParams(kv_transfer_params={"do_remote_decode": True, "remote_port": 9000})
+    with pytest.raises(SamplingParamsError, match="1..65535"):
+        SamplingParams(kv_transfer_params={"do_remote_decode": True, "remote_host": "h",
+                                           "remote_port": 0})
+    assert SamplingParams(kv_transfer_params={"do_remote_decode": False}).kv_transfer_params

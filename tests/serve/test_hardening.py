@@ -347,3 +347,20 @@ def test_burst_of_16_with_4_slots_and_max_waiting_6_is_10_served_6_refused(labki
         idle(srv)
         c = srv.state.counts
         assert (c["accepted"], c["finished"], c["rejected"]) == (10, 10, 6)
+
+
+@pytest.mark.parametrize("ktp,words", [
+    ("push it", "must be a dict"),
+    ({"do_remote_decode": True}, "remote_host"),
+    ({"do_remote_decode": True, "remote_host": "127.0.0.1", "remote_port": 70000}, "1..65535"),
+])
+def test_bad_kv_transfer_params_are_a_400_not_a_500(server, ktp, words):
+    """vLLM's disaggregation field is checked at the door: a prefill engine would otherwise
+    find out when the request finishes, inside a step."""
+    before = metric(server, "labkit:request_errors_total", status="500")
+    r = httpx.post(f"{server.url}/v1/completions", timeout=30, json={
+        "model": NAME, "prompt": "def f(x):", "max_tokens": 2, "kv_transfer_params": ktp})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "kv_transfer_params" and words in err["message"], err
+    assert metric(server, "labkit:request_errors_total", status="500") == before

@@ -69,7 +69,7 @@ class P2PProducer(KVConnectorBase):
         self.layout: Layout = {}
         self.block_size = 0
         self.counters = {"requests": 0, "blocks": 0, "bytes": 0, "failed": 0}
-        self.results: dict[str, dict[str, Any]] = {}  # request id -> last push's outcome
+        self.results: dict[str, dict[str, Any]] = {}  # request id -> push outcome (last 1024)
 
     def register_kv_caches(self, kv_cache: Any) -> None:
         if self._caches:
@@ -97,24 +97,35 @@ class P2PProducer(KVConnectorBase):
     def request_finished(self, request: Any, block_ids: list[int]) -> None:
         """Push the finished request's full prompt blocks to its decode instance (a request
         that was aborted, or that names none, pushes nothing)."""
-        remote = remote_of(request.request.params)
+        rid = request.request.request_id
+        try:
+            remote = remote_of(request.request.params)
+        except KVConnectorError as e:  # checked at add_request; never fail a step over it
+            self.counters["failed"] += 1
+            self._record(rid, {"ok": False, "error": str(e)})
+            return
         if remote is None or request.finish_reason == "abort":
             return
         n = min((request.num_prompt_tokens - 1) // self.block_size, len(block_ids))
         blocks = list(zip(self._keys(request, n), self._payloads(block_ids[:n])))
-        rid = request.request.request_id
         self.counters["requests"] += 1
         try:
             stored = send_blocks(*remote, encode_frame(self.model, self.layout, blocks),
                                  self.timeout_s)
         except (KVConnectorError, OSError, ValueError) as e:
             self.counters["failed"] += 1
-            self.results[rid] = {"ok": False, "error": str(e)}
+            self._record(rid, {"ok": False, "error": str(e)})
             log.warning("KV push of %s to %s:%d failed: %s", rid, *remote, e)
             return
         self.counters["blocks"] += stored
         self.counters["bytes"] += sum(t.nbytes for _, p in blocks for t in p.values())
-        self.results[rid] = {"ok": True, "blocks": stored}
+        self._record(rid, {"ok": True, "blocks": stored})
+
+    def _record(self, rid: str, outcome: dict[str, Any]) -> None:
+        """Keep the outcome of the last 1024 pushes (a long-running server must not grow)."""
+        self.results[rid] = outcome
+        while len(self.results) > 1024:
+            del self.results[next(iter(self.results))]
 
     def _keys(self, seq: Any, n: int) -> list[BlockHash]:
         keys: list[BlockHash] = []
