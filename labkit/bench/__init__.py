@@ -27,4 +27,5 @@ BENCHMARKS = {
     "disagg": "labkit.bench.disagg",
     "kv-offload": "labkit.bench.kv_offload",
     "disagg-sim": "labkit.bench.disagg_sim",
+    "ops": "labkit.bench.ops",
 }

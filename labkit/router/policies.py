@@ -38,6 +38,9 @@ replica moves only the keys it owned, everything else stays warm.
   already holds that adapter in a device slot, so it is not copied in again (and another
   adapter evicted): :class:`AdapterAffinity`, the same bounded loads; base-model requests go
   to the least outstanding.
+- ``length-aware``: prompts of ``threshold_tokens`` or more to a long pool of replicas, the
+  rest to the short pool (:class:`LengthAware`), so a short chat never queues behind a long
+  prefill.
 """
 
 from __future__ import annotations
@@ -268,13 +271,64 @@ class AdapterAffinity:
         return r
 
 
-POLICIES = {c.name: c for c in (RoundRobin, LeastOutstanding, PrefixAffinity, AdapterAffinity)}
+class LengthAware:
+    """Long prompts to a long pool, the rest to a short pool (least outstanding within each).
+
+    Why: a prefill of thousands of tokens occupies its replica's steps for a long time, and a
+    short chat queued behind it waits that long for its first token. Keeping long prompts on
+    their own replicas bounds what a short request can wait behind (the "separate pools for
+    short and long requests" of the deployment notes; vLLM's production stack and llm-d route on
+    prompt length the same way). The price: the long pool's replicas sit idle when few long
+    prompts come, and the short pool takes the rest of the load alone.
+
+    The pools are fixed by replica name: the last ``long_replicas`` names in sorted order form
+    the long pool (stable across restarts, as names are). A prompt is long from
+    ``threshold_tokens`` tokens; without token ids (an HTTP router has no tokenizer) its length
+    is estimated as characters / ``chars_per_token`` (4 is the usual rule for English text and
+    code). A pool with no replica in rotation sends its requests to the other pool: availability
+    first, isolation second."""
+
+    name = "length-aware"
+
+    def __init__(self, threshold_tokens: int = 1024, long_replicas: int = 1,
+                 chars_per_token: float = 4.0) -> None:
+        if not isinstance(threshold_tokens, int) or threshold_tokens < 1:
+            raise ValueError(f"threshold_tokens must be an int >= 1, got {threshold_tokens!r}")
+        if not isinstance(long_replicas, int) or long_replicas < 1:
+            raise ValueError(f"long_replicas must be an int >= 1, got {long_replicas!r}")
+        if not chars_per_token > 0:
+            raise ValueError(f"chars_per_token must be > 0, got {chars_per_token!r}")
+        self.threshold, self.long_replicas = threshold_tokens, long_replicas
+        self.chars_per_token = float(chars_per_token)
+        self._tie = LeastOutstanding()
+
+    def prompt_tokens(self, key: RouteKey) -> float:
+        """The prompt's length in tokens (estimated from its text when ids are missing)."""
+        if key.token_ids is not None:
+            return len(key.token_ids)
+        return len(key.text or "") / self.chars_per_token
+
+    def pools(self, replicas: Sequence[Replica]) -> tuple[list[Replica], list[Replica]]:
+        """(short pool, long pool) among ``replicas``, by the sorted names."""
+        names = sorted(r.name for r in replicas)
+        long_names = set(names[-self.long_replicas:]) if len(names) > 1 else set()
+        return ([r for r in replicas if r.name not in long_names],
+                [r for r in replicas if r.name in long_names])
+
+    def choose(self, key: RouteKey, replicas: Sequence[Replica]) -> Replica:
+        _check(replicas)
+        short, long_ = self.pools(replicas)
+        pool = long_ if self.prompt_tokens(key) >= self.threshold else short
+        return self._tie.choose(key, pool or short or long_)
 
 
-def get_policy(name: str, **kw: Any
-               ) -> RoundRobin | LeastOutstanding | PrefixAffinity | AdapterAffinity:
+POLICIES = {c.name: c for c in (RoundRobin, LeastOutstanding, PrefixAffinity, AdapterAffinity,
+                                LengthAware)}
+
+
+def get_policy(name: str, **kw: Any) -> Any:
     """A policy by name (``round-robin``, ``least-outstanding``, ``prefix-affinity``,
-    ``adapter-affinity``)."""
+    ``adapter-affinity``, ``length-aware``)."""
     key = name.strip().lower().replace("_", "-")
     if key not in POLICIES:
         raise ValueError(f"unknown routing policy {name!r}; valid names: {', '.join(POLICIES)}")
