@@ -13,6 +13,7 @@ import importlib
 
 EXPERIMENTS = {  # name -> module with main(argv)
     "length-routing": "labkit.bench.ops_length",
+    "cold-start": "labkit.bench.ops_coldstart",
 }
 
 

@@ -23,6 +23,7 @@ import torch
 
 from labkit.model.config import ModelConfig
 from labkit.model.llama import LlamaForCausalLM
+from labkit.model.loader import empty_model
 from labkit.model.tokenizer import Tokenizer
 
 # Hugging Face parameter name -> llama.cpp tensor name ({i} = layer index)
@@ -170,7 +171,7 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype | None = None,
     except (ValueError, KeyError) as e:
         raise GGUFError(f"{path} is not a readable GGUF file: {e}") from e
     config = config_from_gguf(reader)
-    with torch.device("meta"):
+    with empty_model():
         model = LlamaForCausalLM(config)
     tensors = {t.name: t for t in reader.tensors}
     params = dict(model.named_parameters())

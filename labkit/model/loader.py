@@ -8,9 +8,11 @@ a silently half-loaded model is the worst bug a learner can meet.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,7 +43,12 @@ def available_models() -> list[str]:
 
 
 def resolve_model_path(path_or_name: str | os.PathLike) -> Path:
-    """A local folder, or the name of a shipped model. Hub ids cannot be fetched here."""
+    """A local folder, the name of a shipped model, or ``s3://bucket/prefix`` (fetched into the
+    node-local cache by :mod:`labkit.model.objstore`). Hub ids cannot be fetched here."""
+    if str(path_or_name).startswith("s3://"):
+        from labkit.model.objstore import fetch_checkpoint
+
+        return fetch_checkpoint(str(path_or_name))
     p = Path(path_or_name).expanduser()
     if p.is_dir():
         return p
@@ -169,6 +176,28 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
                               f"{missing[:3]}")
 
 
+_INITS = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_", "trunc_normal_")
+
+
+@contextlib.contextmanager
+def empty_model() -> Iterator[None]:
+    """Build modules on the meta device without running their weight initialisers.
+
+    Loading overwrites every weight, so initialising them is wasted work; and on meta tensors
+    ``nn.init``'s in-place ops dispatch through ``torch._refs``, whose first call imports
+    ``torch._dynamo``, about a second of a new process's start (transformers' ``no_init_weights``
+    skips them for the same reason)."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INITS}
+    try:
+        for name in _INITS:
+            setattr(torch.nn.init, name, lambda tensor, *a, **k: tensor)
+        with torch.device("meta"):
+            yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
 def load_model(path_or_name: str | os.PathLike, dtype: torch.dtype | str | None = None,
                device: torch.device | str | None = None) -> LlamaForCausalLM:
     path = resolve_model_path(path_or_name)
@@ -178,7 +207,7 @@ def load_model(path_or_name: str | os.PathLike, dtype: torch.dtype | str | None 
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
         dtype = getattr(torch, dtype)
     dtype = dtype or torch.float32
-    with torch.device("meta"):
+    with empty_model():
         model = LlamaForCausalLM(config)
     model = model.to_empty(device=device or "cpu").to(dtype)
     if config.tie_word_embeddings:
