@@ -14,6 +14,7 @@ import importlib
 EXPERIMENTS = {  # name -> module with main(argv)
     "length-routing": "labkit.bench.ops_length",
     "cold-start": "labkit.bench.ops_coldstart",
+    "isolation": "labkit.bench.ops_isolation",
 }
 
 
