@@ -4,6 +4,7 @@ of :mod:`labkit.engine.llm_engine` so that module stays the engine's loop and AP
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -63,8 +64,31 @@ def step_cures(model: torch.nn.Module, settings: dict[str, Any], fused: bool, co
         from labkit.model.fuse import fuse_model
 
         fuse_model(model)
+        norm_kernel(model, settings.get("attention_backend") == "triton")
     if not compile:
         return None
     from labkit.engine.piecewise import CAPTURE_SIZES, compile_model
 
     return compile_model(model, tuple(capture_sizes or CAPTURE_SIZES))
+
+
+def _kernel_norm(kernel: Any, norm: torch.nn.Module, x: torch.Tensor,
+                 residual: torch.Tensor | None = None) -> Any:
+    return kernel(x, norm.weight, norm.eps, residual)
+
+
+def norm_kernel(model: torch.nn.Module, on: bool) -> None:
+    """The decoder's RMSNorms (``input_layernorm``, ``post_attention_layernorm``, the final
+    norm) run ``kernels/rms_norm.py``'s one-pass add + norm when ``on`` (the "triton" kernel
+    backend, as the MoE experts follow it), the PyTorch form otherwise: ``RMSNorm.forward``
+    overridden on each instance, or the override removed."""
+    norms = [n for la in model.model.layers
+             for n in (la.input_layernorm, la.post_attention_layernorm)] + [model.model.norm]
+    if not on:
+        for n in norms:
+            vars(n).pop("forward", None)
+        return
+    from labkit.kernels.rms_norm import rms_norm
+
+    for n in norms:
+        n.forward = partial(_kernel_norm, rms_norm, n)

@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import labkit
 from labkit.engine import piecewise
@@ -139,13 +140,41 @@ def test_compiled_fused_engine_equals_generate_with_padding_and_eager_steps():
     model = testing.tiny_model(seed=9)
     prompts = _prompts()
     want = [generate(model, p, 10, ignore_eos=True) for p in prompts]
+    graphs = counters["stats"]["unique_graphs"]
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no fallback may happen here
+        # the step profiler's module hooks come and go every step: no graph may depend on them
         llm = labkit.LLM.from_model(model, None, fused=True, compile=True, compile_sizes=(4,),
-                                    **CHUNKED)
+                                    profile=True, **CHUNKED)
         got = _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=SP))
+        again = _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=SP))
     rep = llm.compile_report
     assert rep.compiled and rep.reason is None, rep
     assert list(rep.compile_s) == [4] and rep.compile_s[4] > 0
     assert rep.eager_forwards > 0  # the 8-token prefill chunks
-    assert got == want
+    assert got == again == want
+    # one pre- and one post-attention graph serve every layer and every step: no recompiles
+    assert counters["stats"]["unique_graphs"] - graphs == 2
+    assert llm.profiler.summary()["phases_s"]["forward"] > 0
+
+
+def test_fused_norms_run_the_triton_kernel_with_the_triton_backend(monkeypatch):
+    """``attention_backend="triton"`` (the interpreter on a CPU): the add + norm is
+    kernels/rms_norm.py's kernel, with generate's greedy tokens; the torch backend on the same
+    model object puts the PyTorch norms back."""
+    model = testing.tiny_model(seed=10)
+    prompts = _prompts()[:2]
+    want = [generate(model, p, 6, ignore_eos=True) for p in prompts]
+    sp = labkit.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    calls = []
+    from labkit.kernels import rms_norm as kernel_module
+
+    real = kernel_module.rms_norm
+    monkeypatch.setattr(kernel_module, "rms_norm",
+                        lambda *a: calls.append(a[3] is not None) or real(*a))
+    llm = labkit.LLM.from_model(model, None, fused=True, attention_backend="triton", **CHUNKED)
+    assert _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=sp)) == want
+    # per forward: layer 0's input norm alone, the 3 other layer norms with a residual, the final
+    assert calls and calls[:5] == [False, True, True, True, False]
+    labkit.LLM.from_model(model, None, fused=True, **CHUNKED)
+    assert "forward" not in vars(model.model.norm)
