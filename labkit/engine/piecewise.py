@@ -131,7 +131,8 @@ class PiecewiseForward:
         T = input_ids.shape[-1]
         if (not self.report.compiled or model_inputs or kv_cache is None or positions is None
                 or input_ids.dim() != 2 or input_ids.shape[0] != 1 or T > self.sizes[-1]):
-            self.report.eager_forwards += self.report.compiled
+            if self.report.compiled:
+                self.report.eager_forwards += 1
             return self.eager(input_ids, positions, kv_cache, logits_indices, **model_inputs)
         size = self.sizes[bisect.bisect_left(self.sizes, T)]
         if size in self.report.compile_s:
