@@ -19,7 +19,8 @@ capture size* (vLLM's ``cudagraph_capture_sizes``, 1, 2, 4, ..., 512): one graph
 never a recompile per new batch size, and the pad sliced off before attention and at the end.
 A larger step (a long prefill chunk), a batch of rows (``generate`` with B > 1), a forward
 without a cache or with extra inputs run eager. Sizes compile lazily, on first use;
-:class:`CompileReport` counts the seconds each took.
+:class:`CompileReport` counts the seconds each took (and a log line, ``labkit.engine.piecewise``
+at INFO, says each).
 
 If inductor cannot run (no C++ compiler on a CPU machine; a compile that fails on the first
 size), the model stays eager and the report says why (``reason``), with a warning: never a
@@ -31,6 +32,7 @@ phases still time the whole forward.
 from __future__ import annotations
 
 import bisect
+import logging
 import shutil
 import time
 import types
@@ -42,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+logger = logging.getLogger(__name__)
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # vLLM's default capture sizes
 
 
@@ -146,6 +149,8 @@ class PiecewiseForward:
             self._give_up(f"the first compile failed: {type(e).__name__}: {str(e)[:300]}")
             return self.eager(input_ids, positions, kv_cache, logits_indices)
         self.report.compile_s[size] = time.perf_counter() - t0
+        logger.info("compile=True: %d-token graphs built in %.1f s (%s)", size,
+                    self.report.compile_s[size], self.report)
         return out
 
     def _give_up(self, reason: str) -> None:
