@@ -156,6 +156,8 @@ def test_compiled_fused_engine_equals_generate_with_padding_and_eager_steps():
     # one pre- and one post-attention graph serve every layer and every step: no recompiles
     assert counters["stats"]["unique_graphs"] - graphs == 2
     assert llm.profiler.summary()["phases_s"]["forward"] > 0
+    # the compiled model object also runs labkit.model.generate (its contiguous cache)
+    assert [generate(model, p, 10, ignore_eos=True) for p in prompts] == want
 
 
 def test_fused_norms_run_the_triton_kernel_with_the_triton_backend(monkeypatch):
