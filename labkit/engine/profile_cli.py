@@ -32,6 +32,9 @@ def run(model: str, batch: int, steps: int, prompt_len: int = 16, dtype: str = "
     base = tok.encode("def fibonacci(n):\n    ") if tok is not None else [1]
     prompts = [(base * prompt_len)[:prompt_len] for _ in range(batch)]
     sp = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    if compile:  # a first run builds the graphs of these sizes: compile time is not a step's
+        llm.generate(prompt_token_ids=prompts, sampling_params=sp)
+        llm.profiler.steps.clear()
     llm.generate(prompt_token_ids=prompts, sampling_params=sp)
     if trace:
         llm.profiler.export_chrome_trace(trace)
