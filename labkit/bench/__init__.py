@@ -28,4 +28,5 @@ BENCHMARKS = {
     "kv-offload": "labkit.bench.kv_offload",
     "disagg-sim": "labkit.bench.disagg_sim",
     "ops": "labkit.bench.ops",
+    "step": "labkit.bench.step",
 }

@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from labkit.engine.llm_engine import LLMEngine
+from labkit.engine.model_setup import step_cures
 from labkit.engine.outputs import CompletionOutput, RequestOutput
 from labkit.engine.sampling_params import SamplingParams
 from labkit.errors import EngineConfigError, InvalidPromptError
@@ -29,12 +30,19 @@ class LLM:
     ``kv_cache_dtype``, ``attention_backend``, ``speculative_config``, ...), checked once there.
     ``dtype`` ("auto" | "float32" | "bfloat16" | "float16") and ``device`` place the model.
     ``profile=True`` times each step's phases (``llm.profiler``, ``labkit.engine.profiler``).
+    ``fused=True`` fuses q|k|v, gate|up, the residual adds into the norms and the rotary
+    table (``labkit.model.fuse.fuse_model``); ``compile=True`` compiles the forward piecewise
+    around attention (``labkit.engine.piecewise``; ``compile_sizes`` the capture sizes,
+    ``llm.compile_report`` what was compiled, in how many seconds, or why not). Both change
+    the model object in place, with the same greedy tokens.
     ``enable_lora=True, max_loras=4, max_lora_rank=16, max_cpu_loras=8`` serve LoRA adapters
     (``labkit.lora``): ``generate(..., lora_request=LoRARequest(name, int_id, path))``."""
 
     def __init__(self, model: Any = "labkit-tiny", *, tokenizer: Any = None,
                  device: str | torch.device | None = None, dtype: Any = None,
-                 profile: bool = False, **engine_settings: Any) -> None:
+                 profile: bool = False, fused: bool = False, compile: bool = False,
+                 compile_sizes: tuple[int, ...] | None = None,
+                 **engine_settings: Any) -> None:
         name = ""
         dtype = _torch_dtype(dtype)
         if isinstance(model, (tuple, list)):
@@ -59,6 +67,7 @@ class LLM:
             model.eval()
         self.model = model
         self.tokenizer = tokenizer
+        self.compile_report = step_cures(model, engine_settings, fused, compile, compile_sizes)
         self.llm_engine = LLMEngine.from_model(model, tokenizer, name=name, **engine_settings)
         self._counter = 0
         self.profiler = None  # profile=True: a StepProfiler timing every step's phases

@@ -1,12 +1,16 @@
-"""Preparing a model for an engine, before the engine exists: its speculative draft and how its
-mixture-of-experts layers run. Kept out of :mod:`labkit.engine.llm_engine` so that module stays
-the engine's loop and API."""
+"""Preparing a model for an engine, before the engine exists: its speculative draft, how its
+mixture-of-experts layers run, and the step cures of ``LLM(fused=True, compile=True)``. Kept out
+of :mod:`labkit.engine.llm_engine` so that module stays the engine's loop and API."""
 
 from __future__ import annotations
+
+from functools import partial
+from typing import Any
 
 import torch
 
 from labkit.config import EngineConfig
+from labkit.errors import EngineConfigError
 
 
 def moe_experts(model: torch.nn.Module, backend: str | None) -> None:
@@ -37,3 +41,54 @@ def load_draft(config: EngineConfig, target: torch.nn.Module) -> None:
         draft = load_model(draft, dtype=target.dtype, device=target.device)
     spec.check_draft(draft.config, target.config, config.max_model_len)
     spec.draft_model = draft.eval()
+
+
+def step_cures(model: torch.nn.Module, settings: dict[str, Any], fused: bool, compile: bool,
+               capture_sizes: tuple[int, ...] | None = None) -> Any:
+    """Apply ``fused`` (:func:`labkit.model.fuse.fuse_model`: q|k|v and gate|up, the residual
+    add in the norms, the rotary table) and ``compile`` (:func:`labkit.engine.piecewise.
+    compile_model`) to the engine's model, in place; returns the compile report (None without
+    ``compile``). Both change the model in this process, so workers that load their own slices
+    (tensor parallelism) and LoRA's per-step adapter state are refused by name."""
+    if not (fused or compile):
+        return None
+    what = " and ".join(n for n, on in (("fused=True", fused), ("compile=True", compile)) if on)
+    if settings.get("tensor_parallel_size", 1) != 1 or \
+            settings.get("distributed_executor_backend") is not None:
+        raise EngineConfigError(f"{what} transforms the model in this process; tensor-parallel "
+                                "workers load and run their own slices unchanged")
+    if compile and settings.get("enable_lora"):
+        raise EngineConfigError("compile=True with enable_lora: the adapters' per-step token "
+                                "mapping is state a compiled graph would guard on every step")
+    if fused:
+        from labkit.model.fuse import fuse_model
+
+        fuse_model(model)
+        norm_kernel(model, settings.get("attention_backend") == "triton")
+    if not compile:
+        return None
+    from labkit.engine.piecewise import CAPTURE_SIZES, compile_model
+
+    return compile_model(model, tuple(capture_sizes or CAPTURE_SIZES))
+
+
+def _kernel_norm(kernel: Any, norm: torch.nn.Module, x: torch.Tensor,
+                 residual: torch.Tensor | None = None) -> Any:
+    return kernel(x, norm.weight, norm.eps, residual)
+
+
+def norm_kernel(model: torch.nn.Module, on: bool) -> None:
+    """The decoder's RMSNorms (``input_layernorm``, ``post_attention_layernorm``, the final
+    norm) run ``kernels/rms_norm.py``'s one-pass add + norm when ``on`` (the "triton" kernel
+    backend, as the MoE experts follow it), the PyTorch form otherwise: ``RMSNorm.forward``
+    overridden on each instance, or the override removed."""
+    norms = [n for la in model.model.layers
+             for n in (la.input_layernorm, la.post_attention_layernorm)] + [model.model.norm]
+    if not on:
+        for n in norms:
+            vars(n).pop("forward", None)
+        return
+    from labkit.kernels.rms_norm import rms_norm
+
+    for n in norms:
+        n.forward = partial(_kernel_norm, rms_norm, n)

@@ -14,9 +14,26 @@ change: :meth:`Attention.project_qkv` and :meth:`MLP.gate_up`, overridden on the
 Layers whose projections are not plain ``nn.Linear`` (quantized ones) are left as they are, and
 so is a mixture-of-experts MLP (:mod:`labkit.model.moe`): its experts are already stacked
 gate|up tensors [E, 2I, H] that run through ``fused_experts``; its attention is fused as usual.
+
+Two more cures of the same kind, and :func:`fuse_model`, which applies all three (what
+``labkit.LLM(..., fused=True)`` does):
+
+* **residual add fused into the norm** (:func:`fuse_add_norm`): every RMSNorm in a decoder follows
+  a residual add. vLLM carries the residual beside the hidden state and hands both to the norm
+  (``RMSNorm(x, residual)`` returns the normed sum *and* the sum), so one kernel reads and writes
+  the stream once (``kernels/rms_norm.py``). Here the seam is :meth:`LlamaModel.forward`, the
+  layer loop: overridden on the instance by :func:`_fused_stack`; ``DecoderLayer`` is unchanged.
+  The same additions in the same order, so the outputs are the unfused model's, bit for bit.
+* **a rotary table** (:func:`use_rope_table`): cos/sin for every position computed once at
+  transform time (vLLM's ``cos_sin_cache``), looked up by position in each step instead of
+  recomputed (an arange, a multiply, a concat, cos, sin per step). Memory: max positions x
+  head_dim x 2 values (2048 x 64 x 2 float32 = 1 MiB for labkit-tiny).
 """
 
 from __future__ import annotations
+
+import types
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -84,3 +101,64 @@ def fuse_projections(model: nn.Module) -> int:
 
 def is_fused(model: nn.Module) -> bool:
     return any(hasattr(layer.self_attn, "qkv_proj") for layer in model.model.layers)
+
+
+def _fused_stack(stack: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 positions: torch.Tensor, kv_cache: Any) -> torch.Tensor:
+    """``LlamaModel.forward`` with vLLM's residual stream: each norm adds the residual it
+    follows, ``x, residual = norm(x, residual)`` (the layers' attention and MLP unchanged)."""
+    residual = None
+    for layer in stack.layers:
+        if residual is None:
+            residual, x = x, layer.input_layernorm(x)
+        else:
+            x, residual = layer.input_layernorm(x, residual)
+        x = layer.self_attn(x, cos, sin, positions, kv_cache)
+        x, residual = layer.post_attention_layernorm(x, residual)
+        x = layer.mlp(x)
+    # the last add stays outside the norm: hooks on model.norm (EAGLE's feature capture,
+    # labkit.spec) read the final hidden state as its input
+    return stack.norm(x + residual)
+
+
+def fuse_add_norm(model: nn.Module) -> bool:
+    """Route the decoder stack through :func:`_fused_stack` (in place). False when it already
+    is, or the stack is not labkit's (a stand-in without ``input_layernorm``)."""
+    stack = model.model
+    if "forward" in vars(stack) or not all(hasattr(la, "post_attention_layernorm")
+                                           for la in stack.layers):
+        return False
+    stack.forward = types.MethodType(_fused_stack, stack)
+    return True
+
+
+def _rope_lookup(self: nn.Module, positions: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    return self.rope_cos[positions].to(dtype), self.rope_sin[positions].to(dtype)
+
+
+@torch.no_grad()
+def use_rope_table(model: nn.Module) -> bool:
+    """Precompute cos/sin for positions ``0 .. max_position_embeddings - 1`` (non-persistent
+    buffers: they follow ``model.to`` and stay out of the state dict) and make
+    ``model.rope`` a lookup. The forward already refuses a position past the table. False when
+    the model already has one."""
+    from labkit.model.llama import rope_cos_sin
+
+    if "rope" in vars(model):
+        return False
+    c = model.config
+    pos = torch.arange(c.max_position_embeddings, device=model.device)
+    cos, sin = rope_cos_sin(pos, c.head_dim, c.rope_theta, model.dtype)
+    model.register_buffer("rope_cos", cos, persistent=False)
+    model.register_buffer("rope_sin", sin, persistent=False)
+    model.rope = types.MethodType(_rope_lookup, model)
+    return True
+
+
+def fuse_model(model: nn.Module) -> dict[str, Any]:
+    """All three cures, in place: q|k|v and gate|up (where the layers are plain linears), the
+    residual add in the norms, the rotary table. Returns what was applied (a second call
+    applies nothing)."""
+    return {"projections": fuse_projections(model), "add_norm": fuse_add_norm(model),
+            "rope_table": use_rope_table(model)}

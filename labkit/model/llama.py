@@ -37,18 +37,27 @@ class KVCache(Protocol):
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32 as Llama does (low precision loses the mean)."""
+    """x / rms(x) * weight, computed in float32 as Llama does (low precision loses the mean).
+
+    With ``residual`` it is vLLM's fused add + norm: returns ``(norm(x + residual), x +
+    residual)``, the residual add that precedes every norm in a decoder done in the same call
+    (one pass over the hidden state when a kernel runs it, ``kernels/rms_norm.py``;
+    :mod:`labkit.model.fuse` routes the layers through it)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = residual = x + residual  # rounded to the model dtype: it is the residual stream
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.weight * h.to(dtype)
+        return y if residual is None else (y, residual)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
@@ -113,8 +122,10 @@ class Attention(nn.Module):
         """The one place q, k, v are projected: a fused-qkv transform replaces only this."""
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                positions: torch.Tensor, kv_cache: KVCache | None) -> torch.Tensor:
+    def qkv_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Everything before the KV cache: project, split into heads, (q/k norm), rotate.
+        A piecewise-compiled forward (:mod:`labkit.engine.piecewise`) compiles this part."""
         B, T, _ = x.shape
         q, k, v = self.project_qkv(x)
         q = q.view(B, T, self.num_heads, self.head_dim)
@@ -122,7 +133,12 @@ class Attention(nn.Module):
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                positions: torch.Tensor, kv_cache: KVCache | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv_rope(x, cos, sin)
         if kv_cache is None:
             out = causal_attention(q, k, v, self.sliding_window)
         else:
@@ -175,6 +191,14 @@ class LlamaModel(nn.Module):
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                positions: torch.Tensor, kv_cache: KVCache | None) -> torch.Tensor:
+        """The decoder stack and the final norm over embedded tokens ``x`` [B,T,H] (the fused
+        transform, :func:`labkit.model.fuse.fuse_add_norm`, replaces this loop only)."""
+        for layer in self.layers:
+            x = layer(x, cos, sin, positions, kv_cache)
+        return self.norm(x)
+
 
 class LlamaForCausalLM(nn.Module):
     """The whole model. ``forward`` returns logits; see the module docstring for the cache."""
@@ -203,6 +227,12 @@ class LlamaForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The one place the rotary cos/sin of a step are made (recomputed from the positions);
+        :func:`labkit.model.fuse.use_rope_table` replaces it by a lookup in a table."""
+        return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None,
                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
@@ -221,10 +251,8 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"position {int(positions.max())} is beyond the model's context of "
                              f"{self.config.max_position_embeddings} tokens")
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, positions, kv_cache)
-        x = self.model.norm(x)
+        cos, sin = self.rope(positions, x.dtype)
+        x = self.model(x, cos, sin, positions, kv_cache)
         if logits_indices is not None:
             x = x.reshape(B * T, -1)[logits_indices]
         return self.lm_head(x)

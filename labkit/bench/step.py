@@ -1,0 +1,255 @@
+"""``labkit bench step``: where a decode step's time goes, and what each cure buys, in one run.
+
+Side by side, in interleaved rounds (every round runs every variant once, alternating order, so
+a slow phase of the machine hits all of them), at decode batch 1, 8 and 32:
+
+=================  ==========================================================================
+eager              the engine as it ships
+fused              ``LLM(fused=True)``: q|k|v, gate|up, residual add in the norm, rotary table
+compiled           ``LLM(compile=True)``: inductor, piecewise around attention
+fused+compiled     both
+=================  ==========================================================================
+
+Each variant reports decode tokens/s (sequences / mean decode-step wall time), its ratio to
+eager at the same batch, and the step profiler's phases (:mod:`labkit.engine.profiler`, phases
+only: per-module hooks would cost the eager variants time the compiled pieces never pay) in
+ms per step. Every variant's greedy tokens must equal eager's (``outputs_match``). The compiled
+variants compile exactly the decode sizes measured (``compile_sizes`` = the batches; prefill
+runs eager); their compile seconds are in ``compile``. Beside them:
+
+* **llama.cpp** f32 on the same model exported to GGUF, batch 1, the same thread count (its
+  own process, :mod:`labkit.bench.llamacpp`), or "llama.cpp: not installed".
+* **start-up**: a fresh interpreter's time to its first generated token through ``labkit.LLM``
+  against a fresh interpreter that only runs ``import torch``.
+
+Numbers are the machine's: the JSON keeps the load average at the start (a busy machine's
+ratios are not the lab's), and nothing here is asserted in a test but the shape of the result.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from labkit.bench.common import (
+    bench_parser,
+    environment,
+    greedy_params,
+    print_table,
+    torch_threads,
+    write_results,
+)
+from labkit.engine.profiler import PHASES, StepProfiler
+
+VARIANTS = {"eager": {}, "fused": {"fused": True}, "compiled": {"compile": True},
+            "fused+compiled": {"fused": True, "compile": True}}
+FULL = {"batches": [1, 8, 32], "prompt_len": 16, "new_tokens": 64, "rounds": 5,
+        "startup_repeats": 3}
+QUICK = {"batches": [2], "prompt_len": 8, "new_tokens": 8, "rounds": 2, "startup_repeats": 1}
+
+
+def _prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
+    """Distinct seeded prompts (no prefix-cache hits between sequences)."""
+    g = torch.Generator().manual_seed(batch)
+    return torch.randint(1, vocab, (batch, prompt_len), generator=g).tolist()
+
+
+def _engines(model: str, batches: list[int]) -> dict[str, Any]:
+    from labkit.engine.llm import LLM
+
+    return {name: LLM(model, dtype="float32", max_num_seqs=max(batches),
+                      compile_sizes=tuple(batches), **kw)
+            for name, kw in VARIANTS.items()}
+
+
+def _run(llm: Any, prompts: list[list[int]], new_tokens: int) -> tuple[dict, list]:
+    """One measured generate: the profiler's summary (prefill step left out) and the tokens."""
+    prof = StepProfiler(layers=False).attach(llm.llm_engine)
+    try:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=greedy_params(new_tokens))
+    finally:
+        prof.detach()
+    return prof.summary(skip=1), [o.outputs[0].token_ids for o in outs]
+
+
+def _row(name: str, batch: int, runs: list[dict]) -> dict[str, Any]:
+    """The median round (by step time) of one variant at one batch."""
+    s = sorted(runs, key=lambda r: r["mean_step_ms"])[len(runs) // 2]
+    n = max(1, s["num_steps"])
+    return {"variant": name, "batch": batch,
+            "decode_tok_s": 1e3 * batch / s["mean_step_ms"],
+            "step_ms": s["mean_step_ms"], "cpu_step_ms": 1e3 * s["cpu_s"] / n,
+            "phases_ms": {p: 1e3 * s["phases_s"][p] / n for p in PHASES},
+            "share": dict(s["share"]), "rounds": len(runs),
+            "step_ms_rounds": [r["mean_step_ms"] for r in runs]}
+
+
+def measure(engines: dict[str, Any], cfg: dict[str, Any], vocab: int
+            ) -> tuple[list[dict], list[str]]:
+    """Rows per (variant, batch) and a list of the variants whose tokens differ from eager's."""
+    rows, mismatches = [], []
+    names = list(engines)
+    bar = tqdm(total=len(cfg["batches"]) * (cfg["rounds"] + 1), desc="bench step")
+    for batch in cfg["batches"]:
+        prompts = _prompts(batch, cfg["prompt_len"], vocab)
+        tokens = {}
+        for n in names:  # warm-up: compiles the compiled variants' decode size
+            tokens[n] = _run(engines[n], prompts, cfg["new_tokens"])[1]
+        bar.update(1)
+        mismatches += [f"{n} at batch {batch}" for n in names if tokens[n] != tokens["eager"]]
+        runs: dict[str, list[dict]] = {n: [] for n in names}
+        for r in range(cfg["rounds"]):
+            for n in names if r % 2 == 0 else names[::-1]:
+                runs[n].append(_run(engines[n], prompts, cfg["new_tokens"])[0])
+            bar.update(1)
+        rows += [_row(n, batch, runs[n]) for n in names]
+    bar.close()
+    return rows, mismatches
+
+
+def ratios(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """decode tokens/s of each variant over eager's, per batch."""
+    eager = {r["batch"]: r["decode_tok_s"] for r in rows if r["variant"] == "eager"}
+    out: dict[str, dict[str, float]] = {}
+    for r in rows:
+        if r["variant"] != "eager":
+            out.setdefault(f"batch {r['batch']}", {})[r["variant"]] = \
+                r["decode_tok_s"] / eager[r["batch"]]
+    return out
+
+
+def llamacpp_decode(llm: Any, cfg: dict[str, Any], threads: int, workdir: Path
+                    ) -> dict[str, Any]:
+    """llama.cpp f32 on the model exported to GGUF: decode tokens/s and TTFT at batch 1."""
+    from labkit.bench.llamacpp import cpu_has_amx, find_llamacpp_python, run_llamacpp
+
+    python = find_llamacpp_python()
+    if python is None:
+        return {"note": "llama.cpp: not installed"}
+    from labkit.quant.gguf_export import export_gguf
+
+    f = workdir / "model-f32.gguf"
+    export_gguf(llm.model, f, type="f32", tokenizer=llm.tokenizer, progress=False)
+    prompt = _prompts(1, cfg["prompt_len"], llm.model.config.vocab_size)[0]
+    req = {"model": str(f), "threads": threads, "n_ctx": 512, "extra_bufts": not cpu_has_amx(),
+           "tasks": [{"kind": "speed", "prompt": prompt, "new_tokens": cfg["new_tokens"],
+                      "repeats": cfg["rounds"]}]}
+    s = run_llamacpp(req, python)["results"][0]
+    return {"format": "f32 gguf", "batch": 1, "threads": threads,
+            "decode_tok_s": statistics.median(s["decode_tok_s"]),
+            "ttft_ms": 1e3 * statistics.median(s["ttft_s"])}
+
+
+def startup(model: str, threads: int, repeats: int) -> dict[str, Any]:
+    """Wall seconds from spawning a fresh interpreter to (a) ``import torch`` done and (b) the
+    first token of ``labkit.LLM(model).generate``; medians over ``repeats``."""
+    first = (f"import torch; torch.set_num_threads({threads}); import labkit; "
+             f"llm = labkit.LLM({model!r}, dtype='float32'); "
+             "llm.generate(prompt_token_ids=[[1, 2, 3, 4]], sampling_params="
+             "labkit.SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))")
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+
+    def spawn(code: str) -> float:
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", code], check=True, env=env,
+                       stdout=subprocess.DEVNULL)
+        return time.perf_counter() - t0
+
+    bare = statistics.median(spawn("import torch") for _ in range(repeats))
+    ttft = statistics.median(spawn(first) for _ in range(repeats))
+    return {"import_torch_s": bare, "first_token_s": ttft, "first_token_over_import": ttft / bare,
+            "repeats": repeats}
+
+
+def run(model: str, cfg: dict[str, Any], threads: int) -> dict[str, Any]:
+    load_at_start = [round(x, 2) for x in os.getloadavg()]
+    with torch_threads(threads):
+        engines = _engines(model, cfg["batches"])
+        vocab = engines["eager"].model.config.vocab_size
+        rows, mismatches = measure(engines, cfg, vocab)
+        with tempfile.TemporaryDirectory(prefix="labkit-step-") as d:
+            llama = llamacpp_decode(engines["eager"], cfg, threads, Path(d))
+    compiled = {n: _compile_record(engines[n].compile_report) for n in engines
+                if engines[n].compile_report is not None}
+    return {"config": {**cfg, "model": model, "threads": threads, "variants": list(VARIANTS)},
+            "loadavg_at_start": load_at_start, "rows": rows, "ratios": ratios(rows),
+            "outputs_match": not mismatches, "mismatches": mismatches, "compile": compiled,
+            "llama_cpp": llama, "startup": startup(model, threads, cfg["startup_repeats"]),
+            "environment": environment()}
+
+
+def _compile_record(rep: Any) -> dict[str, Any]:
+    return {"compiled": rep.compiled, "reason": rep.reason, "backend": rep.backend,
+            "compile_s": {str(k): v for k, v in rep.compile_s.items()},
+            "total_s": rep.total_s, "eager_forwards": rep.eager_forwards}
+
+
+def write_chart(payload: dict[str, Any], path: Path) -> None:
+    """Decode tokens/s per batch and variant, and each (variant, batch)'s ms per step stacked
+    by phase."""
+    from plotly.subplots import make_subplots
+
+    rows = payload["rows"]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("decode tokens/s",
+                                                        "ms per decode step, by phase"))
+    for v in payload["config"]["variants"]:
+        mine = [r for r in rows if r["variant"] == v]
+        fig.add_bar(x=[f"batch {r['batch']}" for r in mine], y=[r["decode_tok_s"] for r in mine],
+                    name=v, offsetgroup=v, row=1, col=1)  # own offset group: side by side
+    labels = [f"{r['variant']}<br>batch {r['batch']}" for r in rows]
+    for p in PHASES:  # one offset group: the phases stack
+        fig.add_bar(x=labels, y=[r["phases_ms"][p] for r in rows], name=p, row=1, col=2,
+                    offsetgroup="phases", legendgroup="phases")
+    fig.update_layout(barmode="relative", title=f"where a step's time goes: "
+                      f"{payload['config']['model']}, {payload['config']['threads']} threads",
+                      height=560, width=1500)
+    fig.update_xaxes(type="category")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.write_html(str(path), include_plotlyjs="directory")
+
+
+def report(payload: dict[str, Any]) -> None:
+    print_table([{"variant": r["variant"], "batch": r["batch"], "tok/s": r["decode_tok_s"],
+                  "ms/step": r["step_ms"], **{p: r["phases_ms"][p] for p in PHASES}}
+                 for r in payload["rows"]])
+    for b, rs in payload["ratios"].items():
+        print(f"{b}: " + ", ".join(f"{v} {x:.2f}x eager" for v, x in rs.items()))
+    for n, c in payload["compile"].items():
+        print(f"{n}: " + (f"compiled {sorted(c['compile_s'])} in {c['total_s']:.1f} s"
+                          if c["compiled"] else f"not compiled ({c['reason']})"))
+    print("outputs match eager: " + ("yes" if payload["outputs_match"] else
+                                     f"NO ({', '.join(payload['mismatches'])})"))
+    ll = payload["llama_cpp"]
+    print(ll.get("note") or f"llama.cpp f32 batch 1: {ll['decode_tok_s']:.1f} tok/s")
+    s = payload["startup"]
+    print(f"start-up: first token {s['first_token_s']:.2f} s from a fresh process, "
+          f"{s['first_token_over_import']:.1f}x a bare import torch ({s['import_torch_s']:.2f} s)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = bench_parser("step", __doc__.splitlines()[0])
+    p.add_argument("--model", default="labkit-tiny")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads, and llama.cpp's (default 1: on a shared machine a "
+                   "second thread spin-waits on the first and the compiled kernels' OpenMP "
+                   "regions suffer most)")
+    a = p.parse_args(argv)
+    if a.threads < 1:
+        p.error("--threads must be >= 1")
+    payload = run(a.model, QUICK if a.quick else FULL, a.threads)
+    report(payload)
+    write_results(a.json, payload, write_chart)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

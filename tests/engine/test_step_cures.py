@@ -1,0 +1,182 @@
+"""``LLM(fused=True)`` and ``LLM(compile=True)`` (issue 31's cures of a step's overhead): the
+same greedy tokens as ``labkit.model.generate`` and the plain engine, several prompts at once
+with chunked prefill; a compile that cannot run says why instead of failing or hiding it."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import labkit
+from labkit.engine import piecewise
+from labkit.errors import EngineConfigError
+from labkit.model import testing
+from labkit.model.fuse import fuse_model, is_fused
+from labkit.model.generate import generate
+from labkit.model.llama import rope_cos_sin
+
+SP = labkit.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+           architecture="MixtralForCausalLM")
+CHUNKED = dict(block_size=4, max_num_batched_tokens=8)  # prompts > 8 tokens prefill in chunks
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 13, 1, 9)]
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_fused_model_is_the_same_function_bit_for_bit():
+    model = testing.tiny_model(seed=4)
+    ref = copy.deepcopy(model)
+    applied = fuse_model(model)
+    assert applied == {"projections": 4, "add_norm": True, "rope_table": True}
+    assert fuse_model(model) == {"projections": 0, "add_norm": False, "rope_table": False}
+    assert is_fused(model) and list(model.state_dict()) == list(ref.state_dict())
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(0))
+    seen = {}  # a hook on the final norm (EAGLE's feature capture) sees the hidden state
+    for name, m in (("ref", ref), ("fused", model)):
+        m.model.norm.register_forward_hook(lambda _m, a, _o, n=name: seen.setdefault(n, a[0]))
+    with torch.no_grad():
+        got, want = model(ids), ref(ids)
+    # the same additions in the same order and the same norm arithmetic: exactly equal
+    assert torch.equal(got, want) and torch.equal(seen["fused"], seen["ref"])
+    pos = torch.tensor([[0, 7, 255]])
+    for a, b in zip(model.rope(pos, torch.float32), rope_cos_sin(pos, 16, 10000.0,
+                                                                 torch.float32)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="beyond the model's context"):
+        model(torch.tensor([[1]]), torch.tensor([[256]]))
+
+
+def test_fused_engine_equals_generate_and_the_plain_engine():
+    model = testing.tiny_model(seed=5)
+    prompts = _prompts()
+    want = [generate(model, p, 10, ignore_eos=True) for p in prompts]
+    plain = labkit.LLM.from_model(copy.deepcopy(model), None, **CHUNKED)
+    fused = labkit.LLM.from_model(model, None, fused=True, **CHUNKED)
+    assert is_fused(fused.model) and fused.compile_report is None
+    assert _tokens(plain.generate(prompt_token_ids=prompts, sampling_params=SP)) == want
+    assert _tokens(fused.generate(prompt_token_ids=prompts, sampling_params=SP)) == want
+    # the fused model object itself still runs labkit.model.generate, with the same tokens
+    assert [generate(model, p, 10, ignore_eos=True) for p in prompts] == want
+
+
+def test_fused_moe_skips_its_experts_and_keeps_its_tokens():
+    model = testing.tiny_model(seed=6, **MOE)
+    prompts = _prompts()[:2]
+    want = [generate(model, p, 10, ignore_eos=True) for p in prompts]
+    llm = labkit.LLM.from_model(model, None, fused=True, **CHUNKED)
+    # q|k|v fused in both layers, no dense gate|up to fuse; the norms and rope apply as usual
+    assert not hasattr(model.model.layers[0].mlp, "gate_up_proj")
+    assert hasattr(model.model.layers[0].self_attn, "qkv_proj")
+    assert "forward" in vars(model.model) and "rope" in vars(model)
+    assert _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=SP)) == want
+
+
+def test_cures_refuse_tensor_parallel_and_compile_refuses_lora():
+    with pytest.raises(EngineConfigError, match="tensor-parallel"):
+        labkit.LLM.from_model(testing.tiny_model(), None, fused=True, tensor_parallel_size=2)
+    with pytest.raises(EngineConfigError, match="enable_lora"):
+        labkit.LLM.from_model(testing.tiny_model(), None, compile=True, enable_lora=True)
+
+
+def test_without_a_compiler_compile_names_the_reason_and_runs_eager(monkeypatch):
+    monkeypatch.setattr(piecewise, "cxx_compiler", lambda: None)
+    model = testing.tiny_model(seed=7)
+    prompts = _prompts()[:2]
+    want = [generate(model, p, 10, ignore_eos=True) for p in prompts]
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
+        llm = labkit.LLM.from_model(model, None, compile=True, **CHUNKED)
+    rep = llm.compile_report
+    assert not rep.compiled and "C++ compiler" in rep.reason and "not compiled" in str(rep)
+    assert "forward" not in vars(model)  # nothing installed: the model's own forward runs
+    assert _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=SP)) == want
+
+
+def test_a_first_compile_that_fails_falls_back_with_its_error_named():
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("no kernels today")
+
+    model = testing.tiny_model(seed=8)
+    prompts = _prompts()[:2]
+    want = [generate(model, p, 10, ignore_eos=True) for p in prompts]
+    rep = piecewise.compile_model(model, capture_sizes=(8,), backend=broken_backend)
+    assert rep.compiled and rep.reason is None
+    llm = labkit.LLM.from_model(model, None, **CHUNKED)
+    with pytest.warns(RuntimeWarning, match="first compile failed"):
+        got = _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=SP))
+    assert got == want
+    assert not rep.compiled and "no kernels today" in rep.reason and rep.compile_s == {}
+
+
+def test_moe_models_are_not_compiled_and_say_why():
+    model = testing.tiny_model(**MOE)
+    with pytest.warns(RuntimeWarning, match="mixture-of-experts"):
+        rep = piecewise.compile_model(model)
+    assert not rep.compiled and "mixture-of-experts" in rep.reason
+
+
+def test_bad_capture_sizes_are_refused():
+    with pytest.raises(ValueError, match="capture sizes"):
+        piecewise.compile_model(testing.tiny_model(), capture_sizes=(0, 4))
+
+
+@pytest.mark.slow
+def test_compiled_fused_engine_equals_generate_with_padding_and_eager_steps():
+    """One capture size (4): decode steps of 1 to 4 sequences are padded up to it, prefill
+    chunks of 8 tokens run eager; greedy tokens equal generate's either way. (~30 s: inductor
+    builds one size's two graphs with the machine's C++ compiler.)"""
+    if piecewise.cxx_compiler() is None:
+        pytest.skip("no C++ compiler: the fallback test above covers this machine")
+    model = testing.tiny_model(seed=9)
+    prompts = _prompts()
+    want = [generate(model, p, 10, ignore_eos=True) for p in prompts]
+    graphs = counters["stats"]["unique_graphs"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback may happen here
+        # the step profiler's module hooks come and go every step: no graph may depend on them
+        llm = labkit.LLM.from_model(model, None, fused=True, compile=True, compile_sizes=(4,),
+                                    profile=True, **CHUNKED)
+        got = _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=SP))
+        again = _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=SP))
+    rep = llm.compile_report
+    assert rep.compiled and rep.reason is None, rep
+    assert list(rep.compile_s) == [4] and rep.compile_s[4] > 0
+    assert rep.eager_forwards > 0  # the 8-token prefill chunks
+    assert got == again == want
+    # one pre- and one post-attention graph serve every layer and every step: no recompiles
+    assert counters["stats"]["unique_graphs"] - graphs == 2
+    assert llm.profiler.summary()["phases_s"]["forward"] > 0
+    # the compiled model object also runs labkit.model.generate (its contiguous cache)
+    assert [generate(model, p, 10, ignore_eos=True) for p in prompts] == want
+
+
+def test_fused_norms_run_the_triton_kernel_with_the_triton_backend(monkeypatch):
+    """``attention_backend="triton"`` (the interpreter on a CPU): the add + norm is
+    kernels/rms_norm.py's kernel, with generate's greedy tokens; the torch backend on the same
+    model object puts the PyTorch norms back."""
+    model = testing.tiny_model(seed=10)
+    prompts = _prompts()[:2]
+    want = [generate(model, p, 6, ignore_eos=True) for p in prompts]
+    sp = labkit.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    calls = []
+    from labkit.kernels import rms_norm as kernel_module
+
+    real = kernel_module.rms_norm
+    monkeypatch.setattr(kernel_module, "rms_norm",
+                        lambda *a: calls.append(a[3] is not None) or real(*a))
+    llm = labkit.LLM.from_model(model, None, fused=True, attention_backend="triton", **CHUNKED)
+    assert _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=sp)) == want
+    # per forward: layer 0's input norm alone, the 3 other layer norms with a residual, the final
+    assert calls and calls[:5] == [False, True, True, True, False]
+    labkit.LLM.from_model(model, None, fused=True, **CHUNKED)
+    assert "forward" not in vars(model.model.norm)
