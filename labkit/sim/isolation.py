@@ -78,35 +78,13 @@ def _collect(engine: Any, tenant: str) -> list[dict[str, Any]]:
             for t in engine.request_timings()]
 
 
-def run_partitioned(model: str, tenants: list[Tenant], slices: list[GPUPreset],
-                    scale: int = 4) -> tuple[list[dict], list[float]]:
-    """Each tenant alone on its own instance: the runs are independent by construction."""
-    rows, busy = [], []
-    for tenant, gpu in zip(tenants, slices):
-        eng = _engine(model, gpu, _kv_bytes(model, gpu), scale)
-        vocab = eng.vocab_size
-        for i, s in enumerate(tenant.specs):
-            add_coarse_request(eng, f"{tenant.name}{i}", s, s.arrival_time,
-                               s.prompt_token_ids(vocab))
-        while eng.has_unfinished_requests():
-            eng.step()
-        rows += _collect(eng, tenant.name)
-        busy.append(eng.executor.busy_s)
-    return rows, busy
-
-
-def _arrivals(tenants: list[Tenant]) -> list[tuple[float, int, int]]:
-    return sorted((s.arrival_time, k, i) for k, t in enumerate(tenants)
-                  for i, s in enumerate(t.specs))
-
-
-def run_time_sliced(model: str, tenants: list[Tenant], gpu: GPUPreset,
-                    scale: int = 4) -> tuple[list[dict], float]:
-    """Both tenants' engines on the whole GPU, one step at a time, taking turns when both have
-    work; each engine holds half the KV memory."""
-    engines = [_engine(model, gpu, _kv_bytes(model, gpu, 1 / len(tenants)), scale)
-               for _ in tenants]
-    state = {"free": 0.0, "turn": 0, "busy": 0.0}
+def _replay(engines: list[Any], tenants: list[Tenant], shared: bool) -> float:
+    """Replay both tenants' arrivals in time order, each on its engine, as the fleet does (step
+    every engine up to an arrival, then add it). ``shared``: the engines are processes on one
+    GPU, which runs one step at a time, taking turns when both have work. Returns the seconds
+    of GPU work (summed over GPUs when not shared)."""
+    free = [0.0] * (1 if shared else len(engines))  # when each GPU is next free
+    state = {"turn": 0, "busy": 0.0}
 
     def advance(until: float) -> None:
         while True:
@@ -114,25 +92,49 @@ def run_time_sliced(model: str, tenants: list[Tenant], gpu: GPUPreset,
             if not ready:
                 return
             k = next((j for j in ready if j >= state["turn"]), ready[0])  # round-robin
-            e = engines[k]
-            start = max(state["free"], e.clock.now())
+            if not shared:  # independent GPUs: the one that is furthest behind goes next
+                k = min(ready, key=lambda j: max(free[j], engines[j].clock.now()))
+            e, g = engines[k], 0 if shared else k
+            start = max(free[g], e.clock.now())
             if start >= until:
                 return
             e.clock.advance_to(start)
             e.step()
             state["busy"] += e.clock.now() - start
-            state["free"], state["turn"] = e.clock.now(), (k + 1) % len(engines)
+            free[g], state["turn"] = e.clock.now(), (k + 1) % len(engines)
 
     for t, k, i in _arrivals(tenants):
         advance(t)
-        s = tenants[k].specs[i]
-        eng = engines[k]
-        if eng.clock.now() < t and not eng.has_unfinished_requests():
-            eng.clock.advance_to(t)
+        s, eng = tenants[k].specs[i], engines[k]
+        if not eng.has_unfinished_requests():
+            eng.clock.advance_to(t)  # idle until this arrival
         add_coarse_request(eng, f"{tenants[k].name}{i}", s, t, s.prompt_token_ids(eng.vocab_size))
     advance(math.inf)
+    return state["busy"]
+
+
+def _arrivals(tenants: list[Tenant]) -> list[tuple[float, int, int]]:
+    return sorted((s.arrival_time, k, i) for k, t in enumerate(tenants)
+                  for i, s in enumerate(t.specs))
+
+
+def run_partitioned(model: str, tenants: list[Tenant], slices: list[GPUPreset],
+                    scale: int = 4) -> tuple[list[dict], list[float]]:
+    """Each tenant alone on its own instance (MIG): nothing one does reaches the other."""
+    engines = [_engine(model, g, _kv_bytes(model, g), scale) for g in slices]
+    _replay(engines, tenants, shared=False)
     rows = [r for e, tn in zip(engines, tenants) for r in _collect(e, tn.name)]
-    return rows, state["busy"]
+    return rows, [e.executor.busy_s for e in engines]
+
+
+def run_time_sliced(model: str, tenants: list[Tenant], gpu: GPUPreset,
+                    scale: int = 4) -> tuple[list[dict], float]:
+    """Both tenants' engines on the whole GPU, one step at a time, taking turns when both have
+    work; each engine holds an equal share of the KV memory."""
+    engines = [_engine(model, gpu, _kv_bytes(model, gpu, 1 / len(tenants)), scale)
+               for _ in tenants]
+    busy = _replay(engines, tenants, shared=True)
+    return [r for e, tn in zip(engines, tenants) for r in _collect(e, tn.name)], busy
 
 
 def p99_ms(rows: list[dict], tenant: str) -> float:
