@@ -15,6 +15,7 @@ EXPERIMENTS = {  # name -> module with main(argv)
     "length-routing": "labkit.bench.ops_length",
     "cold-start": "labkit.bench.ops_coldstart",
     "isolation": "labkit.bench.ops_isolation",
+    "noisy-neighbour": "labkit.bench.ops_noisy",
 }
 
 

@@ -22,9 +22,20 @@ async def _two_tenants(url: str, light: list, heavy: list, rate: float, k: float
                  extra={"ignore_eos": True}))
 
 
+def policy_args(policy: str, cfg: dict[str, Any]) -> list[str]:
+    """The server flags of each way of sharing: ``fcfs``, ``fair`` (weighted fair queueing), or
+    ``quota`` (fcfs with a per-tenant cap of half the batch: labkit.sched.quota)."""
+    if policy == "quota":
+        cap = max(1, cfg["fair_max_num_seqs"] // 2)
+        return ["--policy", "fcfs", "--tenant-max-running", str(cap)]
+    return ["--policy", policy]
+
+
 def fairness(model_path: str, cfg: dict[str, Any], bar: Any,
-             engine_args: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Light tenant p99 TTFT alone and beside a 10x heavy tenant, under fcfs and fair.
+             engine_args: tuple[str, ...] = (),
+             policies: tuple[str, ...] = ("fcfs", "fair")) -> dict[str, Any]:
+    """Light tenant p99 TTFT alone and beside a 10x heavy tenant, under each of ``policies``
+    (the first calibrates the rate; :func:`policy_args` says what each is).
 
     The rates are calibrated, not fixed: a fixed heavy rate overloads a slow machine and
     idles a fast one (then fcfs shows no starvation, as nothing queues). So the fcfs server
@@ -41,8 +52,8 @@ def fairness(model_path: str, cfg: dict[str, Any], bar: Any,
     probe = make_requests(8 * cfg["fair_max_num_seqs"], mt, api_key="k-heavy", offset=7)
     out: dict[str, Any] = {}
     rate = 0.0
-    for policy in ("fcfs", "fair"):
-        args = ["--policy", policy, "--max-num-seqs", str(cfg["fair_max_num_seqs"]),
+    for policy in policies:
+        args = [*policy_args(policy, cfg), "--max-num-seqs", str(cfg["fair_max_num_seqs"]),
                 "--num-blocks", "512", "--dtype", "float32", "--api-key", "k-light:light",
                 "--api-key", "k-heavy:heavy", *engine_args]
         with ServerProcess(model_path, args) as srv:
@@ -56,7 +67,7 @@ def fairness(model_path: str, cfg: dict[str, Any], bar: Any,
             # the heavy one's, a head start for the heavy tenant that is not the steady state
             mixed, d_mixed, hv, d_hv, check, rate = _saturating_mix(srv.url, light, heavy,
                                                                     rate, cfg, bar, out,
-                                                                    policy == "fcfs")
+                                                                    policy == policies[0])
             solo, d_solo = _load(srv.url, "labkit-tiny", light, bar, rate=rate, seed=1)
         s_solo, s_mixed = summarize(solo, d_solo), summarize(mixed, d_mixed)
         s_heavy = summarize(hv, d_hv)
@@ -73,7 +84,7 @@ def fairness(model_path: str, cfg: dict[str, Any], bar: Any,
                                                  s_solo["p99_ttft_ms"])
     out["light_rate_req_s"], out["heavy_rate_req_s"] = rate, rate * k
     short = [f"{p}: {out[p]['saturation']['verdict'][len('inconclusive: '):]}"
-             for p in ("fcfs", "fair") if out[p]["saturation"]["verdict"] != "conclusive"]
+             for p in policies if out[p]["saturation"]["verdict"] != "conclusive"]
     out["verdict"] = "conclusive" if not short else "inconclusive: " + "; ".join(short)
     return out
 

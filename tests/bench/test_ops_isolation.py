@@ -32,3 +32,14 @@ def test_cpu_seconds_counts_this_process_work():
 
 def test_listed():
     assert any(line.startswith("isolation:") for line in describe())
+
+
+def test_noisy_neighbour_runs_fcfs_fair_and_a_quota_of_half_the_batch():
+    from labkit.bench.ops_noisy import POLICIES, QUICK
+    from labkit.bench.serve_fairness import policy_args
+
+    assert POLICIES == ("fcfs", "fair", "quota")
+    assert policy_args("quota", QUICK) == ["--policy", "fcfs", "--tenant-max-running",
+                                           str(QUICK["fair_max_num_seqs"] // 2)]
+    assert policy_args("fair", QUICK) == ["--policy", "fair"]
+    assert any(line.startswith("noisy-neighbour:") for line in describe())
