@@ -16,6 +16,7 @@ EXPERIMENTS = {  # name -> module with main(argv)
     "cold-start": "labkit.bench.ops_coldstart",
     "isolation": "labkit.bench.ops_isolation",
     "noisy-neighbour": "labkit.bench.ops_noisy",
+    "cpu-tuning": "labkit.bench.ops_cpu",
 }
 
 
