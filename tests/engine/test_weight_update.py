@@ -131,16 +131,17 @@ def test_bad_version_and_folder_are_refused(old_new, tmp_path):
 def test_update_from_a_hugging_face_folder(tmp_path):
     """A folder written by transformers' save_pretrained; the reference is a fresh model loaded
     from that folder."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from labkit.model.loader import load_model
 
-    cfg = transformers.LlamaConfig(**{**testing.TINY, "rms_norm_eps": 1e-6,
-                                      "tie_word_embeddings": False})
     for seed, name in ((0, "old"), (1, "new")):
-        torch.manual_seed(seed)
-        transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / name)
+        testing.tiny_llama_checkpoint(tmp_path / name, seed)
     old, new = load_model(tmp_path / "old"), load_model(tmp_path / "new")
     eng = _engine(old)
     _run(eng, "a", PROMPT)
     eng.update_weights(str(tmp_path / "new"), version="step-2")
     assert _run(eng, "b", PROMPT) == generate(new, PROMPT, N)
+    testing.tiny_llama_checkpoint(tmp_path / "wide", 2, hidden_size=32)
+    with pytest.raises(WeightUpdateError, match="has shape"):
+        eng.update_weights(str(tmp_path / "wide"), version="step-3")
+    assert _run(eng, "c", PROMPT) == generate(new, PROMPT, N)
