@@ -2,6 +2,7 @@
 
     labkit bench ops --list
     labkit bench ops length-routing --quick --json F
+    labkit bench ops hot-swap --quick --json F
 
 Each experiment is its own module with the usual ``--quick`` / ``--json`` flags; this one only
 lists them and hands the rest of the command line over.
@@ -13,6 +14,7 @@ import importlib
 
 EXPERIMENTS = {  # name -> module with main(argv)
     "length-routing": "labkit.bench.ops_length",
+    "hot-swap": "labkit.bench.ops_hot_swap",
 }
 
 
