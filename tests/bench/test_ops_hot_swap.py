@@ -31,4 +31,5 @@ def test_quick_run_writes_counts_and_chart(tmp_path):
 
 def test_listed():
     assert ops.EXPERIMENTS["hot-swap"] == ops_hot_swap.__name__
-    assert any(line.startswith("hot-swap: new weights into a serving replica") for line in ops.describe())
+    assert "hot-swap: new weights into a serving replica; lost requests, stale KV." \
+        in ops.describe()
