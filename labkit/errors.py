@@ -72,3 +72,10 @@ class KVConnectorError(RuntimeError):
     """A KV connector broke its contract with the scheduler (matched a partial block or more
     tokens than the prompt may skip, loaded into blocks that were not allocated for it): a bug
     in the connector, caught before any KV is read from the wrong place."""
+
+
+class WeightUpdateError(ValueError):
+    """A hot weight update cannot be applied: a tensor missing, unexpected or of another shape
+    than the running model's, a version string already used, or an executor that cannot swap
+    weights in place (tensor-parallel workers, LoRA, speculative decoding, the simulator).
+    Raised before any weight is touched, so the old weights keep serving."""

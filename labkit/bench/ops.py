@@ -2,6 +2,7 @@
 
     labkit bench ops --list
     labkit bench ops length-routing --quick --json F
+    labkit bench ops hot-swap --quick --json F
 
 Each experiment is its own module with the usual ``--quick`` / ``--json`` flags; this one only
 lists them and hands the rest of the command line over.
@@ -13,9 +14,10 @@ import importlib
 
 EXPERIMENTS = {  # name -> module with main(argv)
     "length-routing": "labkit.bench.ops_length",
-    "cold-start": "labkit.bench.ops_coldstart",
     "isolation": "labkit.bench.ops_isolation",
     "noisy-neighbour": "labkit.bench.ops_noisy",
+    "hot-swap": "labkit.bench.ops_hot_swap",
+    "cold-start": "labkit.bench.ops_coldstart",
     "cpu-tuning": "labkit.bench.ops_cpu",
 }
 

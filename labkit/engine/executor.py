@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from labkit.errors import EngineConfigError, LoRAError
+from labkit.errors import EngineConfigError, LoRAError, WeightUpdateError
 
 if TYPE_CHECKING:  # annotations only: this module stays light (labkit/__init__ imports it)
     from labkit.kv.block_manager import BlockOps
@@ -82,6 +82,14 @@ class Executor(ABC):
         """vLLM's ``remove_lora``: forget an adapter (its slot, its cached weights); False if
         it was not loaded. The caller makes sure no live request uses it."""
         raise LoRAError("this engine was built without LoRA: there is no adapter to remove")
+
+    def update_weights(self, state: dict[str, Any]) -> None:
+        """Check ``state`` (parameter name -> tensor) against the model and copy it in place,
+        between two steps (:mod:`labkit.engine.weight_update`); raise WeightUpdateError before
+        touching anything if it does not fit. Only the single-process model executor can."""
+        raise WeightUpdateError(f"the {type(self).__name__} cannot update weights in place "
+                                "(tensor-parallel workers, LoRA, speculative decoding and the "
+                                "simulator do not): restart the replica with the new weights")
 
     def stats(self) -> dict[str, Any]:
         """Counters of the executor's own, merged into ``LLMEngine.stats()`` (LoRA: slot

@@ -327,6 +327,17 @@ class LLMEngine:
                                   f"requests {ids} were aborted and freed, the others go on",
                                   ids) from exc
 
+    def update_weights(self, weights: Any, version: str,
+                       key_by_version: bool = True) -> dict[str, Any]:
+        """Swap in new weights (a state dict or a checkpoint folder) between two steps, as
+        weight ``version``: checked first (WeightUpdateError leaves the old ones serving),
+        requests in flight recomputed under the new weights, the prefix cache keyed by the
+        version (``key_by_version=False``: the stale-KV bug, for demonstrations only).
+        :mod:`labkit.engine.weight_update`."""
+        from labkit.engine.weight_update import update_engine_weights
+
+        return update_engine_weights(self, weights, version, key_by_version)
+
     # ---- introspection --------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, e.g. after the weights changed in place: the cache keys
@@ -348,7 +359,8 @@ class LLMEngine:
         s.update({"num_running": len(sched.running), "num_waiting": sched.num_waiting,
                   "num_pending": len(sched.pending), "num_swapped": len(sched.swapped),
                   "num_preemptions": sched.num_preemptions, "num_steps": self.num_steps,
-                  "num_requests": len(self.requests), "num_forgotten": self.num_forgotten})
+                  "num_requests": len(self.requests), "num_forgotten": self.num_forgotten,
+                  "weight_version": self.block_manager.weight_version})
         if self.kv_connector is not None:  # per tier: hits, loads, bytes, evictions
             s["kv_connector"] = self.kv_connector.stats()
         s.update(self.executor.stats())

@@ -193,6 +193,11 @@ class ModelExecutor(Executor):
     def kv_cache(self) -> PagedKVCache:
         return self.runner.kv_cache
 
+    def update_weights(self, state: dict[str, Any]) -> None:
+        from labkit.engine.weight_update import copy_weights
+
+        copy_weights(self.runner.model, state)
+
     def apply_block_ops(self, ops: BlockOps) -> None:
         kv = self.runner.kv_cache
         kv.swap_out(ops.swap_out)

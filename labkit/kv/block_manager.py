@@ -75,6 +75,16 @@ class BlockManager:
         self.pending_swap_in: list[tuple[int, int]] = []  # (cpu, gpu)
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        # a prefix-cache key part: the weights' version after a hot update (None before any);
+        # ``version_in_key=False`` only to show the stale-KV bug (labkit.engine.weight_update)
+        self.weight_version: str | None = None
+        self.version_in_key = True
+        self.used_weight_versions: set[str] = set()  # a version is used once
+
+    @property
+    def key_version(self) -> str | None:
+        """The weight version the prefix-cache keys carry (None: none, the original keys)."""
+        return self.weight_version if self.version_in_key else None
 
     @classmethod
     def from_config(cls, cache: CacheConfig) -> BlockManager:
@@ -121,7 +131,8 @@ class BlockManager:
             return [], []
         n = len(seq.token_ids) - 1
         hashes = hash_prompt_blocks(seq.token_ids[: n - n % self.block_size], self.block_size,
-                                    seq.cache_salt, lora_int_id=_lora_id(seq))
+                                    seq.cache_salt, lora_int_id=_lora_id(seq),
+                                    weight_version=self.key_version)
         blocks: list[int] = []
         for h in hashes:
             b = self.pool.lookup(h)
@@ -143,7 +154,7 @@ class BlockManager:
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_full):
             parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], seq.cache_salt,
-                                       _lora_id(seq))
+                                       _lora_id(seq), self.key_version)
             hashes.append(parent)
             self.pool.register(table[i], parent)
 

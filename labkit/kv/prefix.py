@@ -10,7 +10,10 @@ optional per-request ``cache_salt``: tenants with different salts never share ca
 one tenant cannot learn (by timing a prefix hit) what another tenant's prompt was. And the
 request's LoRA adapter (``lora_int_id``, vLLM keys by the adapter too): an adapter on q/k/v
 changes every K and V after the first layer, so the same tokens under two adapters (or an
-adapter and the base model) are different KV; the same adapter shares as usual.
+adapter and the base model) are different KV; the same adapter shares as usual. And the
+engine's weight version (``weight_version``, set by a hot update, :mod:`labkit.engine.
+weight_update`): the same tokens under new weights are different KV, so blocks computed before
+the swap never match a lookup after it (vLLM flushes the cache on a weight update instead).
 
 Why sha256 over a stable byte encoding and not Python's ``hash()``:
 - ``hash()`` of a tuple is 64-bit and not collision resistant. A collision here does not raise,
@@ -39,9 +42,11 @@ def hash_block_tokens(
     token_ids: Sequence[int],
     cache_salt: str | None = None,
     lora_int_id: int | None = None,
+    weight_version: str | None = None,
 ) -> BlockHash:
     """Key of one full block given its parent's key (None for the first block). Without an
-    adapter the bytes hashed are exactly the old ones (keys stay stable across versions)."""
+    adapter or a weight version the bytes hashed are exactly the old ones (keys stay stable
+    across labkit versions)."""
     h = hashlib.sha256()
     h.update(parent_hash if parent_hash is not None else _ROOT)
     h.update(struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids))
@@ -52,6 +57,9 @@ def hash_block_tokens(
         h.update(b"N")
     if lora_int_id is not None:
         h.update(b"L" + struct.pack("<q", lora_int_id))
+    if weight_version is not None:
+        v = weight_version.encode("utf-8")
+        h.update(b"W" + struct.pack("<I", len(v)) + v)
     return h.digest()
 
 
@@ -61,11 +69,13 @@ def hash_prompt_blocks(
     cache_salt: str | None = None,
     parent_hash: BlockHash | None = None,
     lora_int_id: int | None = None,
+    weight_version: str | None = None,
 ) -> list[BlockHash]:
     """Chained keys of every *full* block of ``token_ids`` (a partial tail block has no key)."""
     hashes: list[BlockHash] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         block = token_ids[start : start + block_size]
-        parent_hash = hash_block_tokens(parent_hash, block, cache_salt, lora_int_id)
+        parent_hash = hash_block_tokens(parent_hash, block, cache_salt, lora_int_id,
+                                        weight_version)
         hashes.append(parent_hash)
     return hashes

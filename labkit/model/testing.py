@@ -82,3 +82,22 @@ def tiny_moe_checkpoint(path, arch: str = "mixtral", seed: int = 0, **overrides)
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(Path(path) / "tokenizer.json"))
     return model, Path(path)
+
+
+def tiny_llama_checkpoint(path, seed: int = 0, **overrides) -> Path:
+    """Save a seeded random Llama of the tiny model's shape (``overrides`` change the config)
+    with transformers' ``save_pretrained`` into ``path``, plus a word-level ``tokenizer.json``
+    (tokens ``t0 .. t127``), so ``labkit serve`` and ``LLM(model=path)`` load it as a real
+    checkpoint (hot weight updates read such folders: two seeds are two versions)."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    cfg = transformers.LlamaConfig(**{**TINY, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                                      "eos_token_id": None, "bos_token_id": None, **overrides})
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(cfg.vocab_size)},
+                                     unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(Path(path) / "tokenizer.json"))
+    return Path(path)

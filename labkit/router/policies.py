@@ -322,6 +322,23 @@ class LengthAware:
         return self._tie.choose(key, pool or short or long_)
 
 
+def route_key(body: dict[str, Any]) -> RouteKey:
+    """The text a policy hashes: the prompt, or the chat messages' contents in order (the
+    system prompt first, which is what requests share); and the ``model`` the request names
+    (a LoRA adapter's name picks that adapter on a replica)."""
+    model = body.get("model") if isinstance(body.get("model"), str) else None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return RouteKey(token_ids=prompt, user=body.get("user"), model=model)
+    if isinstance(prompt, list):
+        prompt = prompt[0] if prompt and isinstance(prompt[0], str) else None
+    if prompt is None and isinstance(body.get("messages"), list):
+        prompt = "".join(str(m.get("content", "")) for m in body["messages"]
+                         if isinstance(m, dict))
+    return RouteKey(text=prompt if isinstance(prompt, str) else None, user=body.get("user"),
+                    model=model)
+
+
 POLICIES = {c.name: c for c in (RoundRobin, LeastOutstanding, PrefixAffinity, AdapterAffinity,
                                 LengthAware)}
 

@@ -40,27 +40,10 @@ from labkit.router.admin import router_error as _error
 from labkit.router.canary import Canary
 from labkit.router.failover import StreamResume, not_resumable
 from labkit.router.health import Backoff, HealthTracker
-from labkit.router.policies import RouteKey, get_policy
+from labkit.router.policies import get_policy, route_key
 from labkit.router.relay import Relay, RouterMetrics, Upstream
 
 __all__ = ["Upstream", "create_app", "main", "route_key"]
-
-
-def route_key(body: dict[str, Any]) -> RouteKey:
-    """The text a policy hashes: the prompt, or the chat messages' contents in order (the
-    system prompt first, which is what requests share); and the ``model`` the request names
-    (a LoRA adapter's name picks that adapter on a replica)."""
-    model = body.get("model") if isinstance(body.get("model"), str) else None
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return RouteKey(token_ids=prompt, user=body.get("user"), model=model)
-    if isinstance(prompt, list):
-        prompt = prompt[0] if prompt and isinstance(prompt[0], str) else None
-    if prompt is None and isinstance(body.get("messages"), list):
-        prompt = "".join(str(m.get("content", "")) for m in body["messages"]
-                         if isinstance(m, dict))
-    return RouteKey(text=prompt if isinstance(prompt, str) else None, user=body.get("user"),
-                    model=model)
 
 
 def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
@@ -227,7 +210,8 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
 
 def main(argv: list[str] | None = None) -> int:
     """``labkit router --replica URL --replica URL [--policy P] [--host H] [--port P]``;
-    with ``--prefill URL --decode URL`` the disaggregated proxy (:mod:`labkit.router.disagg`)."""
+    with ``--prefill URL --decode URL`` the disaggregated proxy (:mod:`labkit.router.disagg`);
+    with ``--gateway CONFIG.json`` the model gateway (:mod:`labkit.router.gateway`)."""
     import argparse
     import sys
 
@@ -235,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
         from labkit.router.disagg import main as pd_main
 
         return pd_main(argv)
+    if "--gateway" in (sys.argv[1:] if argv is None else argv):  # labkit.router.gateway
+        from labkit.router.gateway import main as gateway_main
+
+        return gateway_main(argv)
 
     import uvicorn
 

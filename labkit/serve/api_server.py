@@ -59,6 +59,7 @@ from labkit.serve.metrics import ServerMetrics
 from labkit.serve.model_card import assign_seed, model_card, seeder
 from labkit.serve.protocol import APIError, bad
 from labkit.serve.structured import add_error
+from labkit.serve.weight_routes import install_weight_routes
 from labkit.utils import freeze_gc_heap
 
 log = logging.getLogger("uvicorn.error")  # the server's log: uvicorn's handler and --log-level
@@ -369,6 +370,7 @@ def build_app(llm: AsyncLLM, tokenizer: Any, config: ServeConfig | None = None,
                                            *state.loras.cards(state.max_model_len)]}
 
     install_lora_routes(app, state.loras)
+    install_weight_routes(app, llm)  # /v1/admin/update_weights (hot weight swaps)
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,0 +1,35 @@
+"""``labkit bench ops hot-swap --quick``: labkit's versioned path loses no request and serves no
+stale KV; the unversioned key (the negative control) does serve stale KV. Counts only (the
+reference is a fresh model loaded with each folder's weights); pauses are not asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from labkit.bench import ops, ops_hot_swap
+
+pytest.importorskip("transformers")
+
+
+def test_quick_run_writes_counts_and_chart(tmp_path):
+    out = tmp_path / "hot_swap.json"
+    assert ops.main(["hot-swap", "--quick", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["benchmark"] == "ops hot-swap" and r["quick"] is True
+    assert r["lost_requests"] == 0 and r["invalid_results"] == 0
+    assert r["stale_kv_served"] == 0
+    assert r["unversioned_stale_kv_served"] > 0  # the bug shows when the version is left out
+    assert r["unversioned_lost_requests"] == 0
+    cfg = r["config"]
+    assert len(r["pause_ms"]) == cfg["rounds"] and all(p > 0 for p in r["pause_ms"])
+    assert all(row["num_recomputed"] >= 1 for row in r["rows"])  # the swap met live requests
+    assert len(r["environment"]["load_average_at_start"]) == 3
+    assert (tmp_path / "hot_swap.html").exists()
+
+
+def test_listed():
+    assert ops.EXPERIMENTS["hot-swap"] == ops_hot_swap.__name__
+    assert "hot-swap: new weights into a serving replica; lost requests, stale KV." \
+        in ops.describe()
