@@ -5,8 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from labkit.sim.isolation import (Tenant, compare, mig_instance, p99_ms, run_partitioned,
-                                  run_time_sliced)
+from labkit.sim.isolation import (
+    Tenant,
+    compare,
+    mig_instance,
+    p99_ms,
+    run_partitioned,
+    run_time_sliced,
+)
 from labkit.sim.presets import get_gpu
 from labkit.sim.workloads import RequestSpec
 
