@@ -19,6 +19,7 @@ EXPERIMENTS = {  # name -> module with main(argv)
     "hot-swap": "labkit.bench.ops_hot_swap",
     "cold-start": "labkit.bench.ops_coldstart",
     "cpu-tuning": "labkit.bench.ops_cpu",
+    "gateway": "labkit.bench.ops_gateway",
 }
 
 
