@@ -15,6 +15,11 @@ raises it with their ids; every other request is untouched and the engine keeps 
 from __future__ import annotations
 
 
+class ConfigError(ValueError):
+    """A config.json labkit cannot build a model from; the message names the field (raised by
+    :mod:`labkit.model.config` and the modules it reads config.json with)."""
+
+
 class SamplingParamsError(ValueError):
     """A SamplingParams field has the wrong type or range."""
 
