@@ -73,6 +73,21 @@ class MoEUnsupportedError(ValueError):
         self.architecture = architecture
 
 
+class MLAUnsupportedError(ValueError):
+    """A feature that addresses attention weights by the dense names (``q_proj``, ``k_proj``,
+    ``v_proj``) or caches per-head K/V was asked to run on a latent-attention model (MLA,
+    DeepSeek-V3: ``q_a_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj`` and a latent cache). Raised
+    instead of quantizing, sharding or exporting the wrong tensors."""
+
+    def __init__(self, feature: str, architecture: str) -> None:
+        super().__init__(
+            f"{feature} does not support latent attention (MLA) yet: this {architecture} "
+            f"projects K and V through a shared latent, not q_proj/k_proj/v_proj. Run the MLA "
+            f"model without {feature}.")
+        self.feature = feature
+        self.architecture = architecture
+
+
 class KVConnectorError(RuntimeError):
     """A KV connector broke its contract with the scheduler (matched a partial block or more
     tokens than the prompt may skip, loaded into blocks that were not allocated for it): a bug

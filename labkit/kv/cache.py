@@ -92,6 +92,18 @@ def _layer_shapes(n_blocks: int, block_size: int, num_kv_heads: int, head_dim: i
             else ((n_blocks, block_size, 1, w), (n_blocks, block_size, 1, 0)) for w in latent]
 
 
+def _latent_widths(kv_latent_dims: list[int | None] | None, num_layers: int,
+                   kv_cache_dtype: str) -> list[int | None]:
+    """One latent width (or None: per-head K/V) per layer, checked."""
+    latent = list(kv_latent_dims) if kv_latent_dims is not None else [None] * num_layers
+    if len(latent) != num_layers:
+        raise ValueError(f"{len(latent)} latent widths for {num_layers} layers")
+    if kv_cache_dtype in QUANT_KV and any(w is not None for w in latent):
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not implemented for latent "
+                         "attention (MLA) layers; use kv_cache_dtype='auto'")
+    return latent
+
+
 class PagedKVCache:
     """Per layer ``k_caches[i], v_caches[i]: [num_blocks, block_size, Hkv, D]``. With
     ``kv_cache_dtype="int8"`` (or ``"fp8"``) those hold int8 (e4m3) codes and ``k_scales[i],
@@ -111,12 +123,7 @@ class PagedKVCache:
         self.backend = backend or TorchBackend()
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         quant = kv_cache_dtype in QUANT_KV
-        latent = list(kv_latent_dims) if kv_latent_dims is not None else [None] * num_layers
-        if len(latent) != num_layers:
-            raise ValueError(f"{len(latent)} latent widths for {num_layers} layers")
-        if quant and any(w is not None for w in latent):
-            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not implemented for latent "
-                             "attention (MLA) layers; use kv_cache_dtype='auto'")
+        latent = _latent_widths(kv_latent_dims, num_layers, kv_cache_dtype)
         able = ("torch", "triton") if kv_cache_dtype == "int8" else ("torch",)
         if quant and self.backend.name not in able:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is implemented by the "

@@ -46,6 +46,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from labkit.errors import MLAUnsupportedError
 from labkit.model.config import ModelConfig
 from labkit.model.layers import register_attention
 from labkit.model.llama import RMSNorm, apply_rope, causal_attention
@@ -148,3 +149,11 @@ class MLAttention(nn.Module):
             out = kv_cache.attend_latent(self.layer_idx, q_nope, q_pe, kv_latent, positions,
                                          self)
         return self.o_proj(out.reshape(B, T, self.num_heads * self.v_head_dim))
+
+
+def refuse_mla(config: object, feature: str) -> None:
+    """Raise :class:`~labkit.errors.MLAUnsupportedError` if ``config`` has latent attention: the
+    guard of the features that address attention weights by the dense names (every caller of
+    :func:`labkit.model.moe.refuse_moe` gets it too, and tensor parallelism)."""
+    if getattr(config, "mla", None) is not None:
+        raise MLAUnsupportedError(feature, config.architecture)

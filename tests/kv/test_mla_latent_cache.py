@@ -13,12 +13,16 @@ import pytest
 import torch
 from transformers import DeepseekV3Config
 
+from labkit.engine.invariants import assert_no_leaks
+from labkit.engine.llm import LLM
+from labkit.engine.sampling_params import SamplingParams
 from labkit.kv.cache import (
     PagedKVCache,
     build_attention_metadata,
     kv_bytes_per_block,
     model_kv_bytes_per_block,
 )
+from labkit.kv.connector import OffloadingConnector
 from labkit.kv.mla import (
     mla_decode_absorbed,
     mla_decode_expanded,
@@ -26,6 +30,7 @@ from labkit.kv.mla import (
     reshape_and_cache_latent,
 )
 from labkit.model.config import ModelConfig
+from labkit.model.generate import generate
 from labkit.model.layers import layer_kv_latent_dims
 from labkit.model.llama import LlamaForCausalLM, rope_cos_sin
 
@@ -145,3 +150,30 @@ def test_deepseek_v3_bytes_per_token():
     mha = kv_bytes_per_block(61, 16, 128, 128, bf16)
     assert mha == 61 * 16 * 32768 * 2
     assert mha / model_kv_bytes_per_block(c, 16, bf16) == pytest.approx(56.89, abs=0.01)
+
+
+def test_offloaded_latent_blocks_come_back_from_cpu():
+    """The offloading connector stores and reloads latent blocks (its hooks wrap
+    ``attend_latent``): with a device pool too small to keep a prefix, the second asking of each
+    prompt loads its blocks from the CPU tier and greedy output equals the contiguous reference
+    (itself equal to transformers, tests/model/test_deepseek_v3.py)."""
+    torch.manual_seed(0)
+    c = ModelConfig.from_hf_dict(hf_dict(**{**HF, "num_hidden_layers": 2}))
+    model = LlamaForCausalLM(c).eval()
+    g = torch.Generator().manual_seed(5)
+    docs = [torch.randint(0, 32, (12,), generator=g).tolist() for _ in range(2)]
+    prompts = [d + [i, i + 1] for i in (3, 7) for d in docs]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    conn = OffloadingConnector(cpu_bytes=1 << 20)
+    llm = LLM.from_model(model, block_size=BS, num_blocks=6, max_num_seqs=1, kv_connector=conn)
+    outs = [llm.generate(prompt_token_ids=[p], sampling_params=params, use_tqdm=False)[0]
+            for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == [generate(model, p, 4, ignore_eos=True)
+                                                      for p in prompts]
+    s = conn.stats()
+    # each document's 3 full blocks come back on its second asking: from the device pool's
+    # leftovers or, evicted there, from the CPU tier
+    assert s["device"]["hits"] + s["cpu"]["loads"] == 2 * 3 and s["cpu"]["loads"] >= 3
+    assert s["cpu"]["bytes_loaded"] == s["cpu"]["loads"] * model_kv_bytes_per_block(
+        c, BS, torch.float32)
+    assert_no_leaks(llm.llm_engine)

@@ -19,11 +19,14 @@ import labkit
 from labkit.engine.invariants import assert_no_leaks
 from labkit.engine.llm import LLM
 from labkit.engine.sampling_params import SamplingParams
-from labkit.errors import ConfigError
+from labkit.errors import ConfigError, MLAUnsupportedError
 from labkit.kv.cache import model_kv_bytes_per_block
 from labkit.model.config import ModelConfig
 from labkit.model.deepseek_moe import grouped_topk
+from labkit.model.fuse import fuse_projections
 from labkit.model.generate import generate
+from labkit.parallel.plan import make_plan
+from labkit.quant.model import quantize_model
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "mscale": 1.0,
         "mscale_all_dim": 0.8, "original_max_position_embeddings": 32}
@@ -174,12 +177,22 @@ def test_engine_preemption_keeps_greedy(checkpoints, prompts, mode):
 
 
 def test_refusals(checkpoints):
-    path, _ = checkpoints["dense_only"]
+    """Features that address q/k/v_proj or cache per-head K/V refuse MLA by name; fusing skips
+    the latent attention and still fuses the dense MLPs."""
+    path, ref = checkpoints["dense_only"]
     with pytest.raises(ValueError, match="latent attention"):
         LLM(model=path, dtype=torch.float32, device="cpu", kv_cache_dtype="int8")
     model, _ = labkit.load_pretrained(path, skip_tokenizer_init=True)
     with pytest.raises(ConfigError, match="DeepSeek-V3"):
         model.config.to_hf_dict()
+    with pytest.raises(MLAUnsupportedError, match="weight quantization"):
+        quantize_model(model, "int8")
+    with pytest.raises(MLAUnsupportedError, match="tensor parallelism"):
+        make_plan(model.config, 2, 0)
+    assert fuse_projections(model) == 3  # the three dense MLPs' gate|up
+    ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), ref(ids).logits, atol=1e-4, rtol=1e-4)
     d = {**DeepseekV3Config(**BASE).to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}
     for bad, match in [(dict(topk_group=3), "grouping"), (dict(num_experts_per_tok=5), "more"),
                        (dict(scoring_func="softmax"), "sigmoid"),
