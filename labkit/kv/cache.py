@@ -214,7 +214,8 @@ class PagedKVCache:
                              f"to a cache layer that holds {self.kv_latent_dims[layer_idx]} "
                              "(None: per-head K/V): build the cache with for_model")
         reshape_and_cache_latent(kv_latent[0], cache, self.meta.slot_mapping)
-        return mla_paged_attention(q_nope[0], q_pe[0], cache, self.meta, mla)[None]
+        decode = getattr(self.backend, "mla_decode", None)  # absorbed; the torch one if absent
+        return mla_paged_attention(q_nope[0], q_pe[0], cache, self.meta, mla, decode)[None]
 
     # ---- block copies the block manager queued ------------------------------------------------
     def _device_lists(self) -> list[tuple[list, list]]:

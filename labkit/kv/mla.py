@@ -11,7 +11,8 @@ K and V of MHA with the same heads.
 
 **A step** (:func:`mla_paged_attention`) splits its chunks as vLLM's MLA backend does:
 
-- single-token chunks (decode) go through :func:`mla_decode_absorbed` together: ``W_UK`` folded
+- single-token chunks (decode) go through :func:`mla_decode_absorbed` together (or the attention
+  backend's ``mla_decode``: the Triton kernel ``labkit.kernels.mla_decode``): ``W_UK`` folded
   into the query, scores read against the cached latents in place, ``W_UV`` applied once to the
   weighted latent (memory-bound: read 576 values per cached token, expand nothing);
 - multi-token chunks (prefill, chunked prefill, a speculative verify pass) expand their
@@ -23,6 +24,8 @@ is tested against on real latents.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -108,16 +111,19 @@ def _plan(meta: AttentionMetadata) -> tuple[torch.Tensor | None, torch.Tensor | 
 
 
 def mla_paged_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
-                        meta: AttentionMetadata, mla: MLAttention) -> torch.Tensor:
-    """A packed step's latent attention, q [N,H,*] -> [N,H,dv]: decodes absorbed, prefill chunks
-    expanded (see the module docstring). The step's latents are already in the cache."""
+                        meta: AttentionMetadata, mla: MLAttention,
+                        decode: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+    """A packed step's latent attention, q [N,H,*] -> [N,H,dv]: decodes absorbed (``decode``,
+    :func:`mla_decode_absorbed`'s signature: the attention backend's ``mla_decode``, e.g. the
+    Triton kernel), prefill chunks expanded (see the module docstring). The step's latents are
+    already in the cache."""
     rows, seqs, chunks = _plan(meta)
     N, H, _ = q_nope.shape
     out = q_nope.new_empty(N, H, mla.v_head_dim)
     if rows is not None:
-        out[rows] = mla_decode_absorbed(q_nope[rows], q_pe[rows], cache,
-                                        meta.block_tables[seqs], meta.context_lens[seqs],
-                                        mla.w_uk(), mla.w_uv(), mla.scale)
+        out[rows] = (decode or mla_decode_absorbed)(
+            q_nope[rows], q_pe[rows], cache, meta.block_tables[seqs], meta.context_lens[seqs],
+            mla.w_uk(), mla.w_uv(), mla.scale)
     bs = cache.shape[1]
     for b, start, n, ctx in chunks:
         kv = gather_latents(cache, meta.block_tables[b, :-(-ctx // bs)])[:ctx]
