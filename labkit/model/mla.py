@@ -145,6 +145,9 @@ class MLAttention(nn.Module):
         q_nope, q_pe, kv_latent = self.project(x, cos, sin)
         if kv_cache is None:
             out = self.attend_expanded(q_nope, q_pe, kv_latent)
+        elif not hasattr(kv_cache, "attend_latent"):  # a cache of per-head K/V only
+            raise MLAUnsupportedError(f"{type(kv_cache).__name__} (a KV cache without "
+                                      "attend_latent)", "DeepseekV3ForCausalLM")
         else:
             out = kv_cache.attend_latent(self.layer_idx, q_nope, q_pe, kv_latent, positions,
                                          self)

@@ -176,6 +176,13 @@ def test_engine_preemption_keeps_greedy(checkpoints, prompts, mode):
     assert {x["mode"] for s in eng.trace.steps for x in s["preempted"]} == {mode}
 
 
+class ContiguousKVCacheOfKV:
+    """A cache that only knows per-head K/V (``attend``), like the INT8 reference cache."""
+
+    def attend(self, layer_idx, q, k, v, positions):
+        raise AssertionError("an MLA layer must not hand a K/V cache expanded heads")
+
+
 def test_refusals(checkpoints):
     """Features that address q/k/v_proj or cache per-head K/V refuse MLA by name; fusing skips
     the latent attention and still fuses the dense MLPs."""
@@ -189,6 +196,8 @@ def test_refusals(checkpoints):
         quantize_model(model, "int8")
     with pytest.raises(MLAUnsupportedError, match="tensor parallelism"):
         make_plan(model.config, 2, 0)
+    with pytest.raises(MLAUnsupportedError, match="without attend_latent"):
+        model(torch.tensor([[1, 2]]), kv_cache=ContiguousKVCacheOfKV())
     assert fuse_projections(model) == 3  # the three dense MLPs' gate|up
     ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -200,3 +209,16 @@ def test_refusals(checkpoints):
                        (dict(qk_rope_head_dim=7), "even")]:
         with pytest.raises(ConfigError, match=match):
             ModelConfig.from_hf_dict({**d, **bad})
+
+
+def test_speculative_decoding_keeps_greedy(checkpoints, prompts):
+    """Verify passes (a chunk of gamma + 1 tokens, logits for every row) run the expanded path
+    over the latent cache; a DeepSeek draft (here the model itself: every proposal accepted)
+    runs on its own latent cache."""
+    path, ref = checkpoints["dense_only"]
+    spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
+    got, eng = run_engine(path, prompts[1:3], num_blocks=64, speculative_config=spec)
+    assert got == [hf_greedy(ref, p) for p in prompts[1:3]]
+    records = [r for s in eng.trace.steps for r in s.get("spec", [])]
+    accepted = sum(r["accepted"] for r in records)
+    assert accepted > 0 and accepted == sum(len(r["proposed"]) for r in records)
