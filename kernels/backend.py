@@ -9,11 +9,14 @@ as for the torch backend: ``reshape_and_cache`` quantizes in the kernel (the sam
 scales as ``labkit.kv.ops.quantize_kv_per_head``) and the attention kernels dequantize the
 tiles they read (``labkit.kernels.int8_kv``). ``sliding_window`` (given per layer by the paged
 cache, from the model's layer specs) is the kernels' window mask; None is full attention.
+``mla_decode`` is a DeepSeek (MLA) layer's absorbed decode over its latent cache
+(``labkit.kernels.mla_decode``); its prefill chunks expand in PyTorch (``labkit.kv.mla``).
 """
 
 from __future__ import annotations
 
 import torch
+from labkit.kernels.mla_decode import mla_decode_triton
 from labkit.kernels.paged_attention import paged_attention_decode
 from labkit.kernels.paged_prefill import paged_prefill_attention
 from labkit.kernels.reshape_and_cache import reshape_and_cache
@@ -50,3 +53,9 @@ class TritonBackend:
                                        context_lens, scale, max_query_len=max_q,
                                        k_scale=k_scale, v_scale=v_scale,
                                        sliding_window=sliding_window)
+
+    def mla_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                   block_tables: torch.Tensor, context_lens: torch.Tensor, w_uk: torch.Tensor,
+                   w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+        return mla_decode_triton(q_nope, q_pe, cache, block_tables, context_lens, w_uk, w_uv,
+                                 scale)

@@ -15,6 +15,11 @@ raises it with their ids; every other request is untouched and the engine keeps 
 from __future__ import annotations
 
 
+class ConfigError(ValueError):
+    """A config.json labkit cannot build a model from; the message names the field (raised by
+    :mod:`labkit.model.config` and the modules it reads config.json with)."""
+
+
 class SamplingParamsError(ValueError):
     """A SamplingParams field has the wrong type or range."""
 
@@ -64,6 +69,21 @@ class MoEUnsupportedError(ValueError):
             f"{feature} does not support mixture-of-experts models yet: this {architecture} has "
             f"sparse MoE MLPs in layers {moe_layers}. Use a dense model for {feature}, or run "
             "the MoE model without it.")
+        self.feature = feature
+        self.architecture = architecture
+
+
+class MLAUnsupportedError(ValueError):
+    """A feature that addresses attention weights by the dense names (``q_proj``, ``k_proj``,
+    ``v_proj``) or caches per-head K/V was asked to run on a latent-attention model (MLA,
+    DeepSeek-V3: ``q_a_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj`` and a latent cache). Raised
+    instead of quantizing, sharding or exporting the wrong tensors."""
+
+    def __init__(self, feature: str, architecture: str) -> None:
+        super().__init__(
+            f"{feature} does not support latent attention (MLA) yet: this {architecture} "
+            f"projects K and V through a shared latent, not q_proj/k_proj/v_proj. Run the MLA "
+            f"model without {feature}.")
         self.feature = feature
         self.architecture = architecture
 

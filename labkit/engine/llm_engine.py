@@ -98,7 +98,7 @@ class LLMEngine:
         ``kv_connector``) plugs a KV connector into both the scheduler and the executor."""
         from labkit.engine.model_runner import ModelExecutor, ModelRunner
         from labkit.kv.attention import get_attention_backend
-        from labkit.kv.cache import PagedKVCache, kv_bytes_per_block
+        from labkit.kv.cache import PagedKVCache, model_kv_bytes_per_block
         from labkit.model.moe import ExpertLoadProbe
 
         c = model.config
@@ -106,9 +106,8 @@ class LLMEngine:
             max_position_embeddings=c.max_position_embeddings, vocab_size=c.vocab_size,
             eos_token_ids=tuple(c.eos_token_ids), **kw)
         cache = config.cache
-        per_block = kv_bytes_per_block(c.num_hidden_layers, cache.block_size,
-                                       c.num_key_value_heads, c.head_dim, model.dtype,
-                                       cache.kv_cache_dtype)
+        per_block = model_kv_bytes_per_block(c, cache.block_size, model.dtype,
+                                             cache.kv_cache_dtype)  # MLA layers: the latent
         cache.resolve_num_blocks(per_block, config.scheduler.max_num_seqs, config.max_model_len)
         connector = None
         if config.kv_transfer is not None:  # EngineConfig allows it with this executor only

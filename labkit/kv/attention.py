@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from labkit.errors import EngineConfigError
 from labkit.kv.backends import registered_backends
 from labkit.kv.metadata import AttentionMetadata
+from labkit.kv.mla import mla_decode_absorbed
 from labkit.kv.ops import gather_blocks, quantize_kv_per_head
 
 
@@ -61,6 +62,14 @@ class AttentionBackend(Protocol):
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                 meta: AttentionMetadata | None = None,
                 sliding_window: int | None = None) -> torch.Tensor: ...
+
+    def mla_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                   block_tables: torch.Tensor, context_lens: torch.Tensor, w_uk: torch.Tensor,
+                   w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+        """Absorbed latent-attention decode (a DeepSeek MLA layer's single-token chunks, see
+        :func:`labkit.kv.mla.mla_decode_absorbed`): q_nope [B,H,dn], q_pe [B,H,dr] over the
+        latent cache [num_blocks, bs, 1, C + dr] -> [B,H,dv]."""
+        ...
 
 
 def _decode_mask(context_lens: torch.Tensor, num_keys: int,
@@ -238,6 +247,12 @@ class TorchBackend:
             qp.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2),
             attn_mask=plan.mask[:, None], scale=scale, enable_gqa=True)  # [B,Hq,Tq,D]
         return o.transpose(1, 2).to(qp.dtype)
+
+    def mla_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                   block_tables: torch.Tensor, context_lens: torch.Tensor, w_uk: torch.Tensor,
+                   w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+        return mla_decode_absorbed(q_nope, q_pe, cache, block_tables, context_lens, w_uk, w_uv,
+                                   scale)
 
 
 def get_attention_backend(name: str | None = "torch") -> AttentionBackend:

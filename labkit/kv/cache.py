@@ -13,15 +13,16 @@ import torch
 from labkit.config import KV_CACHE_DTYPES, CacheConfig
 from labkit.kv.attention import AttentionBackend, TorchBackend
 from labkit.kv.metadata import AttentionMetadata
+from labkit.kv.mla import mla_paged_attention, reshape_and_cache_latent
 from labkit.kv.ops import FP8_KV_DTYPE, KV_SCALE_DTYPE
-from labkit.model.layers import layer_sliding_windows
+from labkit.model.layers import layer_kv_latent_dims, layer_sliding_windows
 
 # the quantized KV caches: their codes' dtype (one byte each, plus an fp16 scale per token
 # and head); "fp8" is e4m3, as vLLM's kv_cache_dtype="fp8"
 QUANT_KV = {"int8": torch.int8, **({"fp8": FP8_KV_DTYPE} if FP8_KV_DTYPE is not None else {})}
 
 __all__ = ["AttentionMetadata", "KV_CACHE_DTYPES", "PagedKVCache", "build_attention_metadata",
-           "kv_bytes_per_block"]
+           "kv_bytes_per_block", "model_kv_bytes_per_block"]
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
@@ -68,20 +69,61 @@ def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head
     return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
 
 
+def model_kv_bytes_per_block(model_config: object, block_size: int, dtype: torch.dtype,
+                             kv_cache_dtype: str = "auto") -> int:
+    """One block's bytes over every layer of a model, as :class:`PagedKVCache` allocates them:
+    a K/V layer as :func:`kv_bytes_per_block` counts it, a latent (MLA) layer
+    ``block_size * latent_dim * bytes`` (one latent per token, no V). DeepSeek-V3 in bf16: 576
+    values, 1,152 bytes per token and layer; the same 128 heads of 128 as MHA would be 65,536."""
+    c = model_config
+    latent = layer_kv_latent_dims(c)
+    n_kv = sum(w is None for w in latent)
+    total = kv_bytes_per_block(n_kv, block_size, c.num_key_value_heads, c.head_dim, dtype,
+                               kv_cache_dtype)
+    elem = torch.empty((), dtype=dtype).element_size()
+    return total + sum(block_size * w * elem for w in latent if w is not None)
+
+
+def _layer_shapes(n_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                  latent: list[int | None]) -> list[tuple[tuple, tuple]]:
+    """(K shape, V shape) per layer: [n, bs, Hkv, D] twice, or for a latent layer of width w
+    [n, bs, 1, w] and an empty V (so block copies and swaps need no case for it)."""
+    return [((n_blocks, block_size, num_kv_heads, head_dim),) * 2 if w is None
+            else ((n_blocks, block_size, 1, w), (n_blocks, block_size, 1, 0)) for w in latent]
+
+
+def _latent_widths(kv_latent_dims: list[int | None] | None, num_layers: int,
+                   kv_cache_dtype: str) -> list[int | None]:
+    """One latent width (or None: per-head K/V) per layer, checked."""
+    latent = list(kv_latent_dims) if kv_latent_dims is not None else [None] * num_layers
+    if len(latent) != num_layers:
+        raise ValueError(f"{len(latent)} latent widths for {num_layers} layers")
+    if kv_cache_dtype in QUANT_KV and any(w is not None for w in latent):
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not implemented for latent "
+                         "attention (MLA) layers; use kv_cache_dtype='auto'")
+    return latent
+
+
 class PagedKVCache:
     """Per layer ``k_caches[i], v_caches[i]: [num_blocks, block_size, Hkv, D]``. With
     ``kv_cache_dtype="int8"`` (or ``"fp8"``) those hold int8 (e4m3) codes and ``k_scales[i],
     v_scales[i]: [num_blocks, block_size, Hkv]`` fp16 hold each (token, head)'s scale; block
-    copies and swaps move both."""
+    copies and swaps move both.
+
+    A latent attention layer (``kv_latent_dims[i]`` = its width, DeepSeek's MLA:
+    :mod:`labkit.kv.mla`) caches ``k_caches[i]: [num_blocks, block_size, 1, latent_dim]`` and an
+    empty ``v_caches[i]``; its layer calls :meth:`attend_latent` instead of :meth:`attend`."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str,
                  backend: AttentionBackend | None = None, num_cpu_blocks: int = 0,
                  sliding_window: int | None | list[int | None] = None,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto",
+                 kv_latent_dims: list[int | None] | None = None) -> None:
         self.backend = backend or TorchBackend()
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         quant = kv_cache_dtype in QUANT_KV
+        latent = _latent_widths(kv_latent_dims, num_layers, kv_cache_dtype)
         able = ("torch", "triton") if kv_cache_dtype == "int8" else ("torch",)
         if quant and self.backend.name not in able:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is implemented by the "
@@ -95,10 +137,14 @@ class PagedKVCache:
         def make(shp: tuple, dt: torch.dtype, dev: torch.device | str, n: int) -> list:
             return [torch.zeros(shp, dtype=dt, device=dev) for _ in range(n)]
 
-        self.k_caches = make(shape, store, device, num_layers)
-        self.v_caches = make(shape, store, device, num_layers)
-        self.cpu_k = make(cpu_shape, store, "cpu", n_cpu)
-        self.cpu_v = make(cpu_shape, store, "cpu", n_cpu)
+        dev_shapes = _layer_shapes(num_blocks, block_size, num_kv_heads, head_dim, latent)
+        cpu_shapes = _layer_shapes(num_cpu_blocks, block_size, num_kv_heads, head_dim,
+                                   latent)[:n_cpu]
+        self.k_caches = [make(k, store, device, 1)[0] for k, _ in dev_shapes]
+        self.v_caches = [make(v, store, device, 1)[0] for _, v in dev_shapes]
+        self.cpu_k = [make(k, store, "cpu", 1)[0] for k, _ in cpu_shapes]
+        self.cpu_v = [make(v, store, "cpu", 1)[0] for _, v in cpu_shapes]
+        self.kv_latent_dims = latent
         n_scale = num_layers if quant else 0
         self.k_scales = make(shape[:3], KV_SCALE_DTYPE, device, n_scale)
         self.v_scales = make(shape[:3], KV_SCALE_DTYPE, device, n_scale)
@@ -131,7 +177,8 @@ class PagedKVCache:
         c = model_config
         return cls(c.num_hidden_layers, cache.num_blocks, cache.block_size,
                    c.num_key_value_heads, c.head_dim, dtype, device, backend,
-                   cache.num_cpu_blocks, layer_sliding_windows(c), cache.kv_cache_dtype)
+                   cache.num_cpu_blocks, layer_sliding_windows(c), cache.kv_cache_dtype,
+                   layer_kv_latent_dims(c))
 
     def begin_step(self, slots: list[int], block_tables: list[list[int]], query_lens: list[int],
                    context_lens: list[int]) -> None:
@@ -155,6 +202,20 @@ class PagedKVCache:
             out = be.prefill(q[0], kc, vc, m.block_tables, m.query_start_loc, m.context_lens,
                              self.scale, **kw)
         return out[None]
+
+    def attend_latent(self, layer_idx: int, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                      kv_latent: torch.Tensor, positions: torch.Tensor,
+                      mla: torch.nn.Module) -> torch.Tensor:
+        """A latent (MLA) layer's hook: store its new latents [1,N,latent_dim] in their slots,
+        then attend (decodes absorbed, prefill chunks expanded: :mod:`labkit.kv.mla`)."""
+        cache = self.k_caches[layer_idx]
+        if self.kv_latent_dims[layer_idx] != kv_latent.shape[-1]:
+            raise ValueError(f"layer {layer_idx} hands latents of width {kv_latent.shape[-1]} "
+                             f"to a cache layer that holds {self.kv_latent_dims[layer_idx]} "
+                             "(None: per-head K/V): build the cache with for_model")
+        reshape_and_cache_latent(kv_latent[0], cache, self.meta.slot_mapping)
+        decode = getattr(self.backend, "mla_decode", None)  # absorbed; the torch one if absent
+        return mla_paged_attention(q_nope[0], q_pe[0], cache, self.meta, mla, decode)[None]
 
     # ---- block copies the block manager queued ------------------------------------------------
     def _device_lists(self) -> list[tuple[list, list]]:

@@ -15,26 +15,36 @@ Mixture of experts (Mixtral, Qwen3-MoE, Qwen2-MoE) is a per-layer choice too: ``
 makes layer i sparse (``LayerSpec.mlp == "moe"``, built by :mod:`labkit.model.moe`) when
 ``(i + 1) % decoder_sparse_step == 0`` and i is not in ``mlp_only_layers``, as transformers'
 Qwen2-MoE decides it; the others keep the dense SwiGLU of width ``intermediate_size``.
+
+DeepSeek-V3 adds three fields (``rope_scaling``: YaRN; ``mla``: every layer's attention is
+``"mla"``; ``deepseek_moe``: its MoE layers are ``"deepseek_moe"``), read from its config.json by
+:mod:`labkit.model.deepseek_config`; the other families' MoE keys are in
+:mod:`labkit.model.config_moe`.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from labkit.errors import ConfigError
+from labkit.model.config_moe import MOE_ARCHITECTURES, moe_fields, moe_hf_keys
+
+if TYPE_CHECKING:
+    from labkit.model.deepseek_config import DeepseekMoEConfig, MLAConfig
+
+__all__ = ["MOE_ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "ConfigError", "LayerSpec",
+           "ModelConfig"]
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # Hugging Face's names, per layer
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM",
-                           "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
-MOE_ARCHITECTURES = SUPPORTED_ARCHITECTURES[3:]
+                           *MOE_ARCHITECTURES)
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
-                "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe"}
+                "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
+                "DeepseekV3ForCausalLM": "deepseek_v3"}
 # biases on q, k, v only, never on o_proj
 _QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
-
-
-class ConfigError(ValueError):
-    """A config.json labkit cannot build a model from; the message names the field."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,10 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on, sigmoid-gated expert
     decoder_sparse_step: int = 1  # layer i is MoE iff (i + 1) % step == 0 ...
     mlp_only_layers: list[int] | None = None  # ... and i is not listed here
+    # DeepSeek-V3 (labkit.model.deepseek_config): YaRN rope, latent attention, DeepSeekMoE
+    rope_scaling: dict[str, Any] | None = None  # only YaRN (labkit.model.rope), else None
+    mla: MLAConfig | None = None  # every layer's attention is "mla" (labkit.model.mla)
+    deepseek_moe: DeepseekMoEConfig | None = None  # MoE layers are "deepseek_moe"
     architecture: str = "LlamaForCausalLM"
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -178,10 +192,11 @@ class ModelConfig:
             raise IndexError(f"layer {layer_idx} of a {self.num_hidden_layers}-layer model")
         slides = self.sliding_window is not None and (
             self.layer_types is None or self.layer_types[layer_idx] == "sliding_attention")
-        mlp = "moe" if self.is_moe_layer(layer_idx) else "dense"
+        moe = "deepseek_moe" if self.deepseek_moe else "moe"
+        mlp = moe if self.is_moe_layer(layer_idx) else "dense"
         if slides:
             return LayerSpec(attention="sliding", sliding_window=self.sliding_window, mlp=mlp)
-        return LayerSpec(mlp=mlp)
+        return LayerSpec(attention="mla" if self.mla else "full", mlp=mlp)
 
     def layer_specs(self) -> list[LayerSpec]:
         return [self.layer_spec(i) for i in range(self.num_hidden_layers)]
@@ -211,10 +226,15 @@ class ModelConfig:
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
         attn += (h if self.o_proj_bias else 0) + (2 * d if self.qk_norm else 0)
+        if self.mla:
+            attn = self.mla.num_parameters(h, self.num_attention_heads, self.attention_bias)
         experts = self.num_experts_per_tok if active else self.num_experts
         s = self.shared_expert_intermediate_size
         moe = (experts * 3 * h * self.expert_intermediate_size + self.num_experts * h
                + (3 * h * s + h if s else 0))
+        if self.deepseek_moe:
+            moe += self.deepseek_moe.extra_parameters(h, self.num_experts,
+                                                      self.expert_intermediate_size)
         mlps = sum(moe if self.is_moe_layer(i) else 3 * h * self.intermediate_size
                    for i in range(self.num_hidden_layers))
         emb = self.vocab_size * h
@@ -248,7 +268,7 @@ class ModelConfig:
             rp = d.get(key)
             if rp:
                 rope_type = rp.get("rope_type", rp.get("type", "default"))
-                if rope_type != "default":
+                if rope_type != "default" and arch != "DeepseekV3ForCausalLM":  # it reads YaRN
                     raise ConfigError(f"config field {key!r} has rope_type {rope_type!r}; labkit "
                                       "implements only the default rotary embedding")
                 rope_theta = rp.get("rope_theta", rope_theta)
@@ -256,8 +276,8 @@ class ModelConfig:
         bias = (True if arch == "Qwen2ForCausalLM" else bool(d.get("qkv_bias", True))
                 if arch == "Qwen2MoeForCausalLM" else bool(d.get("attention_bias", False)))
         known = set(cls.__dataclass_fields__)
-        return cls(
-            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+        return cls(**{  # the architecture's fields last: DeepSeek-V3 overrides head_dim
+            **dict(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=d["num_attention_heads"],
             num_key_value_heads=d.get("num_key_value_heads"), head_dim=d.get("head_dim"),
@@ -266,18 +286,19 @@ class ModelConfig:
             attention_bias=bias, tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
             sliding_window=sliding, layer_types=layer_types, architecture=arch,
-            extra={k: v for k, v in d.items() if k not in known}, **_moe_fields(arch, d),
-        )
+            extra={k: v for k, v in d.items() if k not in known}), **moe_fields(arch, d)})
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json that transformers' AutoConfig reads back as the same model."""
+        if self.mla or self.deepseek_moe:
+            raise ConfigError("labkit writes no DeepSeek-V3 config.json (it loads them only)")
         d = {k: v for k, v in asdict(self).items() if k not in ("extra", "architecture")}
         d["architectures"] = [self.architecture]
         d["model_type"] = _MODEL_TYPES[self.architecture]
         d["hidden_act"] = "silu"
         if self.layer_types is None:
             d.pop("layer_types")
-        _moe_hf_keys(self, d)
+        moe_hf_keys(self, d)
         if self.architecture in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
             if self.uses_sliding_window:
                 d["use_sliding_window"] = True
@@ -294,55 +315,6 @@ class ModelConfig:
         elif self.architecture == "LlamaForCausalLM" and self.layer_types is None:
             d.pop("sliding_window")  # a Llama config cannot say "every layer"
         return d
-
-
-def _moe_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:
-    """The MoE fields of ``arch``'s config.json, with transformers' defaults where one is absent.
-
-    Mixtral: top-``num_experts_per_tok`` of ``num_local_experts`` experts of width
-    ``intermediate_size`` in every layer, always renormalised. Qwen3-MoE / Qwen2-MoE:
-    ``num_experts`` (Qwen3-MoE's config.json spells it ``num_local_experts``) of width
-    ``moe_intermediate_size``, ``norm_topk_prob``, the layer rule of ``decoder_sparse_step`` and
-    ``mlp_only_layers``; Qwen3 adds per-head q/k RMSNorm, Qwen2-MoE a shared expert."""
-    if arch not in MOE_ARCHITECTURES:
-        return {}
-    if arch == "MixtralForCausalLM":
-        return dict(num_experts=d.get("num_local_experts", 8),
-                    num_experts_per_tok=d.get("num_experts_per_tok", 2), norm_topk_prob=True)
-    qwen3 = arch == "Qwen3MoeForCausalLM"
-    defaults = (128, 8, 768) if qwen3 else (60, 4, 1408)
-    out = dict(num_experts=d.get("num_experts", d.get("num_local_experts", defaults[0])),
-               num_experts_per_tok=d.get("num_experts_per_tok", defaults[1]),
-               moe_intermediate_size=d.get("moe_intermediate_size", defaults[2]),
-               norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-               decoder_sparse_step=d.get("decoder_sparse_step", 1),
-               mlp_only_layers=list(d.get("mlp_only_layers") or []), qk_norm=qwen3)
-    if not qwen3:
-        out["shared_expert_intermediate_size"] = d.get("shared_expert_intermediate_size", 5632)
-    return out
-
-
-def _moe_hf_keys(c: ModelConfig, d: dict[str, Any]) -> None:
-    """Write ``c``'s MoE fields into config.json dict ``d`` under ``c.architecture``'s names."""
-    moe_keys = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-                "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
-                "qk_norm")
-    vals = {k: d.pop(k) for k in moe_keys}
-    if c.architecture == "MixtralForCausalLM":
-        if (c.expert_intermediate_size != c.intermediate_size or c.shared_expert_intermediate_size
-                or c.decoder_sparse_step != 1 or c.mlp_only_layers or not c.norm_topk_prob):
-            raise ConfigError("a Mixtral config.json cannot say this MoE layout (experts as wide "
-                              "as intermediate_size, renormalised top-k, every layer sparse, no "
-                              "shared expert): use Qwen2MoeForCausalLM")
-        d.update(num_local_experts=vals["num_experts"],
-                 num_experts_per_tok=vals["num_experts_per_tok"])
-    elif c.architecture in MOE_ARCHITECTURES:
-        d.update({k: vals[k] for k in moe_keys[:-1]},
-                 moe_intermediate_size=c.expert_intermediate_size)
-        if c.architecture == "Qwen3MoeForCausalLM":
-            d.pop("shared_expert_intermediate_size")
-        else:
-            d["qkv_bias"] = d.pop("attention_bias")
 
 
 def _sliding_layers(arch: str, d: dict[str, Any]) -> tuple[int | None, list[str] | None]:

@@ -80,12 +80,14 @@ def _fuse(parts: list[nn.Linear]) -> FusedProjection:
 @torch.no_grad()
 def fuse_projections(model: nn.Module) -> int:
     """Fuse every decoder layer's q|k|v and gate|up in place; returns how many projections
-    were fused (quantized layers and MoE MLPs, which have no gate_proj, are skipped).
+    were fused (quantized layers, MoE MLPs, which have no gate_proj, and latent attention, which
+    has no k_proj, are skipped).
     Idempotent."""
     fused = 0
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
-        if not hasattr(a, "qkv_proj") and _plain(a.q_proj, a.k_proj, a.v_proj):
+        if not hasattr(a, "qkv_proj") and hasattr(a, "k_proj") and \
+                _plain(a.q_proj, a.k_proj, a.v_proj):  # latent attention (MLA) has no k_proj
             a.qkv_proj = _fuse([a.q_proj, a.k_proj, a.v_proj])
             # a bound method, not the module: an instance attribute that shadows the class's
             # method (a Module assigned here would be registered as a child and never called)
@@ -149,7 +151,8 @@ def use_rope_table(model: nn.Module) -> bool:
         return False
     c = model.config
     pos = torch.arange(c.max_position_embeddings, device=model.device)
-    cos, sin = rope_cos_sin(pos, c.head_dim, c.rope_theta, model.dtype)
+    cos, sin = rope_cos_sin(pos, c.head_dim, c.rope_theta, model.dtype, c.rope_scaling,
+                            c.max_position_embeddings)
     model.register_buffer("rope_cos", cos, persistent=False)
     model.register_buffer("rope_sin", sin, persistent=False)
     model.rope = types.MethodType(_rope_lookup, model)

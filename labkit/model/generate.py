@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from labkit.model.layers import layer_sliding_windows
+from labkit.model.layers import layer_kv_latent_dims, layer_sliding_windows
 from labkit.model.llama import LlamaForCausalLM, causal_attention
 from labkit.model.sampling import sample_token, validate_sampling
 
@@ -27,8 +27,11 @@ class ContiguousKVCache:
         c = model.config
         shape = (batch_size, max_len, c.num_key_value_heads, c.head_dim)
         kw = {"dtype": model.dtype, "device": model.device}
-        self.k = [torch.zeros(shape, **kw) for _ in range(c.num_hidden_layers)]
-        self.v = [torch.zeros(shape, **kw) for _ in range(c.num_hidden_layers)]
+        # a latent (MLA) layer keeps [B, max_len, latent_dim] in k and nothing in v
+        latent = layer_kv_latent_dims(c)
+        self.k = [torch.zeros(shape if w is None else (batch_size, max_len, w), **kw)
+                  for w in latent]
+        self.v = [torch.zeros(shape if w is None else (0,), **kw) for w in latent]
         self.max_len = max_len
         self.sliding_windows = layer_sliding_windows(c)
 
@@ -42,6 +45,18 @@ class ContiguousKVCache:
         self.v[layer_idx][:, start:end] = v
         return causal_attention(q, self.k[layer_idx][:, :end], self.v[layer_idx][:, :end],
                                 self.sliding_windows[layer_idx])
+
+    def attend_latent(self, layer_idx: int, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                      kv_latent: torch.Tensor, positions: torch.Tensor,
+                      mla: torch.nn.Module) -> torch.Tensor:
+        """A latent attention layer's hook (:mod:`labkit.model.mla`): store the latents, attend
+        over every cached one by expanding them (the reference; the paged cache absorbs)."""
+        start = int(positions[0, 0])
+        end = start + q_nope.shape[1]
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions, asked for {end}")
+        self.k[layer_idx][:, start:end] = kv_latent
+        return mla.attend_expanded(q_nope, q_pe, self.k[layer_idx][:, :end])
 
 
 def generate(model: LlamaForCausalLM, prompt_token_ids: Sequence[int], max_new_tokens: int,

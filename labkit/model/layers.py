@@ -17,7 +17,9 @@ A new kind plugs in by adding an entry, never by branching the model or the engi
 ``@register_attention("mla")`` on latent attention (issue 33), and the config's ``layer_spec``
 saying which layers use them. The KV caches and attention backends read the same specs
 (:func:`layer_sliding_windows`), so a window reaches ``kv_cache.attend(layer_idx, ...)`` per
-layer; a hybrid KV manager (issue 33) groups layers by it.
+layer; a hybrid KV manager (issue 33) groups layers by it. A latent layer ("mla",
+:mod:`labkit.model.mla`) caches one latent per token instead of K and V
+(:func:`layer_kv_latent_dims`), and calls ``kv_cache.attend_latent`` instead of ``attend``.
 
 **Storage layout = Hugging Face's names.** Every layer keeps ``q_proj, k_proj, v_proj, o_proj,
 gate_proj, up_proj, down_proj`` as separate ``nn.Linear`` modules under HF's parameter names
@@ -106,3 +108,15 @@ def layer_sliding_windows(config: object) -> list[int | None]:
     if hasattr(config, "layer_spec"):
         return [config.layer_spec(i).sliding_window for i in range(n)]
     return [getattr(config, "sliding_window", None)] * n
+
+
+def layer_kv_latent_dims(config: object) -> list[int | None]:
+    """Each layer's cached latent width (``kv_lora_rank + qk_rope_head_dim``) for a latent
+    attention ("mla") layer, None for a layer that caches per-head K and V: how the KV caches
+    shape (and the memory planner counts) each layer's entries. A config without layer specs
+    caches K and V everywhere."""
+    n = config.num_hidden_layers
+    if not hasattr(config, "layer_spec") or getattr(config, "mla", None) is None:
+        return [None] * n
+    return [config.mla.latent_dim if config.layer_spec(i).attention == "mla" else None
+            for i in range(n)]

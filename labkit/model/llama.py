@@ -11,8 +11,9 @@ paged engine) and returns the attention output. Without a cache the layer runs p
 attention over the tokens it was given.
 
 Each decoder layer takes its attention and MLP from :mod:`labkit.model.layers`, which builds them
-from the config's per-layer spec (full or sliding attention, dense MLP, or the sparse MoE MLP of
-:mod:`labkit.model.moe`; later MLA). The classes here register themselves there as the kinds
+from the config's per-layer spec (full or sliding attention, DeepSeek's latent attention of
+:mod:`labkit.model.mla`, dense MLP, or the sparse MoE MLPs of :mod:`labkit.model.moe` and
+:mod:`labkit.model.deepseek_moe`). The classes here register themselves there as the kinds
 labkit ships. Qwen3's per-head q/k RMSNorm (``config.qk_norm``) is two optional modules of
 ``Attention``, applied after the projection and before rotary, absent in every other model.
 """
@@ -27,6 +28,7 @@ from torch import nn
 
 from labkit.model.config import ModelConfig
 from labkit.model.layers import make_attention, make_mlp, register_attention, register_mlp
+from labkit.model.rope import yarn_parameters
 
 
 class KVCache(Protocol):
@@ -60,13 +62,22 @@ class RMSNorm(nn.Module):
         return y if residual is None else (y, residual)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin for each position: angle = pos * theta^(-2i/d), halves repeated (rotate-half)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
-                                             dtype=torch.float32) / head_dim))
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                 rope_scaling: dict | None = None, max_position_embeddings: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin for each position: angle = pos * theta^(-2i/d), halves repeated (rotate-half).
+    A YaRN ``rope_scaling`` (DeepSeek-V3) changes the frequencies and multiplies cos and sin by
+    its attention factor (:func:`labkit.model.rope.yarn_parameters`)."""
+    if rope_scaling:
+        inv_freq, factor = yarn_parameters(rope_scaling, head_dim, theta, max_position_embeddings)
+        inv_freq = inv_freq.to(positions.device)
+    else:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
+                                                 dtype=torch.float32) / head_dim))
     angles = positions.float()[..., None] * inv_freq  # [..., D/2]
     emb = torch.cat([angles, angles], dim=-1)
+    if rope_scaling:
+        return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -78,8 +89,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     sliding_window: int | None = None) -> torch.Tensor:
-    """Plain causal attention with GQA, q [B,T,Hq,D], k/v [B,S,Hkv,D], queries at the end."""
+                     sliding_window: int | None = None, scale: float | None = None
+                     ) -> torch.Tensor:
+    """Plain causal attention with GQA, q [B,T,Hq,D], k/v [B,S,Hkv,D], queries at the end.
+    ``scale`` defaults to 1/sqrt(D) (MLA passes its own; its V may be narrower than Q/K)."""
     group = q.shape[2] // k.shape[2]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B,H,T,D]
     if group > 1:
@@ -91,7 +104,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     mask = kpos <= qpos
     if sliding_window is not None:
         mask &= kpos > qpos - sliding_window
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out.transpose(1, 2)
 
 
@@ -231,7 +244,9 @@ class LlamaForCausalLM(nn.Module):
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """The one place the rotary cos/sin of a step are made (recomputed from the positions);
         :func:`labkit.model.fuse.use_rope_table` replaces it by a lookup in a table."""
-        return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)
+        c = self.config
+        return rope_cos_sin(positions, c.head_dim, c.rope_theta, dtype, c.rope_scaling,
+                            c.max_position_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None,

@@ -48,6 +48,7 @@ from labkit.errors import MoEUnsupportedError
 from labkit.model.config import ModelConfig
 from labkit.model.layers import register_mlp
 from labkit.model.llama import MLP
+from labkit.model.mla import refuse_mla
 
 #: (hidden [T,H], w13 [E,2I,H], w2 [E,H,I], topk_weights [T,k] f32, topk_ids [T,k] i64) -> [T,H]
 FusedExperts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -244,7 +245,9 @@ def checkpoint_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def refuse_moe(config: ModelConfig, feature: str) -> None:
     """Raise :class:`MoEUnsupportedError` if ``config`` has MoE layers: the guard of every
-    feature that addresses MLP weights by the dense names."""
+    feature that addresses MLP weights by the dense names (and, first, MLA's refusal: those
+    features address attention by the dense names as well)."""
+    refuse_mla(config, feature)  # MLA: no q/k/v_proj either (DeepSeek-V3 dense or sparse)
     layers = config.moe_layers if hasattr(config, "moe_layers") else []
     if layers:
         raise MoEUnsupportedError(feature, config.architecture, layers)

@@ -59,7 +59,8 @@ def _plain(model: nn.Module) -> bool:
     if type(model) is not LlamaForCausalLM:
         return False
     cfg = model.config
-    if _slides(cfg) or cfg.attention_bias or cfg.o_proj_bias or cfg.qk_norm or cfg.moe_layers:
+    if (_slides(cfg) or cfg.attention_bias or cfg.o_proj_bias or cfg.qk_norm or cfg.moe_layers
+            or cfg.mla):  # latent attention has no q/k/v_proj
         return False
     linears = [model.lm_head] + [
         m for layer in model.model.layers

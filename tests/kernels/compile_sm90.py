@@ -13,6 +13,7 @@ from labkit.kernels import dequant_gemv as gv
 from labkit.kernels import dequant_matmul as dq
 from labkit.kernels import fused_moe as fm
 from labkit.kernels import lora_ops as lo
+from labkit.kernels import mla_decode as md
 from labkit.kernels import nf4, paged_attention, paged_prefill, rms_norm, rotary_embedding
 from labkit.kernels import reshape_and_cache as rc
 
@@ -63,6 +64,15 @@ def variants():
     yield paged_attention._paged_decode_kernel, fp32, {
         **d256, "GROUP_PAD": 16, "BLOCK_N": 32, "SPLIT": True}, 4, 2
     yield paged_prefill._paged_prefill_kernel, fp32, {**d256, "BLOCK_M": 64, "BLOCK_N": 64}, 4, 2
+    # absorbed MLA decode at DeepSeek-V3's shapes: 128 heads in blocks of 64 (and 16), a latent
+    # of 512 + a rotary key of 64 per token, blocks of 16 tokens
+    mla_types = {"out_ptr": "*fp32", "q_lat_ptr": "*bf16", "q_pe_ptr": "*bf16",
+                 "cache_ptr": "*bf16", "block_tables_ptr": "*i32", "context_lens_ptr": "*i32"}
+    for bh, warps in ((64, 8), (16, 4)):
+        yield md._mla_decode_kernel, mla_types, {
+            "NUM_HEADS": 128, "BLOCK_H": bh, "RANK": 512, "RANK_PAD": 512, "ROPE": 64,
+            "ROPE_PAD": 64, "BLOCK_SIZE": 16, "BLOCK_N": 16, "DOT_FP32": False,
+            "PRECISION": "tf32"}, warps, 1
     rc_types = {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*bf16",
                 "v_cache_ptr": "*bf16", "slot_mapping_ptr": "*i64", "k_scale_ptr": "*fp16",
                 "v_scale_ptr": "*fp16"}
@@ -137,7 +147,7 @@ def _group(fn) -> str:
     """Which of the test's four parts compiles ``fn`` (one subprocess each, so pytest -n 2
     balances ~45 compilations across its workers instead of one worker doing all of them)."""
     if fn in (paged_attention._paged_decode_kernel, paged_attention._merge_splits_kernel,
-              paged_prefill._paged_prefill_kernel):
+              paged_prefill._paged_prefill_kernel, md._mla_decode_kernel):
         return "attention"
     if fn in (dq._gptq_kernel, dq._awq_kernel, dq._w8a16_kernel, dq._sum_splits,
               gv._gptq_gemv_kernel, gv._awq_gemv_kernel, gv._w8a16_gemv_kernel):

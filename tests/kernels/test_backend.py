@@ -19,7 +19,7 @@ def test_protocol_signatures_match():
     (the cache passes the scales positionally: an order mismatch would be a silent bug)."""
     assert get_attention_backend("triton").name == "triton"
     assert isinstance(get_attention_backend("triton"), TritonBackend)
-    for method in ("reshape_and_cache", "decode", "prefill"):
+    for method in ("reshape_and_cache", "decode", "prefill", "mla_decode"):
         want = _shape(getattr(AttentionBackend, method))
         for backend in (TritonBackend, TorchBackend):
             assert _shape(getattr(backend, method)) == want, (backend.__name__, method)

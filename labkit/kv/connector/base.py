@@ -110,13 +110,18 @@ class KVConnectorBase(ABC):
 def attach_layer_hooks(kv_cache: Any, connector: KVConnectorBase) -> None:
     """Wrap this cache object's ``attend`` (the model's per-layer hook) so each layer waits for
     its loads first and offers its new K/V for saving after. Only the instance changes: an
-    engine without a connector runs the class's ``attend`` with no extra call."""
-    attend = type(kv_cache).attend
+    engine without a connector runs the class's ``attend`` with no extra call. A latent (MLA)
+    layer's hook, ``attend_latent``, is wrapped the same way (its blocks are the latents)."""
+    for name in ("attend", "attend_latent"):
+        hook = getattr(type(kv_cache), name, None)
+        if hook is not None:
+            setattr(kv_cache, name, _with_connector(kv_cache, hook, connector))
 
-    def attend_with_connector(layer_idx: int, q: Any, k: Any, v: Any, positions: Any) -> Any:
+
+def _with_connector(kv_cache: Any, hook: Any, connector: KVConnectorBase) -> Any:
+    def attend_with_connector(layer_idx: int, *args: Any) -> Any:
         connector.wait_for_layer_load(layer_idx)
-        out = attend(kv_cache, layer_idx, q, k, v, positions)
+        out = hook(kv_cache, layer_idx, *args)
         connector.save_kv_layer(layer_idx)
         return out
-
-    kv_cache.attend = attend_with_connector
+    return attend_with_connector
