@@ -99,3 +99,7 @@ class WeightUpdateError(ValueError):
     than the running model's, a version string already used, or an executor that cannot swap
     weights in place (tensor-parallel workers, LoRA, speculative decoding, the simulator).
     Raised before any weight is touched, so the old weights keep serving."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be loaded; the message says what is missing or wrong."""

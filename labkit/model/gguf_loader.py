@@ -23,7 +23,7 @@ import torch
 
 from labkit.model.config import ModelConfig
 from labkit.model.llama import LlamaForCausalLM
-from labkit.model.loader import empty_model
+from labkit.model.meta import empty_model
 from labkit.model.tokenizer import Tokenizer
 
 # Hugging Face parameter name -> llama.cpp tensor name ({i} = layer index)

@@ -8,27 +8,23 @@ a silently half-loaded model is the worst bug a learner can meet.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from labkit.errors import CheckpointError
 from labkit.model.config import ConfigError, ModelConfig
 from labkit.model.llama import LlamaForCausalLM
+from labkit.model.meta import empty_model
 from labkit.model.tokenizer import Tokenizer
 from labkit.paths import DATASETS_DIR
 
 SHIPPED_MODELS = ("labkit-tiny", "labkit-tiny-draft", "labkit-tiny-moe")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder that cannot be loaded; the message says what is missing or wrong."""
 
 
 def models_dir() -> Path:
@@ -174,28 +170,6 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
     if missing:
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s), e.g. "
                               f"{missing[:3]}")
-
-
-_INITS = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_", "trunc_normal_")
-
-
-@contextlib.contextmanager
-def empty_model() -> Iterator[None]:
-    """Build modules on the meta device without running their weight initialisers.
-
-    Loading overwrites every weight, so initialising them is wasted work; and on meta tensors
-    ``nn.init``'s in-place ops dispatch through ``torch._refs``, whose first call imports
-    ``torch._dynamo``, about a second of a new process's start (transformers' ``no_init_weights``
-    skips them for the same reason)."""
-    saved = {name: getattr(torch.nn.init, name) for name in _INITS}
-    try:
-        for name in _INITS:
-            setattr(torch.nn.init, name, lambda tensor, *a, **k: tensor)
-        with torch.device("meta"):
-            yield
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.nn.init, name, fn)
 
 
 def load_model(path_or_name: str | os.PathLike, dtype: torch.dtype | str | None = None,

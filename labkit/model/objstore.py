@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from labkit.model.loader import CheckpointError
+from labkit.errors import CheckpointError
 
 S3_SCHEME = "s3://"
 MODES = ("sequential", "ranged")

@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
-from labkit.model.loader import CheckpointError, _checkpoint_views, empty_model, load_config
+from labkit.errors import CheckpointError
+from labkit.model.loader import _checkpoint_views, load_config
+from labkit.model.meta import empty_model
 from labkit.model.objstore import S3Source, _parts, download_object, get_range, list_checkpoint
 
 ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
