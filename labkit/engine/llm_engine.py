@@ -36,6 +36,7 @@ from labkit.engine.executor import Executor, ModelRunnerOutput, executor_factory
 from labkit.engine.logprobs import decode_tokens
 from labkit.engine.model_setup import load_draft, moe_experts
 from labkit.engine.outputs import StepOutput
+from labkit.engine.overlap import OverlapStepLoop
 from labkit.engine.sampling_params import SamplingParams
 from labkit.engine.structured_output import StructuredOutputManager
 from labkit.engine.trace import Trace, TraceObserver
@@ -83,6 +84,8 @@ class LLMEngine:
         self.num_steps = 0
         self.trace = Trace(config.trace_meta(executor.name))
         self.observer = TraceObserver(self.trace, executor.real_tokens)
+        # async scheduling: step() overlaps the CPU work with the forward (engine/overlap.py)
+        self.step_loop = OverlapStepLoop(self) if config.scheduler.async_scheduling else None
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer: Any = None, **kw: Any) -> LLMEngine:
@@ -227,7 +230,8 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or \
+            (self.step_loop is not None and self.step_loop.has_pending())
 
     def forget_finished(self, request_ids: list[str] | None = None) -> int:
         """Drop finished requests (all of them, or those of ``request_ids``) from
@@ -250,6 +254,8 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        if self.step_loop is not None:
+            return self.step_loop.step()
         t0 = self.clock.now()
         out = self.scheduler.schedule()
         if out.is_empty and not out.preempted:
