@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from labkit.engine.executor import ModelRunnerOutput
 from labkit.engine.outputs import StepOutput
@@ -38,15 +38,12 @@ from labkit.errors import AsyncSchedulingError
 from labkit.sched.lookahead import Lookahead, advance, may_preempt, prune, settle
 from labkit.sched.output import SchedulerOutput, SeqOutput
 
-if TYPE_CHECKING:
-    from labkit.engine.llm_engine import LLMEngine
-
 
 class OverlapStepLoop:
     """``LLMEngine.step`` with async scheduling: each call runs one forward and returns the
     outputs of the step before it (see the module doc)."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: Any) -> None:  # the LLMEngine (no import: it imports this)
         runner = getattr(engine.executor, "runner", None)
         if runner is None or not hasattr(runner, "step_hooks"):
             raise AsyncSchedulingError(
