@@ -119,6 +119,7 @@ class OverlapStepLoop:
                 raise error
             seq_outputs = settle(self.engine.scheduler, out, ahead, result.sampled_token_ids,
                                  t1)
+            self.engine._carry_prompt_logprobs(result)  # now: the request may be forgotten
         except BaseException as exc:
             self._ready = ready  # returned by the next call, not lost
             self._fail(out, ahead, t0, exc)
@@ -149,7 +150,6 @@ class OverlapStepLoop:
         eng = self.engine
         ready, self._ready = self._ready, []
         for seq_outputs, result in self._booked:
-            eng._carry_prompt_logprobs(result)
             ready += [eng._step_output(o, result) for o in seq_outputs]
         self._booked = []
         return ready
