@@ -19,7 +19,9 @@ Everything about a sequence's state (appending tokens, the stop checker, freeing
 detokenizes, and fails a step cleanly if anything inside it raises. It knows executors only by
 their contract (:mod:`labkit.engine.executor`): the real model (``ModelExecutor``), the
 simulator (``labkit.sim``) and speculative decoding (``labkit.spec``) plug in the same way.
-Detokenization is :func:`labkit.engine.detokenizer.update_text`.
+Detokenization is :func:`labkit.engine.detokenizer.update_text`. With ``async_scheduling``
+``step()`` is :class:`labkit.engine.overlap.OverlapStepLoop`'s: the same parts, with step N+1
+scheduled while step N's forward runs.
 """
 
 from __future__ import annotations
