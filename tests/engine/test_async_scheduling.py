@@ -229,3 +229,27 @@ def test_bad_value_and_the_simulator_are_refused():
 
     with pytest.raises(AsyncSchedulingError, match="simulator"):
         simulate(num_requests=2, async_scheduling=True)
+
+
+@pytest.mark.parametrize("seed,mode,policy", [(0, "recompute", "priority"), (1, "swap", "fcfs"),
+                                              (2, "recompute", "fcfs")])
+def test_random_workload_replays_and_matches_sync(tiny_model, seed, mode, policy):
+    """test_trace_replay's fuzz (random adds, aborts between steps, n=2, seeded sampling,
+    priorities, a pool small enough to preempt): the trace rebuilds the live pool after every
+    step, nothing leaks, and each request neither engine aborted has the sync engine's tokens."""
+    from test_trace_replay import random_workload
+
+    from labkit.engine.llm_engine import LLMEngine
+
+    kw = dict(block_size=3, num_blocks=14, preemption_mode=mode,
+              num_cpu_blocks=24 if mode == "swap" else 0, max_num_batched_tokens=16,
+              max_num_seqs=6, policy=policy)
+    engines = [LLMEngine.from_model(tiny_model, None, async_scheduling=a, **kw)
+               for a in (False, True)]
+    for eng in engines:
+        random_workload(eng, seed, check_every_step=eng.step_loop is not None)
+        assert_no_leaks(eng)
+    sync, asyn = ({rid: [s.token_ids for s in r.seqs] for rid, r in e.requests.items()
+                   if all(s.finish_reason != "abort" for s in r.seqs)} for e in engines)
+    common = sorted(set(sync) & set(asyn))
+    assert len(common) >= 8 and [sync[r] for r in common] == [asyn[r] for r in common]
