@@ -139,6 +139,11 @@ def test_stop_string_finishes_and_frees(tmp_path):
     assert len(c.token_ids) < len(full.outputs[0].token_ids)
     assert sum(got[0].request_id in r for r in rec.ran) == len(c.token_ids)
     assert_no_leaks(llm.llm_engine)
+    eng, text = llm.llm_engine, ""  # streamed deltas add up to the same text
+    eng.add_request("stream", "import os\n", sp)
+    while eng.has_unfinished_requests():
+        text += "".join(o.text_delta for o in eng.step() if o.request_id == "stream")
+    assert text == want.text
 
 
 def test_abort_between_steps_frees_every_block(tiny_model, prompts, reference):
@@ -253,3 +258,19 @@ def test_random_workload_replays_and_matches_sync(tiny_model, seed, mode, policy
                    if all(s.finish_reason != "abort" for s in r.seqs)} for e in engines)
     common = sorted(set(sync) & set(asyn))
     assert len(common) >= 8 and [sync[r] for r in common] == [asyn[r] for r in common]
+
+
+def test_logprobs_and_prompt_logprobs_equal_sync(tiny_model, prompts):
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3,
+                        prompt_logprobs=2)
+    sync, outs, _ = both(tiny_model, prompts[:4], sp, block_size=4,
+                         max_num_batched_tokens=16)  # prompts scored over several chunks
+    for a, b in zip(sync, outs):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert len(b.outputs[0].logprobs) == len(b.outputs[0].token_ids)
+        assert len(b.prompt_logprobs) == len(b.prompt_token_ids)
+        for x, y in zip(a.outputs[0].logprobs + a.prompt_logprobs[1:],
+                        b.outputs[0].logprobs + b.prompt_logprobs[1:]):
+            assert x.keys() == y.keys()
+            for t in x:
+                assert y[t].logprob == pytest.approx(x[t].logprob, rel=1e-5, abs=1e-6)
