@@ -85,7 +85,7 @@ class OverlapStepLoop:
         except BaseException as exc:
             eng._fail_step(out, t0, exc)
             raise
-        ahead, ready, seq_outputs, result, t1 = self._overlap(out, fut, t0)
+        ready, seq_outputs, result, t1 = self._overlap(out, fut, t0)
         eng.num_steps += 1
         self._booked.append((seq_outputs, result))
         appended = {o.seq.seq_id: o.new_token_ids for o in seq_outputs}
@@ -101,8 +101,7 @@ class OverlapStepLoop:
             self._packed.set()  # a step with nothing to pack never enters the hook
 
     def _overlap(self, out: SchedulerOutput, fut: Future, t0: float
-                 ) -> tuple[Lookahead | None, list[StepOutput], list[SeqOutput],
-                            ModelRunnerOutput, float]:
+                 ) -> tuple[list[StepOutput], list[SeqOutput], ModelRunnerOutput, float]:
         """While ``out``'s forward runs: detokenise the previous step, schedule the next; then
         book ``out``'s tokens. A failure on either side waits for the worker, then fails the
         step (its requests and the prepared step's are aborted)."""
@@ -124,7 +123,7 @@ class OverlapStepLoop:
             self._ready = ready  # returned by the next call, not lost
             self._fail(out, ahead, t0, exc)
             raise
-        return ahead, ready, seq_outputs, result, t1
+        return ready, seq_outputs, result, t1
 
     def _prepare(self, out: SchedulerOutput) -> Lookahead | None:
         """Schedule step N+1 on placeholders (``self._next``), unless it could preempt."""
@@ -140,7 +139,7 @@ class OverlapStepLoop:
         nxt, self._next = self._next, None
         if nxt is not None:
             nxt = prune(nxt)  # finished in the step before, or aborted between calls
-            if not nxt.is_empty:
+            if not nxt.is_empty or nxt.preempted:
                 return nxt
         # nothing prepared (a step that could preempt, the first step), or nothing left of
         # it: a request waiting for the finished ones' room is admitted now
