@@ -34,31 +34,36 @@ def tokens(outs):
 
 
 class Recorder:
-    """Wraps an engine's executor and scheduler: which sequences each forward ran, and whether
-    each ``schedule()`` call happened while a forward was running on the worker."""
+    """Wraps an engine's executor and scheduler: which sequences each forward ran. With
+    ``hold``, each executor call (on the worker) waits, once its forward is done, for the main
+    thread to call ``schedule()`` (10 s at most), and counts the steps where it did: that
+    schedule ran while the executor call was still in flight. ``on_placeholders`` counts the
+    ``schedule()`` calls made while a running sequence's last token was a placeholder."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, hold: bool = False):
         self.ran: list[set[str]] = []
-        self.in_forward = threading.Event()
-        self.overlapped = 0
-        execute, schedule = engine.executor.execute, engine.scheduler.schedule
+        self.scheduled = threading.Event()
+        self.overlapped = self.on_placeholders = 0
+        execute, sched = engine.executor.execute, engine.scheduler
+        schedule = sched.schedule
 
         def traced_execute(out):
             self.ran.append({sc.seq.seq_id for sc in out.scheduled})
             for sc in out.scheduled:  # what the worker packs is never a placeholder
                 assert PLACEHOLDER not in sc.seq.token_ids
-            self.in_forward.set()
-            try:
-                return execute(out)
-            finally:
-                self.in_forward.clear()
+            self.scheduled.clear()
+            result = execute(out)
+            if hold and self.scheduled.wait(timeout=10):
+                self.overlapped += 1
+            return result
 
         def traced_schedule():
-            self.overlapped += self.in_forward.is_set()
+            self.on_placeholders += any(s.token_ids[-1] == PLACEHOLDER for s in sched.running)
+            self.scheduled.set()
             return schedule()
 
         engine.executor.execute = traced_execute
-        engine.scheduler.schedule = traced_schedule
+        sched.schedule = traced_schedule
 
 
 @pytest.mark.parametrize("kw", [
@@ -83,12 +88,14 @@ def test_seeded_samples_and_forks_equal_sync(tiny_model, prompts):
 
 def test_next_step_is_scheduled_while_the_forward_runs(tiny_model, prompts, reference):
     llm = LLM.from_model(tiny_model, None, async_scheduling=True, block_size=8)
-    rec = Recorder(llm.llm_engine)
+    rec = Recorder(llm.llm_engine, hold=True)
     outs = llm.generate(prompt_token_ids=prompts[:3], sampling_params=GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == \
         [reference(p, MAX_NEW, ignore_eos=True) for p in prompts[:3]]
-    # every decode step after the first was scheduled during the forward before it
-    assert rec.overlapped >= MAX_NEW - 2 and len(rec.ran) >= MAX_NEW
+    # one forward per token (one prompt chunk each), and during every one of them the main
+    # thread scheduled the next step, on placeholders for the tokens still being sampled
+    assert len(rec.ran) == MAX_NEW
+    assert rec.overlapped == rec.on_placeholders == MAX_NEW
 
 
 @pytest.mark.parametrize("how", ["length", "stop_token"])
