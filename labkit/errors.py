@@ -38,6 +38,12 @@ class EngineConfigError(ValueError):
     """An engine setting is out of range or unknown (block size, pool sizes, policy...)."""
 
 
+class AsyncSchedulingError(EngineConfigError):
+    """async_scheduling=True asked together with a feature it cannot run beside (speculative
+    decoding, LoRA, tensor parallelism, a KV connector) or on an executor without a forward to
+    overlap (the simulator)."""
+
+
 class SpeculativeConfigError(EngineConfigError):
     """The speculative_config cannot work with this target model (a kind of engine setting)."""
 

@@ -8,12 +8,17 @@ eager              the engine as it ships
 fused              ``LLM(fused=True)``: q|k|v, gate|up, residual add in the norm, rotary table
 compiled           ``LLM(compile=True)``: inductor, piecewise around attention
 fused+compiled     both
+overlap            ``LLM(async_scheduling=True)``: step N+1 scheduled (and N-1 detokenised)
+                   while N's forward runs on a worker thread (:mod:`labkit.engine.overlap`)
+all                fused + compiled + overlap
 =================  ==========================================================================
 
 Each variant reports decode tokens/s (sequences / mean decode-step wall time), its ratio to
 eager at the same batch, and the step profiler's phases (:mod:`labkit.engine.profiler`, phases
 only: per-module hooks would cost the eager variants time the compiled pieces never pay) in
-ms per step. Every variant's greedy tokens must equal eager's (``outputs_match``). The compiled
+ms per step (with overlap the phases of the two threads run at once, so they add up to more
+than the step and "other" is 0: the step's wall time is the measure). Every variant's greedy
+tokens must equal eager's (``outputs_match``). The compiled
 variants compile exactly the decode sizes measured (``compile_sizes`` = the batches; prefill
 runs eager); their compile seconds are in ``compile``. Beside them:
 
@@ -51,7 +56,9 @@ from labkit.bench.common import (
 from labkit.engine.profiler import PHASES, StepProfiler
 
 VARIANTS = {"eager": {}, "fused": {"fused": True}, "compiled": {"compile": True},
-            "fused+compiled": {"fused": True, "compile": True}}
+            "fused+compiled": {"fused": True, "compile": True},
+            "overlap": {"async_scheduling": True},
+            "all": {"fused": True, "compile": True, "async_scheduling": True}}
 FULL = {"batches": [1, 8, 32], "prompt_len": 16, "new_tokens": 64, "rounds": 5,
         "startup_repeats": 3}
 QUICK = {"batches": [2], "prompt_len": 8, "new_tokens": 8, "rounds": 2, "startup_repeats": 1}

@@ -47,7 +47,7 @@ from labkit.config.parts import (
     ParallelConfig,
     SchedulerConfig,
 )
-from labkit.errors import EngineConfigError
+from labkit.errors import AsyncSchedulingError, EngineConfigError
 
 __all__ = ["ATTENTION_BACKENDS", "BATCHING", "KV_CACHE_DTYPES", "KV_ROLES", "POLICIES",
            "PREEMPTION_MODES", "SPEC_METHODS", "CacheConfig", "EngineConfig",
@@ -88,6 +88,25 @@ class EngineConfig:
             raise EngineConfigError("a KV connector runs with the plain in-process model "
                                     "executor only: drop speculative_config / tensor "
                                     "parallelism / LoRA, or the kv_transfer_config")
+        self._check_async_scheduling()
+
+    def _check_async_scheduling(self) -> None:
+        """async_scheduling prepares step N+1 assuming every sequence of step N gets exactly
+        one token, in this process, around the plain model executor's forward: a speculative
+        step's token count is unknown until verified, LoRA and KV connectors keep per-step
+        state of their own around the forward, and worker processes pack their own inputs."""
+        if not self.scheduler.async_scheduling:
+            return
+        other = [name for name, on in (
+            ("speculative_config", self.speculative is not None),
+            ("enable_lora", self.lora is not None),
+            ("tensor parallelism / external_launcher", self.parallel.uses_workers),
+            ("kv_transfer_config", self.kv_transfer is not None)) if on]
+        if other:
+            raise AsyncSchedulingError(
+                f"async_scheduling=True cannot be combined with {', '.join(other)} in this "
+                "version (it assumes one token per sequence per step from the in-process "
+                "model executor): drop one of them")
 
     @classmethod
     def from_kwargs(cls, *, speculative_config: Any = None, enable_lora: bool = False,

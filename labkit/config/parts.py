@@ -109,9 +109,15 @@ class SchedulerConfig:
     # per-tenant quotas, any policy (labkit.sched.quota): running sequences, KV blocks held
     tenant_max_running: int | None = None
     tenant_max_kv_blocks: int | None = None
+    # vLLM's --async-scheduling: schedule step N+1 while step N's forward runs
+    # (labkit.engine.overlap); checked against the other parts in EngineConfig
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs)
+        if not isinstance(self.async_scheduling, bool):
+            raise EngineConfigError(f"async_scheduling must be True or False, got "
+                                    f"{self.async_scheduling!r}")
         if self.max_num_batched_tokens is not None:
             check_int("max_num_batched_tokens", self.max_num_batched_tokens)
         check_int("num_lookahead_slots", self.num_lookahead_slots, 0)

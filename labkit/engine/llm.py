@@ -34,7 +34,9 @@ class LLM:
     table (``labkit.model.fuse.fuse_model``); ``compile=True`` compiles the forward piecewise
     around attention (``labkit.engine.piecewise``; ``compile_sizes`` the capture sizes,
     ``llm.compile_report`` what was compiled, in how many seconds, or why not). Both change
-    the model object in place, with the same greedy tokens.
+    the model object in place, with the same greedy tokens. ``async_scheduling=True`` (vLLM's
+    name) schedules each step while the one before it computes (``labkit.engine.overlap``),
+    with the same greedy tokens.
     ``enable_lora=True, max_loras=4, max_lora_rank=16, max_cpu_loras=8`` serve LoRA adapters
     (``labkit.lora``): ``generate(..., lora_request=LoRARequest(name, int_id, path))``."""
 
@@ -90,6 +92,8 @@ class LLM:
         """Stop worker processes (tensor parallelism); they also stop when the LLM is garbage
         collected or the interpreter exits."""
         self.llm_engine.executor.shutdown()
+        if self.llm_engine.step_loop is not None:  # async scheduling's forward thread
+            self.llm_engine.step_loop.shutdown()
 
     def generate(self, prompts: str | Sequence[str] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -19,7 +19,9 @@ Everything about a sequence's state (appending tokens, the stop checker, freeing
 detokenizes, and fails a step cleanly if anything inside it raises. It knows executors only by
 their contract (:mod:`labkit.engine.executor`): the real model (``ModelExecutor``), the
 simulator (``labkit.sim``) and speculative decoding (``labkit.spec``) plug in the same way.
-Detokenization is :func:`labkit.engine.detokenizer.update_text`.
+Detokenization is :func:`labkit.engine.detokenizer.update_text`. With ``async_scheduling``
+``step()`` is :class:`labkit.engine.overlap.OverlapStepLoop`'s: the same parts, with step N+1
+scheduled while step N's forward runs.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from labkit.engine.executor import Executor, ModelRunnerOutput, executor_factory
 from labkit.engine.logprobs import decode_tokens
 from labkit.engine.model_setup import load_draft, moe_experts
 from labkit.engine.outputs import StepOutput
+from labkit.engine.overlap import OverlapStepLoop
 from labkit.engine.sampling_params import SamplingParams
 from labkit.engine.structured_output import StructuredOutputManager
 from labkit.engine.trace import Trace, TraceObserver
@@ -83,6 +86,8 @@ class LLMEngine:
         self.num_steps = 0
         self.trace = Trace(config.trace_meta(executor.name))
         self.observer = TraceObserver(self.trace, executor.real_tokens)
+        # async scheduling: step() overlaps the CPU work with the forward (engine/overlap.py)
+        self.step_loop = OverlapStepLoop(self) if config.scheduler.async_scheduling else None
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer: Any = None, **kw: Any) -> LLMEngine:
@@ -226,7 +231,8 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or \
+            (self.step_loop is not None and self.step_loop.has_pending())
 
     def forget_finished(self, request_ids: list[str] | None = None) -> int:
         """Drop finished requests (all of them, or those of ``request_ids``) from
@@ -249,6 +255,8 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        if self.step_loop is not None:
+            return self.step_loop.step()
         t0 = self.clock.now()
         out = self.scheduler.schedule()
         if out.is_empty and not out.preempted:

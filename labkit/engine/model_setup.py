@@ -52,14 +52,7 @@ def step_cures(model: torch.nn.Module, settings: dict[str, Any], fused: bool, co
     (tensor parallelism) and LoRA's per-step adapter state are refused by name."""
     if not (fused or compile):
         return None
-    what = " and ".join(n for n, on in (("fused=True", fused), ("compile=True", compile)) if on)
-    if settings.get("tensor_parallel_size", 1) != 1 or \
-            settings.get("distributed_executor_backend") is not None:
-        raise EngineConfigError(f"{what} transforms the model in this process; tensor-parallel "
-                                "workers load and run their own slices unchanged")
-    if compile and settings.get("enable_lora"):
-        raise EngineConfigError("compile=True with enable_lora: the adapters' per-step token "
-                                "mapping is state a compiled graph would guard on every step")
+    check_step_cures(settings, fused, compile)
     if fused:
         from labkit.model.fuse import fuse_model
 
@@ -70,6 +63,21 @@ def step_cures(model: torch.nn.Module, settings: dict[str, Any], fused: bool, co
     from labkit.engine.piecewise import CAPTURE_SIZES, compile_model
 
     return compile_model(model, tuple(capture_sizes or CAPTURE_SIZES))
+
+
+def check_step_cures(settings: dict[str, Any], fused: bool, compile: bool) -> None:
+    """Refuse, before a model is loaded or changed, cures the other settings cannot run with
+    (``labkit serve --fused / --compile`` checks its flags with this at start)."""
+    if not (fused or compile):
+        return
+    what = " and ".join(n for n, on in (("fused=True", fused), ("compile=True", compile)) if on)
+    if (settings.get("tensor_parallel_size") or 1) != 1 or \
+            settings.get("distributed_executor_backend") is not None:
+        raise EngineConfigError(f"{what} transforms the model in this process; tensor-parallel "
+                                "workers load and run their own slices unchanged")
+    if compile and settings.get("enable_lora"):
+        raise EngineConfigError("compile=True with enable_lora: the adapters' per-step token "
+                                "mapping is state a compiled graph would guard on every step")
 
 
 def _kernel_norm(kernel: Any, norm: torch.nn.Module, x: torch.Tensor,

@@ -180,7 +180,9 @@ class StepProfiler:
                     h.remove()
                 cur.phases["other"] = max(0.0, cur.wall - sum(cur.phases.values()))
                 cur.phases_cpu["other"] = max(0.0, cur.cpu - sum(cur.phases_cpu.values()))
-            if outs or cur.num_tokens:  # an idle step (nothing scheduled) is not a step
+            # an idle step (nothing scheduled) is not a step; nor is async scheduling's last
+            # call, which only returns the step before it (no forward ran: num_tokens 0)
+            if cur.num_tokens or (outs and self._model is None):
                 self.steps.append(cur)
                 self._num_steps += 1
             return outs

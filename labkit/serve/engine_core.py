@@ -76,8 +76,10 @@ def build_engine(model: str, *, tokenizer: Any = None, dtype: str | None = None,
     import torch
 
     from labkit.engine.llm_engine import LLMEngine
+    from labkit.engine.model_setup import step_cures
     from labkit.model.loader import open_checkpoint
     from labkit.serve.engine_flags import (
+        STEP_CURES,
         check_features,
         fold_kv_offload,
         fold_kv_role,
@@ -89,10 +91,12 @@ def build_engine(model: str, *, tokenizer: Any = None, dtype: str | None = None,
     fold_kv_offload(kw)  # --kv-offload-* -> kv_transfer_config
     fold_kv_role(kw, model)  # --kv-role / --kv-transfer-port -> the p2p connector
     quantization = kw.pop("quantization", None)
+    fused, compile = (bool(kw.pop(k, False)) for k in STEP_CURES)
     if kw.get("tensor_parallel_size", 1) > 1:  # the worker processes read their own slices
         m, tok = open_checkpoint(model, getattr(torch, dtype) if dtype else None, device)
     else:
         m, tok = load_for_serving(model, quantization, dtype, device)
+    step_cures(m, kw, fused, compile)  # --fused / --compile, as LLM(fused=, compile=)
     eng = LLMEngine.from_model(m, tokenizer or tok, name=str(model), **kw)
     return eng, tokenizer or tok, chat_template_for(model)
 

@@ -8,6 +8,10 @@
     --attention-backend torch|triton   the paged-attention implementation
     --enable-prefix-caching / --no-enable-prefix-caching
     --seed S                           seeds for unseeded requests (not an engine setting)
+    --fused, --compile                 the step cures of ``LLM(fused=True, compile=True)``
+                                       (``engine/model_setup.py``'s ``step_cures``)
+    --async-scheduling                 schedule step N+1 while step N's forward runs
+                                       (``engine/overlap.py``)
     --kv-transfer-config JSON          a KV connector, e.g. '{"kv_connector": "offloading",
                                        "kv_connector_extra_config": {"cpu_bytes": 1073741824}}'
     --kv-offload-cpu-bytes N, --kv-offload-dir DIR, --kv-offload-disk-bytes N
@@ -46,7 +50,9 @@ KV_ROLE_FLAGS = {"prefill": "kv_producer", "decode": "kv_consumer"}  # flag -> v
 FEATURE_FLAGS = ("quantization", "speculative_config", "kv_cache_dtype", "attention_backend",
                  "enable_prefix_caching", "kv_transfer_config", *KV_OFFLOAD_FLAGS,
                  "kv_role", "kv_transfer_port",
-                 "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
+                 "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
+                 "fused", "compile", "async_scheduling")
+STEP_CURES = ("fused", "compile")  # change the model before the engine is built, not settings
 LORA_SIZES = ("max_loras", "max_lora_rank", "max_cpu_loras")
 
 
@@ -95,6 +101,13 @@ def add_feature_args(p: argparse.ArgumentParser) -> None:
                        ("max-lora-rank", "the highest adapter rank served"),
                        ("max-cpu-loras", "adapters kept loaded in the CPU cache (LRU)")):
         p.add_argument(f"--{name}", type=int, default=None, metavar="N", help=help)
+    p.add_argument("--fused", action="store_true", default=None,
+                   help="fuse q|k|v, gate|up, the residual adds into the norms, the rotary table")
+    p.add_argument("--compile", action="store_true", default=None,
+                   help="compile the forward piecewise around attention (inductor)")
+    p.add_argument("--async-scheduling", action="store_true", default=None,
+                   help="schedule the next step and detokenise the last while a forward runs "
+                   "(vLLM's flag)")
     p.add_argument("--seed", type=int, default=None,
                    help="requests without a seed get one from a generator seeded with this, "
                    "in arrival order (labkit/serve/model_card.py)")
@@ -169,6 +182,9 @@ def check_features(model: str, kw: dict[str, Any]) -> None:
     folded = dict(kw)
     fold_kv_offload(folded)  # raises on --kv-offload-* with --kv-transfer-config
     fold_kv_role(folded, model)
+    from labkit.engine.model_setup import check_step_cures
+
+    check_step_cures(kw, bool(kw.get("fused")), bool(kw.get("compile")))
     sizes = sorted(k for k in LORA_SIZES if kw.get(k) is not None)
     if sizes and not kw.get("enable_lora"):
         raise ValueError(f"{['--' + k.replace('_', '-') for k in sizes]} only apply with "

@@ -11,7 +11,7 @@ import pytest
 from labkit.bench import BENCHMARKS, step
 from labkit.engine.profiler import PHASES
 
-pytestmark = pytest.mark.slow  # two inductor compiles and two fresh interpreters: ~60 s
+pytestmark = pytest.mark.slow  # three inductor compiles and two fresh interpreters: ~90 s
 
 
 def test_quick_run_writes_every_variant_side_by_side(tmp_path, tiny_ckpt):
@@ -23,6 +23,8 @@ def test_quick_run_writes_every_variant_side_by_side(tmp_path, tiny_ckpt):
             "llama_cpp", "startup", "environment"} <= set(d)
     assert len(d["loadavg_at_start"]) == 3 and "load_average_at_start" in d["environment"]
     assert d["outputs_match"] is True and d["mismatches"] == []
+    # the overlap variants (async scheduling) are measured and checked against eager too
+    assert {"overlap", "all"} <= set(d["config"]["variants"]) == set(step.VARIANTS)
     batches = step.QUICK["batches"]
     assert sorted((r["variant"], r["batch"]) for r in d["rows"]) == \
         sorted((v, b) for v in step.VARIANTS for b in batches)
@@ -34,7 +36,7 @@ def test_quick_run_writes_every_variant_side_by_side(tmp_path, tiny_ckpt):
     assert set(d["ratios"]) == {f"batch {b}" for b in batches}
     for rs in d["ratios"].values():
         assert set(rs) == set(step.VARIANTS) - {"eager"} and all(x > 0 for x in rs.values())
-    for name in ("compiled", "fused+compiled"):
+    for name in ("compiled", "fused+compiled", "all"):
         c = d["compile"][name]
         # compiled here, or (a machine without a C++ compiler) a named reason
         assert (c["compiled"] and list(c["compile_s"]) == [str(b) for b in batches]) or \

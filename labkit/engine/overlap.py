@@ -1,0 +1,165 @@
+"""Async scheduling (``LLM(..., async_scheduling=True)``): hide the CPU work between forwards.
+
+Why: at small batch a decode step's forward is short, and the Python around it -- scheduling,
+packing, booking tokens, detokenising -- is pure overhead the accelerator (or, on a CPU, the
+BLAS threads) waits through. SGLang's zero-overhead (overlap) scheduler and vLLM's async
+scheduling (``--async-scheduling``) run that work *while* the forward runs. Here the forward of
+step N runs on a worker thread (torch releases the GIL inside its ops, so on a CPU too the main
+thread's Python really runs beside it) and, meanwhile, the main thread
+
+1. detokenises and builds the outputs of step N-1 (booked at the end of the previous call), and
+2. schedules step N+1, assuming every sequence of step N gets exactly one token: placeholders
+   stand for those tokens (:mod:`labkit.sched.lookahead`) and are replaced by the real ones when
+   N's sampling is done, before N+1's inputs are packed.
+
+What it costs: one step of lookahead. A sequence that finishes in step N (EOS, ``max_tokens``,
+a stop string) already holds a slot in N+1; that slot is discarded before N+1 runs, and a
+request waiting for the finished one's room is admitted a step later. Outputs come out one
+``step()`` later than the synchronous engine's (step N's tokens are returned by the call that
+runs N+1), and a step where the next ``schedule()`` could preempt runs synchronously (preemption
+cannot be decided on a guess). Greedy tokens are the synchronous engine's, token for token.
+
+The loop knows the engine's parts only by their contracts: ``Executor.execute`` on the worker,
+a ``ModelRunner`` step hook (entered once the step's inputs are packed, so the main thread
+changes block tables and token lists only after the worker has copied them), and the
+scheduler's ``schedule`` / ``update_from_output``. ``LLMEngine.step`` hands each call here.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+from labkit.engine.executor import ModelRunnerOutput
+from labkit.engine.outputs import StepOutput
+from labkit.errors import AsyncSchedulingError
+from labkit.sched.lookahead import Lookahead, advance, may_preempt, prune, settle
+from labkit.sched.output import SchedulerOutput, SeqOutput
+
+
+class OverlapStepLoop:
+    """``LLMEngine.step`` with async scheduling: each call runs one forward and returns the
+    outputs of the step before it (see the module doc)."""
+
+    def __init__(self, engine: Any) -> None:  # the LLMEngine (no import: it imports this)
+        runner = getattr(engine.executor, "runner", None)
+        if runner is None or not hasattr(runner, "step_hooks"):
+            raise AsyncSchedulingError(
+                f"async_scheduling needs the model executor's forward to overlap; "
+                f"{type(engine.executor).__name__} has none (the simulator)")
+        self.engine = engine
+        self._packed = threading.Event()  # set once the worker has packed the step's inputs
+        runner.step_hooks.append(self._on_packed)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="labkit-forward")
+        self._next: SchedulerOutput | None = None  # step N+1, scheduled, blocks allocated
+        self._booked: list[tuple[list[SeqOutput], ModelRunnerOutput]] = []  # to detokenise
+        self._ready: list[StepOutput] = []  # detokenised, not yet returned (a failed step)
+
+    @contextmanager
+    def _on_packed(self, owners: Any, query_lens: list[int]) -> Any:
+        self._packed.set()
+        yield
+
+    def has_pending(self) -> bool:
+        """Booked outputs not yet returned, or a prepared step: the engine is not done."""
+        return bool(self._booked or self._ready) or self._next is not None
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    # ---- one call ---------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        eng = self.engine
+        t0 = eng.clock.now()
+        out = self._take_next()
+        if out.is_empty and not out.preempted:
+            ready = self._detokenize()
+            eng._idle(out, t0)
+            return ready
+        try:
+            eng.executor.apply_block_ops(out.block_ops)
+            self._packed.clear()
+            fut = self._pool.submit(self._forward, out)
+        except BaseException as exc:
+            eng._fail_step(out, t0, exc)
+            raise
+        ready, seq_outputs, result, t1 = self._overlap(out, fut, t0)
+        eng.num_steps += 1
+        self._booked.append((seq_outputs, result))
+        appended = {o.seq.seq_id: o.new_token_ids for o in seq_outputs}
+        eng.observer.on_step(eng.scheduler, out, t0, t1 - t0, appended, result.spec_records,
+                             result.collectives)
+        return ready
+
+    def _forward(self, out: SchedulerOutput) -> tuple[ModelRunnerOutput, float]:
+        try:
+            result = self.engine.executor.execute(out)
+            return result, self.engine.clock.now()
+        finally:
+            self._packed.set()  # a step with nothing to pack never enters the hook
+
+    def _overlap(self, out: SchedulerOutput, fut: Future, t0: float
+                 ) -> tuple[list[StepOutput], list[SeqOutput], ModelRunnerOutput, float]:
+        """While ``out``'s forward runs: detokenise the previous step, schedule the next; then
+        book ``out``'s tokens. A failure on either side waits for the worker, then fails the
+        step (its requests and the prepared step's are aborted)."""
+        ahead, ready, error = None, [], None
+        try:
+            self._packed.wait()
+            ready = self._detokenize()
+            ahead = self._prepare(out)
+        except BaseException as exc:  # the worker still uses the KV cache: wait for it
+            error = exc
+        try:
+            result, t1 = fut.result()
+            if error is not None:
+                raise error
+            seq_outputs = settle(self.engine.scheduler, out, ahead, result.sampled_token_ids,
+                                 t1)
+            self.engine._carry_prompt_logprobs(result)  # now: the request may be forgotten
+        except BaseException as exc:
+            self._ready = ready  # returned by the next call, not lost
+            self._fail(out, ahead, t0, exc)
+            raise
+        return ready, seq_outputs, result, t1
+
+    def _prepare(self, out: SchedulerOutput) -> Lookahead | None:
+        """Schedule step N+1 on placeholders (``self._next``), unless it could preempt."""
+        sched = self.engine.scheduler
+        ahead = advance(out)
+        if may_preempt(sched):
+            ahead.undo()
+            return None
+        self._next = sched.schedule()
+        return ahead
+
+    def _take_next(self) -> SchedulerOutput:
+        nxt, self._next = self._next, None
+        if nxt is not None:
+            nxt = prune(nxt)  # finished in the step before, or aborted between calls
+            if not nxt.is_empty or nxt.preempted:
+                return nxt
+        # nothing prepared (a step that could preempt, the first step), or nothing left of
+        # it: a request waiting for the finished ones' room is admitted now
+        return self.engine.scheduler.schedule()
+
+    def _detokenize(self) -> list[StepOutput]:
+        eng = self.engine
+        ready, self._ready = self._ready, []
+        for seq_outputs, result in self._booked:
+            ready += [eng._step_output(o, result) for o in seq_outputs]
+        self._booked = []
+        return ready
+
+    def _fail(self, out: SchedulerOutput, ahead: Lookahead | None, t0: float,
+              exc: BaseException) -> None:
+        """Undo the placeholders, abort the prepared step's requests, then fail ``out`` as
+        the synchronous engine does (``LLMEngine._fail_step``: EngineStepError)."""
+        if ahead is not None:
+            ahead.undo()
+        nxt, self._next = self._next, None
+        if nxt is not None:
+            self.engine.abort(sorted({sc.seq.request_id for sc in nxt.scheduled}))
+        self.engine._fail_step(out, t0, exc)
