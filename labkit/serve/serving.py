@@ -26,6 +26,7 @@ from labkit.serve import protocol
 from labkit.serve.async_llm import RequestStream, StreamItem
 from labkit.serve.logprobs import CompletionLogprobs, chat_logprobs, vllm_prompt_logprobs
 from labkit.serve.protocol import APIError, ParsedRequest
+from labkit.serve.stream_interval import TokenBatcher
 
 
 class Timeout(Exception):
@@ -228,11 +229,18 @@ def error_for(exc: BaseException) -> APIError:
                     "server_error", None, "engine_step_failed")
 
 
-async def stream_events(call: Call, itl: Callable[[float], None] | None = None
-                        ) -> AsyncIterator[bytes]:
-    """The SSE body: chunks as the engine yields them, usage if asked, then ``[DONE]``. A step
-    failure or timeout becomes one error event (the server goes on serving the others)."""
+async def stream_events(call: Call, itl: Callable[[float], None] | None = None,
+                        interval: int = 1, encode: Callable[[Any], Any] = protocol.sse
+                        ) -> AsyncIterator[Any]:
+    """The SSE body: chunks as the engine yields them (``interval`` tokens per event, the
+    first and last of a choice never held: :mod:`labkit.serve.stream_interval`), usage if
+    asked, then ``[DONE]``. A step failure or timeout becomes one error event (the server goes
+    on serving the others). A call cancelled meanwhile (``outcome`` already ``aborted:...``)
+    ends with its choices' ``finish_reason: "abort"`` chunks and ``[DONE]``, no usage.
+    ``encode`` turns each payload (a chunk dict, or ``"[DONE]"``) into what is sent: SSE bytes,
+    or the payload itself for the WebSocket route."""
     p, kind = call.parsed, call.parsed.kind
+    batch = TokenBatcher(interval)
     ids = p.extra.get("return_token_ids", False)
     unsent = set(range(len(call.streams) * call.n)) if ids else set()  # prompt ids still owed
 
@@ -251,12 +259,16 @@ async def stream_events(call: Call, itl: Callable[[float], None] | None = None
 
     if kind == "chat":
         for c in range(len(call.streams) * call.n):
-            yield protocol.sse(with_prompt_ids(protocol.chunk(
+            yield encode(with_prompt_ids(protocol.chunk(
                 kind, call.id, p.model, call.created, c, None, None, role=True,
                 with_usage=p.include_usage, use=use(c)), c))
     try:
         async for i, item in merged(call):
-            for c, text, toks, reason, lps in account(call, i, item, itl):
+            for delta in account(call, i, item, itl):
+                merged_delta = batch.add(*delta, first=delta[0] not in call.started)
+                if merged_delta is None:
+                    continue  # held for the next event (--stream-interval)
+                c, text, toks, reason, lps = merged_delta
                 if not text and reason is None and not ((ids or lps) and toks) and \
                         not ((p.logprobs.echo or p.logprobs.prompt_k is not None)
                              and c not in call.started):
@@ -271,16 +283,15 @@ async def stream_events(call: Call, itl: Callable[[float], None] | None = None
                     where["prompt_logprobs"] = prompt_logprobs_of(call, c // call.n)
                 if ids:
                     ch["choices"][0]["token_ids"] = toks
-                yield protocol.sse(with_prompt_ids(ch, c))
-        call.outcome = "finished"
+                yield encode(with_prompt_ids(ch, c))
+        call.outcome = call.outcome or "finished"  # a cancel (outcome set) stays an abort
     except (Timeout, Exception) as e:  # noqa: BLE001 - reported to the client as an event
         err = error_for(e)
         call.outcome = f"timeout:{e.kind}" if isinstance(e, Timeout) else "aborted:step_error"
-        yield protocol.sse(err.body())
+        yield encode(err.body())
     if call.outcome == "finished" and p.include_usage:
-        yield protocol.sse(protocol.usage_chunk(kind, call.id, p.model, call.created,
-                                                call.usage))
-    yield protocol.sse("[DONE]")
+        yield encode(protocol.usage_chunk(kind, call.id, p.model, call.created, call.usage))
+    yield encode("[DONE]")
 
 
 async def collect(call: Call, itl: Callable[[float], None] | None = None) -> dict[str, Any]:
