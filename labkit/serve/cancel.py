@@ -16,10 +16,12 @@ blocks in use). Tokens of the step already running are computed and discarded.
 
 What the client of the cancelled request sees: a stream ends cleanly, each unfinished choice's
 last chunk with ``finish_reason: "abort"`` (the tokens generated so far came before it), then
-``data: [DONE]``, no usage chunk; a non-streamed request gets its partial text with
-``finish_reason: "abort"``. It is counted once in ``labkit:request_aborted_total{reason=
-"cancel"}``. An id that is unknown, already finished, or another tenant's (with ``--api-key``)
-is a 404 with OpenAI's error body; cancelling twice is a 404 the second time.
+``data: [DONE]``, no usage chunk. (A non-streamed request's id reaches its client only with
+the answer, so that client cancels by closing the connection; cancelled by id from elsewhere,
+it gets its partial text with ``finish_reason: "abort"``.) It is counted once in
+``labkit:request_aborted_total{reason="cancel"}``. An id that is unknown, already finished, or
+another tenant's (with ``--api-key``) is a 404 with OpenAI's error body; cancelling twice is a
+404 the second time.
 """
 
 from __future__ import annotations

@@ -78,6 +78,21 @@ def test_cancel_route_frees_every_block_and_ends_the_stream(server):
     assert again.status_code == 404  # finished: nothing to cancel any more
 
 
+def test_cancel_aborts_every_prompt_and_sample_of_the_request(server):
+    body = {**LONG, "prompt": ["def fib(n):", "import os\n"], "n": 2}
+    with httpx.Client(base_url=server.url, headers=H1, timeout=30) as c, \
+            c.stream("POST", "/v1/completions", json=body) as r:
+        lines = (ln for ln in r.iter_lines() if ln)
+        first = _data(next(lines))
+        ok = c.post(f"/v1/requests/{first['id']}/cancel").json()
+        assert ok["num_engine_requests"] == 2  # one per prompt, each holding n = 2 sequences
+        rest = [_data(ln) for ln in lines][:-1]
+    ends = {e["choices"][0]["index"] for e in rest if e["choices"][0]["finish_reason"]}
+    assert ends == {0, 1, 2, 3} and all(e["choices"][0]["finish_reason"] == "abort"
+                                        for e in rest if e["choices"][0]["finish_reason"])
+    idle(server)
+
+
 def test_unknown_id_is_404_with_an_openai_error(server):
     r = httpx.post(server.url + "/v1/requests/cmpl-nope/cancel", headers=H1)
     assert r.status_code == 404
@@ -127,6 +142,13 @@ def test_websocket_refusal_closes_with_4000_plus_status(server):
             ws.recv(timeout=10)
     assert err["error"]["param"] == "max_tokens"
     assert ws.close_code == 4400
+    url = server.url.replace("http", "ws") + "/v1/completions/ws"
+    with connect(url, open_timeout=10) as ws:  # no key: the POST route's 401, as a close code
+        ws.send(json.dumps(LONG))
+        assert json.loads(ws.recv(timeout=10))["error"]["code"] == "invalid_api_key"
+        with pytest.raises(ConnectionClosed):
+            ws.recv(timeout=10)
+    assert ws.close_code == 4401
 
 
 def _events(url: str, body: dict) -> list[dict]:
