@@ -229,6 +229,23 @@ def error_for(exc: BaseException) -> APIError:
                     "server_error", None, "engine_step_failed")
 
 
+def _content_chunk(call: Call, delta: tuple, use: dict[str, int] | None) -> dict[str, Any]:
+    """One choice's content chunk: its text (after the echoed prompt on its first chunk), its
+    logprobs, the prompt's logprobs on its first chunk, its token ids if asked."""
+    p, (c, text, toks, reason, lps) = call.parsed, delta
+    first = c not in call.started
+    prefix, lp_obj = choice_logprobs(call, c, toks, lps)
+    ch = protocol.chunk(p.kind, call.id, p.model, call.created, c, prefix + text, reason,
+                        with_usage=p.include_usage, use=use)
+    ch["choices"][0]["logprobs"] = lp_obj
+    if first and p.logprobs.prompt_k is not None:  # with a choice's first chunk
+        where = ch if p.kind == "chat" else ch["choices"][0]
+        where["prompt_logprobs"] = prompt_logprobs_of(call, c // call.n)
+    if p.extra.get("return_token_ids", False):
+        ch["choices"][0]["token_ids"] = toks
+    return ch
+
+
 async def stream_events(call: Call, itl: Callable[[float], None] | None = None,
                         interval: int = 1, encode: Callable[[Any], Any] = protocol.sse
                         ) -> AsyncIterator[Any]:
@@ -273,16 +290,7 @@ async def stream_events(call: Call, itl: Callable[[float], None] | None = None,
                         not ((p.logprobs.echo or p.logprobs.prompt_k is not None)
                              and c not in call.started):
                     continue  # nothing a client can see yet (held-back tail, partial UTF-8)
-                first = c not in call.started
-                prefix, lp_obj = choice_logprobs(call, c, toks, lps)
-                ch = protocol.chunk(kind, call.id, p.model, call.created, c, prefix + text,
-                                    reason, with_usage=p.include_usage, use=use(c))
-                ch["choices"][0]["logprobs"] = lp_obj
-                if first and p.logprobs.prompt_k is not None:  # with a choice's first chunk
-                    where = ch if kind == "chat" else ch["choices"][0]
-                    where["prompt_logprobs"] = prompt_logprobs_of(call, c // call.n)
-                if ids:
-                    ch["choices"][0]["token_ids"] = toks
+                ch = _content_chunk(call, merged_delta, use(c))
                 yield encode(with_prompt_ids(ch, c))
         call.outcome = call.outcome or "finished"  # a cancel (outcome set) stays an abort
     except (Timeout, Exception) as e:  # noqa: BLE001 - reported to the client as an event
