@@ -19,7 +19,7 @@ Every request passes the same gates, cheapest first, and each refusal is an Open
 8. the engine's own checks (``add_request``) -> 400 with its message
 
 Only then is the request accepted; from there its outcome is exactly one of finished, aborted
-(client disconnect, step error, shutdown) or timed out, so the counters add up:
+(client disconnect, cancel by id or message, step error, shutdown) or timed out, so:
 ``accepted = finished + aborted + timed out`` (``state.counts``; in ``/metrics``,
 ``request_accepted = request_success + request_aborted`` without reason
 ``disconnect_reading_body``, timeouts being aborts of reason ``timeout``).

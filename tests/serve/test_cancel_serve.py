@@ -120,6 +120,25 @@ def test_websocket_cancel_message_aborts(server):
     assert aborted(server, "cancel") == before + 1
 
 
+def test_websocket_events_are_the_sse_events(server):
+    """The same greedy chat request over POST + SSE and over the socket: the same chunks
+    (ids and timestamps aside), the role chunk first, then the end marker."""
+    body = {"model": NAME, "messages": [{"role": "user", "content": "def fib(n):"}],
+            "max_tokens": 12, "temperature": 0, "stream": True}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=H1, timeout=30)
+    sse = [json.loads(e) for e in sse_events(r.content)[:-1]]
+    url = server.url.replace("http", "ws") + "/v1/chat/completions/ws"
+    with connect(url, additional_headers=H1, open_timeout=10) as ws:
+        ws.send(json.dumps(body))
+        msgs = [json.loads(m) for m in ws]
+    assert msgs[-1] == {"type": "done"} and ws.close_code == 1000
+    strip = [{k: v for k, v in e.items() if k not in ("id", "created")} for e in sse]
+    assert [{k: v for k, v in m.items() if k not in ("id", "created")}
+            for m in msgs[:-1]] == strip
+    assert sse[0]["choices"][0]["delta"].get("role") == "assistant" and len(sse) > 3
+    idle(server)
+
+
 def test_websocket_close_aborts(server):
     before = aborted(server, "disconnect")
     with _ws(server) as ws:
