@@ -3,6 +3,7 @@
     labkit bench ops --list
     labkit bench ops length-routing --quick --json F
     labkit bench ops hot-swap --quick --json F
+    labkit bench ops cancel --quick --json F
 
 Each experiment is its own module with the usual ``--quick`` / ``--json`` flags; this one only
 lists them and hands the rest of the command line over.
@@ -20,6 +21,7 @@ EXPERIMENTS = {  # name -> module with main(argv)
     "cold-start": "labkit.bench.ops_coldstart",
     "cpu-tuning": "labkit.bench.ops_cpu",
     "gateway": "labkit.bench.ops_gateway",
+    "cancel": "labkit.bench.ops_cancel",
 }
 
 

@@ -19,7 +19,7 @@ Every request passes the same gates, cheapest first, and each refusal is an Open
 8. the engine's own checks (``add_request``) -> 400 with its message
 
 Only then is the request accepted; from there its outcome is exactly one of finished, aborted
-(client disconnect, step error, shutdown) or timed out, so the counters add up:
+(client disconnect, cancel by id or message, step error, shutdown) or timed out, so:
 ``accepted = finished + aborted + timed out`` (``state.counts``; in ``/metrics``,
 ``request_accepted = request_success + request_aborted`` without reason
 ``disconnect_reading_body``, timeouts being aborts of reason ``timeout``).
@@ -47,11 +47,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import HTTPConnection
 
 from labkit.serve import protocol, serving
 from labkit.serve.async_llm import AsyncLLM
 from labkit.serve.body import ClientGone, ReadTimedOut, read_body
 from labkit.serve.body import peer as _peer
+from labkit.serve.cancel import LiveCalls, install_cancel_routes
 from labkit.serve.chat import chatml
 from labkit.serve.limits import Authenticator
 from labkit.serve.lora_routes import LoRARegistry, install_lora_routes
@@ -60,6 +62,7 @@ from labkit.serve.model_card import assign_seed, model_card, seeder
 from labkit.serve.protocol import APIError, bad
 from labkit.serve.structured import add_error
 from labkit.serve.weight_routes import install_weight_routes
+from labkit.serve.ws import install_ws_routes
 from labkit.utils import freeze_gc_heap
 
 log = logging.getLogger("uvicorn.error")  # the server's log: uvicorn's handler and --log-level
@@ -88,6 +91,7 @@ class ServeConfig:
     seed: int | None = None  # --seed (labkit.serve.model_card.assign_seed)
     features: dict[str, Any] = field(default_factory=dict)  # shown in /v1/models
     lora_modules: dict[str, str] = field(default_factory=dict)  # --lora-modules (lora_routes)
+    stream_interval: int = 1  # --stream-interval: tokens per SSE event (serve.stream_interval)
 
 
 class ServerState:
@@ -105,6 +109,7 @@ class ServerState:
         self.auth = Authenticator(config.api_keys, config.rate_limit_rps,
                                   config.rate_limit_tps, bucket=config.bucket)
         self.draining = False
+        self.live = LiveCalls()  # running calls by the id their client sees
         # accepted = finished + aborted + timed_out; the rest never were accepted
         self.counts = {"accepted": 0, "finished": 0, "aborted": 0, "timed_out": 0,
                        "rejected": 0, "client_gone": 0, "read_timeout": 0}
@@ -173,8 +178,10 @@ def _tokenize(state: ServerState, parsed: protocol.ParsedRequest) -> list[list[i
     return out
 
 
-async def _admit(state: ServerState, request: Request, kind: str) -> serving.Call:
-    """Run gates 1-8 and submit; returns the accepted call or raises APIError."""
+async def _admit(state: ServerState, request: HTTPConnection, kind: str,
+                 body: dict | None = None) -> serving.Call:
+    """Run gates 1-8 and submit; returns the accepted call or raises APIError. ``body``: the
+    request's JSON already read (the WebSocket route's first message), else read here."""
     cfg, m = state.config, state.metrics
     tenant = state.auth.tenant(request.headers.get("authorization"))  # V1KeyGuard checked it
     if tenant is None:
@@ -183,7 +190,8 @@ async def _admit(state: ServerState, request: Request, kind: str) -> serving.Cal
         _reject(state, "draining")
         raise APIError(503, "the server is shutting down", "server_unavailable", None,
                        "draining", _retry_after(5))
-    d = protocol.parse_json(await read_body(request, cfg.max_body_bytes))
+    d = body if body is not None else protocol.parse_json(await read_body(request,
+                                                                          cfg.max_body_bytes))
     lora = state.loras.resolve(d.get("model"))  # a served adapter's name (lora_routes)
     parsed = protocol.parse_request(d, kind, served_model=lora.lora_name if lora else
                                     cfg.model_name,
@@ -217,6 +225,7 @@ async def _admit(state: ServerState, request: Request, kind: str) -> serving.Cal
     except ValueError as e:  # add_requests aborted the ones it had added
         raise bad(*add_error(e, parsed.structured_field)) from None
     state.counts["accepted"] += 1
+    state.live.add(call, tenant)  # cancellable by its id (labkit.serve.cancel)
     parsed.extra["lora_request"] = lora
     state.loras.started(lora)
     m.accepted.labels(cfg.model_name).inc()
@@ -230,6 +239,7 @@ def _finish(state: ServerState, call: serving.Call) -> None:
     if call.outcome is None:  # the generator was cancelled (client gone) before we knew
         call.outcome = "aborted:disconnect"
     call.abort_all()
+    state.live.remove(call)
     state.loras.finished(call.parsed.extra.get("lora_request"))
     kind, _, why = call.outcome.partition(":")
     if kind == "finished":
@@ -279,7 +289,7 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
     if call.parsed.stream:
         async def body():
             try:
-                async for b in serving.stream_events(call, itl):
+                async for b in serving.stream_events(call, itl, state.config.stream_interval):
                     if call.outcome == "aborted:disconnect":
                         break
                     yield b
@@ -371,6 +381,10 @@ def build_app(llm: AsyncLLM, tokenizer: Any, config: ServeConfig | None = None,
 
     install_lora_routes(app, state.loras)
     install_weight_routes(app, llm)  # /v1/admin/update_weights (hot weight swaps)
+    install_cancel_routes(app, state, error_response)  # POST /v1/requests/{id}/cancel
+    install_ws_routes(app, lambda ws, d, kind: _admit(state, ws, kind, d),
+                      lambda call: _finish(state, call),
+                      state.metrics.itl.labels(config.model_name).observe, config.stream_interval)
 
     @app.get("/health")
     async def health() -> Response:

@@ -227,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a request's headers and body must arrive within S seconds of its "
                    "first byte (else 408 and the connection is closed; a connection that "
                    "sends nothing is closed after S seconds)")
+    p.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="tokens per SSE / WebSocket event (SGLang's flag): fewer bytes and "
+                   "syscalls per token, burstier text; a choice's first and last events are "
+                   "never held (labkit/serve/stream_interval.py)")
     add_engine_args(p)
     return p
 
@@ -241,6 +245,8 @@ def _positive(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--port must be in 1..65535, got {args.port}")
     if args.engine_threads is not None and args.engine_threads < 1:
         p.error(f"--engine-threads must be >= 1, got {args.engine_threads}")
+    if args.stream_interval < 1:
+        p.error(f"--stream-interval must be >= 1, got {args.stream_interval}")
     if args.tenant_weights and args.policy not in (None, "fair"):
         p.error(f"--tenant-weights needs --policy fair (got --policy {args.policy})")
     args.policy = args.policy or ("fair" if args.tenant_weights else "fcfs")
@@ -266,7 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       args.queue_timeout, args.request_timeout, keys, args.rate_limit_rps,
                       args.rate_limit_tps, args.max_body_bytes, drain_timeout=args.drain_timeout,
                       freeze_gc=True, request_read_timeout=args.request_read_timeout,
-                      seed=args.seed, features=features_of(args), lora_modules=lora_modules)
+                      seed=args.seed, features=features_of(args), lora_modules=lora_modules,
+                      stream_interval=args.stream_interval)
     app = build_app(llm, tok, cfg, render)
     server = DrainingServer(uvicorn_config(app, args.host, args.port, log_level="info",
                                            timeout_graceful_shutdown=5), app)

@@ -144,7 +144,8 @@ class ServerMetrics:
         self.timeouts = Counter(P + "request_timeout", "Requests dropped by a timeout, by kind "
                                 "(queue, request)", m + ["kind"], registry=r)
         self.aborts = Counter(P + "request_aborted", "Requests aborted, by reason: in the "
-                              "engine (disconnect, timeout, step_error, shutdown) or before "
+                              "engine (disconnect, cancel, timeout, step_error, shutdown) or "
+                              "before "
                               "admission, the client gone while its body was being read "
                               "(disconnect_reading_body: never accepted)", m + ["reason"],
                               registry=r)

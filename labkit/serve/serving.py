@@ -26,6 +26,7 @@ from labkit.serve import protocol
 from labkit.serve.async_llm import RequestStream, StreamItem
 from labkit.serve.logprobs import CompletionLogprobs, chat_logprobs, vllm_prompt_logprobs
 from labkit.serve.protocol import APIError, ParsedRequest
+from labkit.serve.stream_interval import TokenBatcher
 
 
 class Timeout(Exception):
@@ -228,11 +229,35 @@ def error_for(exc: BaseException) -> APIError:
                     "server_error", None, "engine_step_failed")
 
 
-async def stream_events(call: Call, itl: Callable[[float], None] | None = None
-                        ) -> AsyncIterator[bytes]:
-    """The SSE body: chunks as the engine yields them, usage if asked, then ``[DONE]``. A step
-    failure or timeout becomes one error event (the server goes on serving the others)."""
+def _content_chunk(call: Call, delta: tuple, use: dict[str, int] | None) -> dict[str, Any]:
+    """One choice's content chunk: its text (after the echoed prompt on its first chunk), its
+    logprobs, the prompt's logprobs on its first chunk, its token ids if asked."""
+    p, (c, text, toks, reason, lps) = call.parsed, delta
+    first = c not in call.started
+    prefix, lp_obj = choice_logprobs(call, c, toks, lps)
+    ch = protocol.chunk(p.kind, call.id, p.model, call.created, c, prefix + text, reason,
+                        with_usage=p.include_usage, use=use)
+    ch["choices"][0]["logprobs"] = lp_obj
+    if first and p.logprobs.prompt_k is not None:  # with a choice's first chunk
+        where = ch if p.kind == "chat" else ch["choices"][0]
+        where["prompt_logprobs"] = prompt_logprobs_of(call, c // call.n)
+    if p.extra.get("return_token_ids", False):
+        ch["choices"][0]["token_ids"] = toks
+    return ch
+
+
+async def stream_events(call: Call, itl: Callable[[float], None] | None = None,
+                        interval: int = 1, encode: Callable[[Any], Any] = protocol.sse
+                        ) -> AsyncIterator[Any]:
+    """The SSE body: chunks as the engine yields them (``interval`` tokens per event, the
+    first and last of a choice never held: :mod:`labkit.serve.stream_interval`), usage if
+    asked, then ``[DONE]``. A step failure or timeout becomes one error event (the server goes
+    on serving the others). A call cancelled meanwhile (``outcome`` already ``aborted:...``)
+    ends with its choices' ``finish_reason: "abort"`` chunks and ``[DONE]``, no usage.
+    ``encode`` turns each payload (a chunk dict, or ``"[DONE]"``) into what is sent: SSE bytes,
+    or the payload itself for the WebSocket route."""
     p, kind = call.parsed, call.parsed.kind
+    batch = TokenBatcher(interval)
     ids = p.extra.get("return_token_ids", False)
     unsent = set(range(len(call.streams) * call.n)) if ids else set()  # prompt ids still owed
 
@@ -251,36 +276,30 @@ async def stream_events(call: Call, itl: Callable[[float], None] | None = None
 
     if kind == "chat":
         for c in range(len(call.streams) * call.n):
-            yield protocol.sse(with_prompt_ids(protocol.chunk(
+            yield encode(with_prompt_ids(protocol.chunk(
                 kind, call.id, p.model, call.created, c, None, None, role=True,
                 with_usage=p.include_usage, use=use(c)), c))
     try:
         async for i, item in merged(call):
-            for c, text, toks, reason, lps in account(call, i, item, itl):
+            for delta in account(call, i, item, itl):
+                merged_delta = batch.add(*delta, first=delta[0] not in call.started)
+                if merged_delta is None:
+                    continue  # held for the next event (--stream-interval)
+                c, text, toks, reason, lps = merged_delta
                 if not text and reason is None and not ((ids or lps) and toks) and \
                         not ((p.logprobs.echo or p.logprobs.prompt_k is not None)
                              and c not in call.started):
                     continue  # nothing a client can see yet (held-back tail, partial UTF-8)
-                first = c not in call.started
-                prefix, lp_obj = choice_logprobs(call, c, toks, lps)
-                ch = protocol.chunk(kind, call.id, p.model, call.created, c, prefix + text,
-                                    reason, with_usage=p.include_usage, use=use(c))
-                ch["choices"][0]["logprobs"] = lp_obj
-                if first and p.logprobs.prompt_k is not None:  # with a choice's first chunk
-                    where = ch if kind == "chat" else ch["choices"][0]
-                    where["prompt_logprobs"] = prompt_logprobs_of(call, c // call.n)
-                if ids:
-                    ch["choices"][0]["token_ids"] = toks
-                yield protocol.sse(with_prompt_ids(ch, c))
-        call.outcome = "finished"
+                ch = _content_chunk(call, merged_delta, use(c))
+                yield encode(with_prompt_ids(ch, c))
+        call.outcome = call.outcome or "finished"  # a cancel (outcome set) stays an abort
     except (Timeout, Exception) as e:  # noqa: BLE001 - reported to the client as an event
         err = error_for(e)
         call.outcome = f"timeout:{e.kind}" if isinstance(e, Timeout) else "aborted:step_error"
-        yield protocol.sse(err.body())
+        yield encode(err.body())
     if call.outcome == "finished" and p.include_usage:
-        yield protocol.sse(protocol.usage_chunk(kind, call.id, p.model, call.created,
-                                                call.usage))
-    yield protocol.sse("[DONE]")
+        yield encode(protocol.usage_chunk(kind, call.id, p.model, call.created, call.usage))
+    yield encode("[DONE]")
 
 
 async def collect(call: Call, itl: Callable[[float], None] | None = None) -> dict[str, Any]:

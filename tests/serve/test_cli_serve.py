@@ -70,7 +70,7 @@ def test_labkit_serve_bad_arguments_exit_2(capsys):
 
     for argv in (["no-such-model"], ["labkit-tiny", "--max-waiting", "0"],
                  ["labkit-tiny", "--policy", "lottery", "--num-blocks", "8"],
-                 ["labkit-tiny", "--api-key", ":bob"]):
+                 ["labkit-tiny", "--api-key", ":bob"], ["labkit-tiny", "--stream-interval", "0"]):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2, argv
