@@ -24,6 +24,7 @@ from dataclasses import replace
 
 from labkit.exercises.drills_core import CORE, Drill
 from labkit.exercises.drills_deploy import DEPLOY
+from labkit.exercises.drills_lab import measure_line
 from labkit.exercises.drills_models import MODELS
 from labkit.exercises.drills_scale import SCALE
 from labkit.exercises.drills_serving import SERVING
@@ -220,6 +221,9 @@ def format_drill(drill: Drill, *, show_answer: bool = True, output: str | None =
     if output:
         lines.append("   " + out_label)
         lines.extend("     " + line for line in output.rstrip().splitlines())
+    measure = measure_line(drill.id, texts[0][0])
+    if measure and show_answer:
+        lines.append("   " + measure)
     return "\n".join(lines)
 
 

@@ -698,3 +698,26 @@ def test_bitsandbytes_nf4_defaults():
     assert state.blocksize == 64
     assert inspect.signature(Linear4bit).parameters["compress_statistics"].default is True
     assert "Blocks of 64" in next(x for x in DRILLS if x.id == "quant-nf4").answer
+
+
+def test_drills_the_lab_measures_point_at_registered_experiments():
+    """Every "measure it" names a drill that exists, an experiment ``labkit bench ops`` runs and
+    a notebook section that exists; the line is printed with the answer, in both languages."""
+    import re
+
+    from labkit.bench.ops import EXPERIMENTS as OPS
+    from labkit.exercises.drills import DRILLS, format_drill
+    from labkit.exercises.drills_lab import EXPERIMENTS
+    from labkit.paths import REPO_ROOT
+
+    by_id = {d.id: d for d in DRILLS}
+    for drill_id, (cmd, where) in EXPERIMENTS.items():
+        assert drill_id in by_id, drill_id
+        name = cmd.removeprefix("labkit bench ops ")
+        assert name in OPS, cmd
+        nb, section = where.split(" §")
+        text = (REPO_ROOT / nb).read_text()
+        assert re.search(rf"## {section[0]}\. ", text), where
+        assert f"measure it: {cmd}" in format_drill(by_id[drill_id])
+        assert f"动手测: {cmd}" in format_drill(by_id[drill_id], lang="zh")
+        assert "measure it" not in format_drill(by_id[drill_id], show_answer=False)
