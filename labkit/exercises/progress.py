@@ -44,6 +44,8 @@ EXERCISES: dict[str, tuple[str, str]] = {
     "lora_slots": ("15_lora_batching", "Multi-LoRA: the adapter slots' LRU, never evicting one "
                    "in use"),
     "kv_connector": ("16_kv_connector", "KV connector: matched tokens, salted keys, load targets"),
+    "mla_window": ("17_mla_and_windows",
+                   "MLA decode with absorbed weights; sliding-window block freeing"),
 }
 
 
