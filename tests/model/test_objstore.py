@@ -144,3 +144,22 @@ def test_model_flag_accepts_s3_uri_with_the_usual_endpoint_setting(s3, tmp_path,
     model, _ = load_pretrained(s3.uri)
     assert _same(model, reference)
     assert (tmp_path / "node-cache" / "models" / "tiny" / "model.safetensors").is_file()
+
+
+def test_labkit_serve_loads_an_s3_uri(s3, tmp_path, monkeypatch):
+    """``labkit serve s3://...`` with the endpoint in AWS_ENDPOINT_URL: the served greedy text
+    equals the local model's."""
+    import httpx
+
+    from labkit import LLM, SamplingParams
+    from labkit.serve.process import ServerProcess
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint_url)
+    monkeypatch.setenv("LABKIT_S3_CACHE", str(tmp_path / "serve-cache"))
+    want = LLM("labkit-tiny", dtype="float32").generate(
+        ["def f(x):"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    with ServerProcess(s3.uri, ["--dtype", "float32"]) as srv:
+        r = httpx.post(srv.url + "/v1/completions", timeout=60,
+                       json={"model": s3.uri, "prompt": "def f(x):", "max_tokens": 8,
+                             "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
