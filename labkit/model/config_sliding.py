@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from labkit.errors import ConfigError
+from labkit.errors import ArchitectureUnsupportedError, ConfigError
 from labkit.model.rope import rope_type
 
 SLIDING_ARCHITECTURES = ("GptOssForCausalLM", "Gemma3ForCausalLM")
@@ -103,3 +103,17 @@ def _gemma3_fields(d: dict[str, Any]) -> dict[str, Any]:
                 sliding_window=d.get("sliding_window", 4096),
                 rope_theta=float(full.get("rope_theta", d.get("rope_theta", 1e6))),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", True)))
+
+
+_WHY = {"GptOssForCausalLM": "per-head attention sinks and biased, interleaved MoE experts",
+        "Gemma3ForCausalLM": "sandwich norms, GeGLU, scaled embeddings and per-layer rope bases"}
+
+
+def refuse_family(config: object, feature: str) -> None:
+    """Raise :class:`~labkit.errors.ArchitectureUnsupportedError` if ``config`` is gpt-oss's or
+    Gemma 3's: the guard of features that assume Llama's layer (fused add + norm, piecewise
+    compilation, tensor-parallel slicing; :func:`labkit.model.moe.refuse_moe` calls it for
+    quantization, GGUF export, pruning, EAGLE and the lean draft)."""
+    arch = getattr(config, "architecture", None)
+    if arch in _WHY and (getattr(config, "gpt_oss", None) or getattr(config, "gemma3", None)):
+        raise ArchitectureUnsupportedError(feature, arch, _WHY[arch])

@@ -228,7 +228,9 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The whole model. ``forward`` returns logits; see the module docstring for the cache."""
+    """The whole model. ``forward`` returns logits; see the module docstring for the cache.
+    An architecture whose decoder differs beyond the layer registries (Gemma 3) subclasses it
+    and registers in :data:`CAUSAL_LM_CLASSES`; loaders build :func:`causal_lm_class`."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -285,3 +287,13 @@ class LlamaForCausalLM(nn.Module):
         if logits_indices is not None:
             x = x.reshape(B * T, -1)[logits_indices]
         return self.lm_head(x)
+
+
+# architecture -> its causal-LM class, for those that are not LlamaForCausalLM (Gemma 3,
+# labkit.model.gemma3, registers itself); the checkpoint loaders build causal_lm_class(config)
+CAUSAL_LM_CLASSES: dict[str, type[LlamaForCausalLM]] = {}
+
+
+def causal_lm_class(config: ModelConfig) -> type[LlamaForCausalLM]:
+    """The class that builds a model of ``config.architecture``."""
+    return CAUSAL_LM_CLASSES.get(config.architecture, LlamaForCausalLM)

@@ -46,6 +46,7 @@ from torch import nn
 
 from labkit.errors import MoEUnsupportedError
 from labkit.model.config import ModelConfig
+from labkit.model.config_sliding import refuse_family
 from labkit.model.layers import register_mlp
 from labkit.model.llama import MLP
 from labkit.model.mla import refuse_mla
@@ -251,3 +252,4 @@ def refuse_moe(config: ModelConfig, feature: str) -> None:
     layers = config.moe_layers if hasattr(config, "moe_layers") else []
     if layers:
         raise MoEUnsupportedError(feature, config.architecture, layers)
+    refuse_family(config, feature)  # Gemma 3's layer is not Llama's
