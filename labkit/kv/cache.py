@@ -173,8 +173,14 @@ class PagedKVCache:
     def for_model(cls, model_config: object, cache: CacheConfig, dtype: torch.dtype,
                   device: torch.device | str, backend: AttentionBackend | None = None
                   ) -> PagedKVCache:
-        """The pool ``cache`` describes (its num_blocks resolved) for a model's shapes."""
+        """The pool ``cache`` describes (its num_blocks resolved) for a model's shapes. A model
+        with attention sinks (gpt-oss) needs the torch backend: refused here, before a step."""
         c = model_config
+        name = (backend or TorchBackend()).name
+        if getattr(c, "attention_sinks", False) and name != "torch":
+            raise ValueError(f"attention sinks (gpt-oss) are implemented by the 'torch' "
+                             f"attention backend only, not {name!r}; use "
+                             "attention_backend='torch'")
         return cls(c.num_hidden_layers, cache.num_blocks, cache.block_size,
                    c.num_key_value_heads, c.head_dim, dtype, device, backend,
                    cache.num_cpu_blocks, layer_sliding_windows(c), cache.kv_cache_dtype,
