@@ -189,8 +189,8 @@ def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
 def routing(model: nn.Module) -> dict[int, RoutingRecord]:
     """Layer index -> the routing of that MoE layer's last forward (layers not run yet, and
     dense layers, are absent). The tensors are the forward's own, not copies."""
-    return {b.layer_idx: b.last_routing for b in moe_blocks(model)
-            if b.last_routing is not None}
+    return {m.layer_idx: m.last_routing for m in model.modules()  # any router's record:
+            if getattr(m, "last_routing", None) is not None}  # also gpt-oss's GptOssMoE
 
 
 def expert_load(model: nn.Module) -> dict[int, list[int]]:

@@ -125,6 +125,10 @@ def test_engine_greedy_equals_transformers(checkpoint, prompts):
     assert any(x["chunked"] for x in sched)
     assert any({x["phase"] for x in s["scheduled"]} == {"prefill", "decode"}
                for s in eng.trace.steps)
+    loads = [st["expert_load"] for st in eng.trace.steps if "expert_load" in st]
+    assert loads and all(len(st) == 4 and all(sum(row) % 2 == 0 for row in st) for st in loads)
+    assert sum(sum(row) for row in loads[0]) == 4 * 2 * sum(  # layers x top-2 x tokens
+        x["num_tokens"] for x in eng.trace.steps[0]["scheduled"])
 
 
 def test_refusals(checkpoint):
