@@ -15,6 +15,7 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 import labkit
 from labkit.engine.invariants import assert_no_leaks
+from labkit.engine.piecewise import cannot_compile
 from labkit.engine.llm import LLM
 from labkit.engine.sampling_params import SamplingParams
 from labkit.errors import ArchitectureUnsupportedError, ConfigError
@@ -105,6 +106,8 @@ def test_engine_greedy_equals_transformers(checkpoint, prompts):
     assert eng.stats()["prefix_hit_tokens"] > 0
     sched = [x for s in eng.trace.steps for x in s["scheduled"]]
     assert any(x["chunked"] for x in sched)
+    assert any({x["phase"] for x in s["scheduled"]} == {"prefill", "decode"}
+               for s in eng.trace.steps)
 
 
 def test_refusals(checkpoint):
@@ -117,6 +120,7 @@ def test_refusals(checkpoint):
             call()
     with pytest.raises(ConfigError, match="Gemma3ForCausalLM"):
         model.config.to_hf_dict()
+    assert "sandwich norms" in cannot_compile(model)  # compile=True runs it eager, says why
     d = {**Gemma3TextConfig(**BASE).to_dict(), "architectures": ["Gemma3ForCausalLM"]}
     for bad, match in [(dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
                        (dict(hidden_activation="gelu"), "hidden_activation")]:
