@@ -15,8 +15,8 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 import labkit
 from labkit.engine.invariants import assert_no_leaks
-from labkit.engine.piecewise import cannot_compile
 from labkit.engine.llm import LLM
+from labkit.engine.piecewise import cannot_compile
 from labkit.engine.sampling_params import SamplingParams
 from labkit.errors import ArchitectureUnsupportedError, ConfigError
 from labkit.model.config import ModelConfig

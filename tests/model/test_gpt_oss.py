@@ -68,7 +68,11 @@ def test_logits_config_and_parameters_equal_transformers(checkpoint):
     with torch.no_grad():
         want = ref(ids).logits
         torch.testing.assert_close(model(ids), want, atol=1e-4, rtol=1e-4)
-        for layer in model.model.layers:  # the sinks carry weight: without them it differs
+        for layer in model.model.layers:  # the clamps engage: without them it differs
+            layer.mlp.limit = 1e9
+        assert (model(ids) - want).abs().max() > 1e-3
+        for layer in model.model.layers:  # so do the sinks
+            layer.mlp.limit = BASE["swiglu_limit"]
             layer.self_attn.sinks.zero_()
         assert (model(ids) - want).abs().max() > 1e-3
     c = model.config
