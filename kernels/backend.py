@@ -22,6 +22,14 @@ from labkit.kernels.paged_prefill import paged_prefill_attention
 from labkit.kernels.reshape_and_cache import reshape_and_cache
 
 
+def _refuse_sinks(sinks: torch.Tensor | None) -> None:
+    """gpt-oss's attention sinks (labkit.model.sinks) are not in these kernels yet: refuse by
+    name rather than attend without them."""
+    if sinks is not None:
+        raise ValueError("attention sinks (gpt-oss) are implemented by the 'torch' attention "
+                         "backend only, not 'triton'; use attention_backend='torch'")
+
+
 class TritonBackend:
     """Paged attention through Triton kernels; the same methods and signatures as the torch
     backend (``labkit.kv.attention.AttentionBackend``; a test compares them)."""
@@ -37,7 +45,9 @@ class TritonBackend:
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-               meta: object = None, sliding_window: int | None = None) -> torch.Tensor:
+               meta: object = None, sliding_window: int | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        _refuse_sinks(sinks)
         return paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
                                       k_scale=k_scale, v_scale=v_scale,
                                       sliding_window=sliding_window)
@@ -46,7 +56,9 @@ class TritonBackend:
                 block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                 context_lens: torch.Tensor, scale: float,
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                meta: object = None, sliding_window: int | None = None) -> torch.Tensor:
+                meta: object = None, sliding_window: int | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        _refuse_sinks(sinks)
         # the step's metadata knows the longest chunk on the host: no device read per layer
         max_q = getattr(meta, "max_query_len", None)
         return paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc,

@@ -79,6 +79,18 @@ class MoEUnsupportedError(ValueError):
         self.architecture = architecture
 
 
+class ArchitectureUnsupportedError(ValueError):
+    """A feature written for Llama's decoder layer was asked to run on an architecture whose
+    layer differs in ways it would silently get wrong (gpt-oss's sinks, Gemma 3's sandwich
+    norms); the message names the feature, the architecture and what differs."""
+
+    def __init__(self, feature: str, architecture: str, why: str) -> None:
+        super().__init__(f"{feature} does not support {architecture} yet ({why}). Run the "
+                         f"model without {feature}.")
+        self.feature = feature
+        self.architecture = architecture
+
+
 class MLAUnsupportedError(ValueError):
     """A feature that addresses attention weights by the dense names (``q_proj``, ``k_proj``,
     ``v_proj``) or caches per-head K/V was asked to run on a latent-attention model (MLA,

@@ -89,6 +89,9 @@ def cannot_compile(model: nn.Module) -> str | None:
     if any(s != "dense" for s in specs):
         return ("mixture-of-experts layers route tokens data-dependently (top-k, per-expert "
                 "groups): they run eager")
+    if getattr(model.config, "gemma3", None) is not None:
+        return ("Gemma 3's sandwich norms are not the fused add + norm the pieces are cut at: "
+                "it runs eager")
     if model.device.type == "cpu" and cxx_compiler() is None:
         return "no C++ compiler found (inductor builds its CPU kernels with one; set $CXX)"
     if model.device.type == "cuda":

@@ -31,6 +31,7 @@ from labkit.kv.backends import registered_backends
 from labkit.kv.metadata import AttentionMetadata
 from labkit.kv.mla import mla_decode_absorbed
 from labkit.kv.ops import gather_blocks, quantize_kv_per_head
+from labkit.model.sinks import attention_with_sinks
 
 
 class AttentionBackend(Protocol):
@@ -40,7 +41,9 @@ class AttentionBackend(Protocol):
     them, attention reads them. ``meta`` is the step's AttentionMetadata (built once per step), for
     per-step plans a backend caches in ``meta.scratch``. ``sliding_window`` limits how far back a
     query sees; the paged cache passes each layer's own (the model's layer specs: every layer for
-    Mistral, some for Qwen2 / ``layer_types``), None for full attention. Both backends take it."""
+    Mistral, some for Qwen2 / ``layer_types``), None for full attention. Both backends take it.
+    ``sinks`` [Hq] (gpt-oss's per-head sink logits, :mod:`labkit.model.sinks`) join each
+    softmax's denominator; the torch backend implements them, the Triton one refuses them."""
 
     name: str
 
@@ -54,14 +57,16 @@ class AttentionBackend(Protocol):
                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                meta: AttentionMetadata | None = None,
-               sliding_window: int | None = None) -> torch.Tensor: ...
+               sliding_window: int | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                 context_lens: torch.Tensor, scale: float,
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                 meta: AttentionMetadata | None = None,
-                sliding_window: int | None = None) -> torch.Tensor: ...
+                sliding_window: int | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def mla_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                    block_tables: torch.Tensor, context_lens: torch.Tensor, w_uk: torch.Tensor,
@@ -186,33 +191,39 @@ class TorchBackend:
     @staticmethod
     def _attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, mask: torch.Tensor, scale: float,
-                    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor:
+                    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
         """One query per sequence: q [B,Hq,D] over the gathered keys, mask [B,S]."""
         B, Hq, D = q.shape
         k = gather_blocks(k_cache, block_tables, k_scale, q.dtype)  # [B,S,Hkv,D]
         v = gather_blocks(v_cache, block_tables, v_scale, q.dtype)
-        out = F.scaled_dot_product_attention(
-            q.float()[:, :, None], k.float().transpose(1, 2), v.float().transpose(1, 2),
-            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)  # [B,Hq,1,D]
-        return out.reshape(B, Hq, D).to(q.dtype)
+        args = (q.float()[:, :, None], k.float().transpose(1, 2), v.float().transpose(1, 2))
+        if sinks is not None:
+            out = attention_with_sinks(*args, mask[:, None, None, :], scale, sinks)
+        else:
+            out = F.scaled_dot_product_attention(
+                *args, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+        return out.reshape(B, Hq, D).to(q.dtype)  # out [B,Hq,1,D]
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                meta: AttentionMetadata | None = None,
-               sliding_window: int | None = None) -> torch.Tensor:
+               sliding_window: int | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         S = block_tables.shape[1] * k_cache.shape[1]
         mask = _cached(meta, ("decode_mask", sliding_window),
                        lambda: _decode_mask(context_lens, S, sliding_window))
         bt = _cached(meta, ("bt_long",), block_tables.long)
-        return self._attend_one(q, k_cache, v_cache, bt, mask, scale, k_scale, v_scale)
+        return self._attend_one(q, k_cache, v_cache, bt, mask, scale, k_scale, v_scale, sinks)
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                 context_lens: torch.Tensor, scale: float,
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                 meta: AttentionMetadata | None = None,
-                sliding_window: int | None = None) -> torch.Tensor:
+                sliding_window: int | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Varlen causal attention over the cache. Single-token queries take the decode path;
         the multi-token chunks are padded to the longest one and masked."""
         N, Hq, D = q.shape
@@ -221,31 +232,35 @@ class TorchBackend:
         if plan.dense:  # e.g. a verify pass where every sequence scores γ+1 tokens
             qp = q.view(plan.num_multi, plan.max_q, Hq, D)
             return self._attend_multi(qp, k_cache, v_cache, plan, scale, k_scale,
-                                      v_scale).reshape(N, Hq, D)
+                                      v_scale, sinks).reshape(N, Hq, D)
         out = torch.empty_like(q)
         if plan.single_tok is not None:
             out[plan.single_tok] = self._attend_one(q[plan.single_tok], k_cache, v_cache,
                                                     plan.single_bt, plan.single_mask, scale,
-                                                    k_scale, v_scale)
+                                                    k_scale, v_scale, sinks)
         if plan.num_multi:
             B, Tq = plan.num_multi, plan.max_q
             qp = q.new_zeros(B * Tq, Hq, D)
             qp[plan.flat] = q[plan.tok]
             o = self._attend_multi(qp.view(B, Tq, Hq, D), k_cache, v_cache, plan, scale,
-                                   k_scale, v_scale)
+                                   k_scale, v_scale, sinks)
             out[plan.tok] = o.reshape(B * Tq, Hq, D)[plan.flat]
         return out
 
     @staticmethod
     def _attend_multi(qp: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       plan: _PrefillPlan, scale: float, k_scale: torch.Tensor | None,
-                      v_scale: torch.Tensor | None) -> torch.Tensor:
+                      v_scale: torch.Tensor | None, sinks: torch.Tensor | None = None
+                      ) -> torch.Tensor:
         """Padded chunks qp [B,Tq,Hq,D] over their sequences' gathered keys."""
         k = gather_blocks(k_cache, plan.multi_bt, k_scale, qp.dtype)
         v = gather_blocks(v_cache, plan.multi_bt, v_scale, qp.dtype)
-        o = F.scaled_dot_product_attention(
-            qp.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2),
-            attn_mask=plan.mask[:, None], scale=scale, enable_gqa=True)  # [B,Hq,Tq,D]
+        args = (qp.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2))
+        if sinks is not None:
+            o = attention_with_sinks(*args, plan.mask[:, None], scale, sinks)
+        else:
+            o = F.scaled_dot_product_attention(*args, attn_mask=plan.mask[:, None], scale=scale,
+                                               enable_gqa=True)  # [B,Hq,Tq,D]
         return o.transpose(1, 2).to(qp.dtype)
 
     def mla_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,

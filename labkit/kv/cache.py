@@ -173,8 +173,14 @@ class PagedKVCache:
     def for_model(cls, model_config: object, cache: CacheConfig, dtype: torch.dtype,
                   device: torch.device | str, backend: AttentionBackend | None = None
                   ) -> PagedKVCache:
-        """The pool ``cache`` describes (its num_blocks resolved) for a model's shapes."""
+        """The pool ``cache`` describes (its num_blocks resolved) for a model's shapes. A model
+        with attention sinks (gpt-oss) needs the torch backend: refused here, before a step."""
         c = model_config
+        name = (backend or TorchBackend()).name
+        if getattr(c, "attention_sinks", False) and name != "torch":
+            raise ValueError(f"attention sinks (gpt-oss) are implemented by the 'torch' "
+                             f"attention backend only, not {name!r}; use "
+                             "attention_backend='torch'")
         return cls(c.num_hidden_layers, cache.num_blocks, cache.block_size,
                    c.num_key_value_heads, c.head_dim, dtype, device, backend,
                    cache.num_cpu_blocks, layer_sliding_windows(c), cache.kv_cache_dtype,
@@ -187,8 +193,12 @@ class PagedKVCache:
         self.meta = build_attention_metadata(slots, block_tables, query_lens, context_lens, dev)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
-        """The model's hook: store this layer's new K/V in their slots, attend over the cache."""
+               positions: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's hook: store this layer's new K/V in their slots, attend over the cache.
+
+        ``sinks`` [Hq] (a gpt-oss layer's sink logits, :mod:`labkit.model.sinks`) is the one
+        per-layer value the layer hands over with its q/k/v: nothing is cached for it, the
+        backend adds it to every softmax's denominator (the torch backend; Triton refuses)."""
         m, be = self.meta, self.backend
         kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
         ks = self.k_scales[layer_idx] if self.k_scales else None
@@ -196,6 +206,8 @@ class PagedKVCache:
         kw = {"k_scale": ks, "v_scale": vs, "meta": m}
         be.reshape_and_cache(k[0], v[0], kc, vc, m.slot_mapping, **kw)
         kw["sliding_window"] = self.sliding_windows[layer_idx]
+        if sinks is not None:
+            kw["sinks"] = sinks
         if m.decode_only:
             out = be.decode(q[0], kc, vc, m.block_tables, m.context_lens, self.scale, **kw)
         else:

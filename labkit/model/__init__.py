@@ -5,11 +5,14 @@ layer layout that builds each layer from its spec (``layers``), the Llama-family
 ``kv_cache.attend`` hook (``llama``), sampling filters (``sampling``), the reference
 ``generate`` with a contiguous cache that every engine path is compared with (``generate``),
 checkpoint loading (``loader``) and the tokenizer (``tokenizer``). The sparse mixture-of-experts
-MLP (``moe``), DeepSeek's latent attention (``mla``) and DeepSeekMoE (``deepseek_moe``)
-register themselves with the layer layout when this package is imported."""
+MLP (``moe``), DeepSeek's latent attention (``mla``), DeepSeekMoE (``deepseek_moe``),
+gpt-oss's clamped-SwiGLU MoE (``gpt_oss``) and Gemma 3's causal LM (``gemma3``, its own
+decoder layer) register themselves with the layer layout or the model classes when
+this package is imported."""
 
 from labkit.model import moe  # noqa: F401, I001 - registers the "moe" MLP kind (needs llama)
 from labkit.model import deepseek_moe, mla  # noqa: F401 - the "deepseek_moe" and "mla" kinds
+from labkit.model import gemma3, gpt_oss  # noqa: F401 - Gemma 3's class, "gpt_oss_moe"
 from labkit.model.config import ConfigError, ModelConfig
 from labkit.model.generate import ContiguousKVCache, generate
 from labkit.model.llama import LlamaForCausalLM

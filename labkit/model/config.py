@@ -29,8 +29,10 @@ from typing import TYPE_CHECKING, Any
 
 from labkit.errors import ConfigError
 from labkit.model.config_moe import MOE_ARCHITECTURES, moe_fields, moe_hf_keys
+from labkit.model.config_sliding import SLIDING_ARCHITECTURES, family_fields
 
 if TYPE_CHECKING:
+    from labkit.model.config_sliding import Gemma3Config, GptOssConfig
     from labkit.model.deepseek_config import DeepseekMoEConfig, MLAConfig
 
 __all__ = ["MOE_ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "ConfigError", "LayerSpec",
@@ -38,11 +40,12 @@ __all__ = ["MOE_ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "ConfigError", "Layer
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # Hugging Face's names, per layer
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM",
-                           *MOE_ARCHITECTURES)
+                           *MOE_ARCHITECTURES, "Gemma3ForCausalLM")
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
                 "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
-                "DeepseekV3ForCausalLM": "deepseek_v3"}
+                "DeepseekV3ForCausalLM": "deepseek_v3", "GptOssForCausalLM": "gpt_oss",
+                "Gemma3ForCausalLM": "gemma3_text"}
 # biases on q, k, v only, never on o_proj
 _QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 
@@ -97,6 +100,10 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None  # only YaRN (labkit.model.rope), else None
     mla: MLAConfig | None = None  # every layer's attention is "mla" (labkit.model.mla)
     deepseek_moe: DeepseekMoEConfig | None = None  # MoE layers are "deepseek_moe"
+    # gpt-oss and Gemma 3 (labkit.model.config_sliding)
+    attention_sinks: bool = False  # a learned sink logit per head (gpt-oss, model/sinks.py)
+    gpt_oss: GptOssConfig | None = None  # MoE layers are "gpt_oss_moe" (clamped SwiGLU)
+    gemma3: Gemma3Config | None = None  # Gemma 3's decoder (labkit.model.gemma3)
     architecture: str = "LlamaForCausalLM"
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -154,8 +161,9 @@ class ModelConfig:
         if e and self.architecture not in MOE_ARCHITECTURES:
             raise ConfigError(f"num_experts = {e} needs a mixture-of-experts architecture "
                               f"({', '.join(MOE_ARCHITECTURES)}), not {self.architecture}")
-        if self.qk_norm != (self.architecture == "Qwen3MoeForCausalLM"):
-            raise ConfigError("qk_norm comes with Qwen3MoeForCausalLM and only with it")
+        if self.qk_norm != (self.architecture in ("Qwen3MoeForCausalLM", "Gemma3ForCausalLM")):
+            raise ConfigError("qk_norm comes with Qwen3MoeForCausalLM and Gemma3ForCausalLM "
+                              "and only with them")
         if e == 0:
             return
         checks = {"num_experts_per_tok": isinstance(k, int) and 1 <= k <= e,
@@ -192,7 +200,7 @@ class ModelConfig:
             raise IndexError(f"layer {layer_idx} of a {self.num_hidden_layers}-layer model")
         slides = self.sliding_window is not None and (
             self.layer_types is None or self.layer_types[layer_idx] == "sliding_attention")
-        moe = "deepseek_moe" if self.deepseek_moe else "moe"
+        moe = "deepseek_moe" if self.deepseek_moe else "gpt_oss_moe" if self.gpt_oss else "moe"
         mlp = moe if self.is_moe_layer(layer_idx) else "dense"
         if slides:
             return LayerSpec(attention="sliding", sliding_window=self.sliding_window, mlp=mlp)
@@ -226,6 +234,7 @@ class ModelConfig:
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
         attn += (h if self.o_proj_bias else 0) + (2 * d if self.qk_norm else 0)
+        attn += self.num_attention_heads if self.attention_sinks else 0
         if self.mla:
             attn = self.mla.num_parameters(h, self.num_attention_heads, self.attention_bias)
         experts = self.num_experts_per_tok if active else self.num_experts
@@ -235,11 +244,13 @@ class ModelConfig:
         if self.deepseek_moe:
             moe += self.deepseek_moe.extra_parameters(h, self.num_experts,
                                                       self.expert_intermediate_size)
+        if self.gpt_oss:  # expert biases (gate|up, down) and the router's bias
+            moe += experts * (2 * self.expert_intermediate_size + h) + self.num_experts
         mlps = sum(moe if self.is_moe_layer(i) else 3 * h * self.intermediate_size
                    for i in range(self.num_hidden_layers))
         emb = self.vocab_size * h
         return (emb * (1 if self.tie_word_embeddings else 2) + mlps
-                + self.num_hidden_layers * (attn + 2 * h) + h)
+                + self.num_hidden_layers * (attn + (4 if self.gemma3 else 2) * h) + h)
 
     # ---- Hugging Face config.json <-> ModelConfig -------------------------------------------
     @classmethod
@@ -258,7 +269,7 @@ class ModelConfig:
                                "num_hidden_layers", "num_attention_heads") if k not in d]
         if missing:
             raise ConfigError(f"config.json is missing required field(s): {', '.join(missing)}")
-        if d.get("hidden_act", "silu") != "silu":
+        if d.get("hidden_act", "silu") != "silu" and arch != "Gemma3ForCausalLM":
             raise ConfigError(f"config field 'hidden_act' = {d['hidden_act']!r} is not supported "
                               "(labkit implements the SwiGLU MLP with 'silu')")
         if d.get("mlp_bias"):
@@ -268,7 +279,8 @@ class ModelConfig:
             rp = d.get(key)
             if rp:
                 rope_type = rp.get("rope_type", rp.get("type", "default"))
-                if rope_type != "default" and arch != "DeepseekV3ForCausalLM":  # it reads YaRN
+                if rope_type != "default" and arch not in ("DeepseekV3ForCausalLM",
+                                                           *SLIDING_ARCHITECTURES):  # own rope
                     raise ConfigError(f"config field {key!r} has rope_type {rope_type!r}; labkit "
                                       "implements only the default rotary embedding")
                 rope_theta = rp.get("rope_theta", rope_theta)
@@ -286,12 +298,16 @@ class ModelConfig:
             attention_bias=bias, tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
             sliding_window=sliding, layer_types=layer_types, architecture=arch,
-            extra={k: v for k, v in d.items() if k not in known}), **moe_fields(arch, d)})
+            extra={k: v for k, v in d.items() if k not in known}), **moe_fields(arch, d),
+            **family_fields(arch, d)})
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json that transformers' AutoConfig reads back as the same model."""
         if self.mla or self.deepseek_moe:
             raise ConfigError("labkit writes no DeepSeek-V3 config.json (it loads them only)")
+        if self.architecture in SLIDING_ARCHITECTURES:
+            raise ConfigError(f"labkit writes no {self.architecture} config.json (it loads them "
+                              "only)")
         d = {k: v for k, v in asdict(self).items() if k not in ("extra", "architecture")}
         d["architectures"] = [self.architecture]
         d["model_type"] = _MODEL_TYPES[self.architecture]

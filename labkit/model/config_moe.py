@@ -16,7 +16,7 @@ from labkit.errors import ConfigError
 from labkit.model.deepseek_config import deepseek_fields
 
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
-                     "DeepseekV3ForCausalLM")
+                     "DeepseekV3ForCausalLM", "GptOssForCausalLM")
 
 
 def moe_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:
@@ -27,8 +27,8 @@ def moe_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:
     ``num_experts`` (Qwen3-MoE's config.json spells it ``num_local_experts``) of width
     ``moe_intermediate_size``, ``norm_topk_prob``, the layer rule of ``decoder_sparse_step`` and
     ``mlp_only_layers``; Qwen3 adds per-head q/k RMSNorm, Qwen2-MoE a shared expert."""
-    if arch not in MOE_ARCHITECTURES:
-        return {}
+    if arch not in MOE_ARCHITECTURES or arch == "GptOssForCausalLM":
+        return {}  # gpt-oss: labkit.model.config_sliding reads its experts
     if arch == "DeepseekV3ForCausalLM":
         return deepseek_fields(d)
     if arch == "MixtralForCausalLM":

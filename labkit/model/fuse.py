@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from labkit.model.config_sliding import refuse_family
+
 
 class FusedProjection(nn.Module):
     """One linear layer whose output splits into named parts (``sizes`` along the last dim).
@@ -162,6 +164,8 @@ def use_rope_table(model: nn.Module) -> bool:
 def fuse_model(model: nn.Module) -> dict[str, Any]:
     """All three cures, in place: q|k|v and gate|up (where the layers are plain linears), the
     residual add in the norms, the rotary table. Returns what was applied (a second call
-    applies nothing)."""
+    applies nothing). gpt-oss and Gemma 3 refuse (their layers are not the Llama layer that
+    the fused stack rewrites: ArchitectureUnsupportedError)."""
+    refuse_family(model.config, "fused layers (fuse_model)")
     return {"projections": fuse_projections(model), "add_norm": fuse_add_norm(model),
             "rope_table": use_rope_table(model)}

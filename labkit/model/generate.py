@@ -36,7 +36,7 @@ class ContiguousKVCache:
         self.sliding_windows = layer_sliding_windows(c)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
+               positions: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
         start = int(positions[0, 0])
         end = start + q.shape[1]
         if end > self.max_len:
@@ -44,7 +44,7 @@ class ContiguousKVCache:
         self.k[layer_idx][:, start:end] = k
         self.v[layer_idx][:, start:end] = v
         return causal_attention(q, self.k[layer_idx][:, :end], self.v[layer_idx][:, :end],
-                                self.sliding_windows[layer_idx])
+                                self.sliding_windows[layer_idx], sinks=sinks)
 
     def attend_latent(self, layer_idx: int, q_nope: torch.Tensor, q_pe: torch.Tensor,
                       kv_latent: torch.Tensor, positions: torch.Tensor,

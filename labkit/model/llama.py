@@ -29,12 +29,15 @@ from torch import nn
 from labkit.model.config import ModelConfig
 from labkit.model.layers import make_attention, make_mlp, register_attention, register_mlp
 from labkit.model.rope import yarn_parameters
+from labkit.model.sinks import attention_with_sinks
 
 
 class KVCache(Protocol):
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
-        """Store k, v [B,T,Hkv,D] for these positions; return attention output [B,T,Hq,D]."""
+               positions: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Store k, v [B,T,Hkv,D] for these positions; return attention output [B,T,Hq,D].
+        ``sinks`` [Hq]: the layer's attention-sink logits (gpt-oss, :mod:`labkit.model.sinks`);
+        a layer without them never passes the argument."""
         ...
 
 
@@ -89,10 +92,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     sliding_window: int | None = None, scale: float | None = None
-                     ) -> torch.Tensor:
+                     sliding_window: int | None = None, scale: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Plain causal attention with GQA, q [B,T,Hq,D], k/v [B,S,Hkv,D], queries at the end.
-    ``scale`` defaults to 1/sqrt(D) (MLA passes its own; its V may be narrower than Q/K)."""
+    ``scale`` defaults to 1/sqrt(D) (MLA passes its own; its V may be narrower than Q/K).
+    ``sinks`` [Hq]: per-head sink logits in the softmax's denominator (gpt-oss,
+    :mod:`labkit.model.sinks`)."""
     group = q.shape[2] // k.shape[2]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B,H,T,D]
     if group > 1:
@@ -104,13 +109,19 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     mask = kpos <= qpos
     if sliding_window is not None:
         mask &= kpos > qpos - sliding_window
+    if sinks is not None:
+        d = q.shape[-1]
+        out = attention_with_sinks(q, k, v, mask, d ** -0.5 if scale is None else scale, sinks)
+        return out.transpose(1, 2)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out.transpose(1, 2)
 
 
 @register_attention("full", "sliding")
 class Attention(nn.Module):
-    """GQA attention; a "sliding" layer's queries see only its last ``sliding_window`` keys."""
+    """GQA attention; a "sliding" layer's queries see only its last ``sliding_window`` keys.
+    With ``config.attention_sinks`` (gpt-oss) each head has a learned sink logit ``sinks``
+    (:mod:`labkit.model.sinks`), handed to the cache as ``attend(..., sinks=self.sinks)``."""
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -130,6 +141,7 @@ class Attention(nn.Module):
         if self.qk_norm:  # Qwen3: RMSNorm over each head of q and k, before rotary
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if config.attention_sinks else None
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The one place q, k, v are projected: a fused-qkv transform replaces only this."""
@@ -153,7 +165,9 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         q, k, v = self.qkv_rope(x, cos, sin)
         if kv_cache is None:
-            out = causal_attention(q, k, v, self.sliding_window)
+            out = causal_attention(q, k, v, self.sliding_window, sinks=self.sinks)
+        elif self.sinks is not None:  # only a sink layer passes the argument
+            out = kv_cache.attend(self.layer_idx, q, k, v, positions, sinks=self.sinks)
         else:
             out = kv_cache.attend(self.layer_idx, q, k, v, positions)
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
@@ -214,7 +228,9 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The whole model. ``forward`` returns logits; see the module docstring for the cache."""
+    """The whole model. ``forward`` returns logits; see the module docstring for the cache.
+    An architecture whose decoder differs beyond the layer registries (Gemma 3) subclasses it
+    and registers in :data:`CAUSAL_LM_CLASSES`; loaders build :func:`causal_lm_class`."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -271,3 +287,13 @@ class LlamaForCausalLM(nn.Module):
         if logits_indices is not None:
             x = x.reshape(B * T, -1)[logits_indices]
         return self.lm_head(x)
+
+
+# architecture -> its causal-LM class, for those that are not LlamaForCausalLM (Gemma 3,
+# labkit.model.gemma3, registers itself); the checkpoint loaders build causal_lm_class(config)
+CAUSAL_LM_CLASSES: dict[str, type[LlamaForCausalLM]] = {}
+
+
+def causal_lm_class(config: ModelConfig) -> type[LlamaForCausalLM]:
+    """The class that builds a model of ``config.architecture``."""
+    return CAUSAL_LM_CLASSES.get(config.architecture, LlamaForCausalLM)

@@ -46,6 +46,7 @@ from torch import nn
 
 from labkit.errors import MoEUnsupportedError
 from labkit.model.config import ModelConfig
+from labkit.model.config_sliding import refuse_family
 from labkit.model.layers import register_mlp
 from labkit.model.llama import MLP
 from labkit.model.mla import refuse_mla
@@ -188,8 +189,8 @@ def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
 def routing(model: nn.Module) -> dict[int, RoutingRecord]:
     """Layer index -> the routing of that MoE layer's last forward (layers not run yet, and
     dense layers, are absent). The tensors are the forward's own, not copies."""
-    return {b.layer_idx: b.last_routing for b in moe_blocks(model)
-            if b.last_routing is not None}
+    return {m.layer_idx: m.last_routing for m in model.modules()  # any router's record:
+            if getattr(m, "last_routing", None) is not None}  # also gpt-oss's GptOssMoE
 
 
 def expert_load(model: nn.Module) -> dict[int, list[int]]:
@@ -251,3 +252,4 @@ def refuse_moe(config: ModelConfig, feature: str) -> None:
     layers = config.moe_layers if hasattr(config, "moe_layers") else []
     if layers:
         raise MoEUnsupportedError(feature, config.architecture, layers)
+    refuse_family(config, feature)  # Gemma 3's layer is not Llama's

@@ -134,7 +134,7 @@ def load_streaming(src: S3Source | str, dtype: torch.dtype = torch.float32,
                    skip_tokenizer_init: bool = False) -> tuple[torch.nn.Module, Any]:
     """(model, tokenizer or None) streamed from ``src``; config and tokenizer files go to a
     temporary folder, the weights only into the model's memory."""
-    from labkit.model.llama import LlamaForCausalLM
+    from labkit.model.llama import causal_lm_class
     from labkit.model.tokenizer import Tokenizer
 
     src = src if isinstance(src, S3Source) else S3Source(src)
@@ -145,7 +145,7 @@ def load_streaming(src: S3Source | str, dtype: torch.dtype = torch.float32,
         _small_files(src, client, listing, pool, folder)
         config = load_config(folder)
         with empty_model():
-            model = LlamaForCausalLM(config)
+            model = causal_lm_class(config)(config)
         model = model.to_empty(device="cpu").to(dtype)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight

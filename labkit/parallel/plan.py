@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from labkit.errors import EngineConfigError, MoEUnsupportedError
 from labkit.model.config import ModelConfig
+from labkit.model.config_sliding import refuse_family
 from labkit.model.mla import refuse_mla
 
 
@@ -120,6 +121,7 @@ def make_plan(config: ModelConfig, world: int, rank: int,
     if not 0 <= rank < world:
         raise TensorParallelError(f"rank {rank} is outside 0..{world - 1}")
     refuse_mla(config, "tensor parallelism")  # the shard plan slices q/k/v_proj by heads
+    refuse_family(config, "tensor parallelism")  # sinks / Gemma's norms are not in the plan
     per_rank = _experts_per_rank(config, world, expert_parallel)
     hq, hkv = config.num_attention_heads, config.num_key_value_heads
     if hq % world:

@@ -66,7 +66,7 @@ class Int8ContiguousKVCache:
                    for ts in (self.k, self.v, self.k_scale, self.v_scale) for t in ts)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
+               positions: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
         start = int(positions[0, 0])
         end = start + q.shape[1]
         if end > self.max_len:
@@ -79,4 +79,4 @@ class Int8ContiguousKVCache:
                                     q.dtype)
         vd = dequantize_kv_per_head(self.v[layer_idx][:, :end], self.v_scale[layer_idx][:, :end],
                                     q.dtype)
-        return causal_attention(q, kd, vd, self.sliding_windows[layer_idx])
+        return causal_attention(q, kd, vd, self.sliding_windows[layer_idx], sinks=sinks)

@@ -168,7 +168,8 @@ def test_a_new_mlp_kind_plugs_in_by_registering(monkeypatch):
     kinds name what is registered."""
     monkeypatch.setattr(ModelConfig, "layer_spec", lambda self, i: LayerSpec(mlp="toy"))
     cfg = tiny_config()
-    with pytest.raises(ConfigError, match="mlp 'toy'; labkit builds deepseek_moe, dense, moe"):
+    with pytest.raises(ConfigError,
+                       match="mlp 'toy'; labkit builds deepseek_moe, dense, gpt_oss_moe, moe"):
         make_mlp(cfg, 0)
 
     class Sparse(nn.Module):
