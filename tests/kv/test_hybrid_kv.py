@@ -1,0 +1,129 @@
+"""Sliding-window block freeing (labkit.kv.hybrid, BlockManager.remove_skipped_blocks): blocks
+freed against the rule derived from the mask, the engine's greedy output against the reference
+with windows shorter than the prompts, and the per-group byte accounting by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labkit.engine.invariants import assert_no_leaks, check_kv_invariants
+from labkit.engine.llm_engine import LLMEngine
+from labkit.engine.sampling_params import SamplingParams
+from labkit.kv.block_manager import BlockManager
+from labkit.kv.hybrid import (
+    NULL_BLOCK,
+    freeable_window,
+    group_kv_bytes,
+    kv_cache_groups,
+    peak_blocks,
+)
+from labkit.model.generate import generate
+from labkit.model.testing import tiny_config, tiny_model
+
+MISTRAL = dict(sliding_window=6, architecture="MistralForCausalLM")
+
+
+class Seq:
+    def __init__(self, tokens):
+        self.seq_id = self.request_id = "s"
+        self.token_ids = list(tokens)
+        self.num_computed_tokens = 0
+        self.block_table, self.cpu_block_table, self.block_hashes = [], [], []
+        self.cache_salt = None
+
+
+def dead_blocks_by_mask(n: int, window: int, bs: int, num_blocks: int) -> int:
+    """Leading blocks none of whose keys any query q >= n sees (q - w < k <= q), by brute
+    force over the mask rather than the closed form."""
+    dead = 0
+    for b in range(num_blocks):
+        keys = range(b * bs, (b + 1) * bs)
+        if any(q - window < k <= q for k in keys for q in range(n, n + window + bs)):
+            break
+        dead += 1
+    return dead
+
+
+@pytest.mark.parametrize("bs,window", [(1, 1), (2, 6), (3, 4), (4, 5), (16, 6)])
+def test_blocks_freed_match_the_mask(bs, window):
+    bm = BlockManager(64, bs, enable_prefix_caching=False, sliding_window=window)
+    seq = Seq(range(40))
+    freed_total = 0
+    for n in range(40):  # one token per step, as decoding
+        assert bm.allocate_slots(seq, 1)
+        dead = dead_blocks_by_mask(n, window, bs, len(seq.block_table))
+        assert seq.block_table[:dead] == [NULL_BLOCK] * dead
+        assert NULL_BLOCK not in seq.block_table[dead:]
+        freed_total = dead
+        seq.num_computed_tokens += 1
+        assert bm.pool.num_used == len(seq.block_table) - dead
+    assert bm.num_window_freed == freed_total > 0
+    bm.free(seq)
+    assert bm.pool.num_used == 0
+
+
+def test_groups_and_freeable_window():
+    mixed = tiny_config(num_hidden_layers=3, sliding_window=5,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    assert [(g.kind, g.sliding_window, g.layers) for g in kv_cache_groups(mixed)] == [
+        ("sliding", 5, (0, 2)), ("full", None, (1,))]
+    assert freeable_window(mixed) is None  # one table: the full layer needs every block
+    assert freeable_window(tiny_config(**MISTRAL)) == 6
+    assert freeable_window(tiny_config()) is None
+
+
+def test_group_bytes_by_hand():
+    """Tiny Mistral, window 6, block 2, fp32: a block is 2 layers x (K, V) x 2 tokens x 2 KV
+    heads x 16 x 4 bytes = 1024 bytes. 30 tokens hold 15 blocks; freeing, at most 4 (writing an
+    even position n, keys n-5 .. n span 4 blocks)."""
+    c = tiny_config(**MISTRAL)
+    assert peak_blocks(30, 2, 6) == 4
+    assert group_kv_bytes(c, 30, 2, torch.float32, False) == {"sliding_6": 15 * 1024}
+    assert group_kv_bytes(c, 30, 2, torch.float32, True) == {"sliding_6": 4 * 1024}
+
+
+def run_engine(model, prompts, sp, **kw):
+    eng = LLMEngine.from_model(model, None, **kw)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, sp)
+    while eng.has_unfinished_requests():
+        eng.step()
+        check_kv_invariants(eng)
+    return eng
+
+
+@pytest.mark.parametrize("kw", [
+    dict(block_size=2, num_blocks=60),
+    dict(block_size=4, num_blocks=40, enable_chunked_prefill=True, max_num_batched_tokens=7),
+    dict(block_size=3, num_blocks=26, preemption_mode="swap", num_cpu_blocks=40),
+    dict(block_size=1, num_blocks=70, max_num_seqs=2),
+])
+def test_engine_greedy_matches_reference_with_short_window(kw):
+    """Prompts of 9..30 tokens against a window of 6: blocks are freed, n=2 forks share the
+    freed tables, prefix caching reuses the shared start, and every token equals generate."""
+    model = tiny_model(0, **MISTRAL)
+    shared = list(range(10, 22))
+    prompts = [shared + [3, 4, 5], shared + list(range(40, 58)), list(range(60, 69)), shared]
+    sp = SamplingParams(n=2, temperature=0, max_tokens=14, ignore_eos=True)
+    eng = run_engine(model, prompts, sp, enable_prefix_caching=True, **kw)
+    for i, p in enumerate(prompts):
+        want = generate(model, p, 14, ignore_eos=True)
+        assert [s.output_token_ids for s in eng.requests[f"r{i}"].seqs] == [want, want]
+    assert eng.block_manager.sliding_window == 6
+    assert eng.block_manager.num_window_freed > 0
+    assert_no_leaks(eng)
+
+
+def test_no_freeing_for_mixed_layers_or_speculation():
+    mixed = tiny_model(2, num_hidden_layers=3, sliding_window=5,
+                       layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    assert LLMEngine.from_model(mixed, None).block_manager.sliding_window is None
+    spec = LLMEngine.from_model(tiny_model(0, **MISTRAL), None, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 2})
+    assert spec.block_manager.sliding_window is None
+
+
+def test_bad_window_is_refused():
+    with pytest.raises(ValueError, match="sliding_window"):
+        BlockManager(8, 2, sliding_window=0)
