@@ -127,3 +127,10 @@ def test_no_freeing_for_mixed_layers_or_speculation():
 def test_bad_window_is_refused():
     with pytest.raises(ValueError, match="sliding_window"):
         BlockManager(8, 2, sliding_window=0)
+
+
+def test_no_freeing_with_a_kv_connector(tmp_path):
+    eng = LLMEngine.from_model(tiny_model(0, **MISTRAL), None, kv_transfer_config={
+        "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes": 1 << 20}})
+    assert eng.block_manager.sliding_window is None
