@@ -19,9 +19,9 @@ leading blocks no future query can see (``remove_skipped_blocks``, vLLM's name; 
 derived in :mod:`labkit.kv.hybrid`) and leaves ``NULL_BLOCK`` (-1) in their table entries, so
 logical block ``p // block_size`` still holds position ``p``. The attention metadata maps -1 to
 block 0, as it pads; the window mask gives those positions zero weight, so what block 0 holds
-is never used. Every walk over a table here skips -1. A prefix hit still picks up the whole
-cached chain (the next allocation frees what is outside the window again); looking up only
-the last window's blocks, as vLLM's sliding-window manager does, is not implemented.
+is never used. Every walk over a table here skips -1. A prefix hit needs only the blocks its
+window still sees (vLLM's ``SlidingWindowManager.find_longest_cache_hit``): the blocks before
+them may have been evicted and come back as -1 (``_window_hit``).
 """
 
 from __future__ import annotations
@@ -151,6 +151,8 @@ class BlockManager:
         hashes = hash_prompt_blocks(seq.token_ids[: n - n % self.block_size], self.block_size,
                                     seq.cache_salt, lora_int_id=_lora_id(seq),
                                     weight_version=self.key_version)
+        if self.sliding_window is not None:
+            return self._window_hit(hashes)
         blocks: list[int] = []
         for h in hashes:
             b = self.pool.lookup(h)
@@ -158,6 +160,20 @@ class BlockManager:
                 break
             blocks.append(b)
         return blocks, hashes[: len(blocks)]
+
+    def _window_hit(self, hashes: list[BlockHash]) -> tuple[list[int], list[BlockHash]]:
+        """The longest hit of ``k`` blocks whose live part is cached: with ``k * block_size``
+        tokens computed, the blocks before ``num_skipped_blocks`` are dead (NULL_BLOCK in the
+        hit), the rest must all be cached. Root blocks, freed first and so evicted first, are
+        not needed."""
+        found = [self.pool.lookup(h) for h in hashes]
+        for k in range(len(hashes), 0, -1):
+            dead = min(num_skipped_blocks(k * self.block_size, self.sliding_window,
+                                          self.block_size), k)
+            live = found[dead:k]
+            if all(b is not None for b in live):
+                return [NULL_BLOCK] * dead + live, hashes[:k]
+        return [], []
 
     def cache_full_blocks(self, seq: SeqLike) -> None:
         """Register blocks whose every slot now holds computed KV under their chained hash."""
@@ -217,7 +233,7 @@ class BlockManager:
         cached_blocks = cached_blocks or []
         pool = self.pool
         need = self.num_blocks_needed(seq, num_new_tokens, len(cached_blocks), num_lookahead)
-        reclaimed = sum(1 for b in cached_blocks if pool.ref_counts[b] == 0)
+        reclaimed = sum(1 for b in cached_blocks if b != NULL_BLOCK and pool.ref_counts[b] == 0)
         if need > pool.num_available - reclaimed:
             return False
         fresh = not table and seq.num_computed_tokens == 0
@@ -227,8 +243,9 @@ class BlockManager:
                 self.prefix_query_tokens += len(seq.token_ids)
                 self.prefix_hit_tokens += len(cached_blocks) * self.block_size
         for b in cached_blocks:
-            pool.touch(b)
-            self._ev("prefix_hit", seq, len(table), b)
+            if b != NULL_BLOCK:  # a window hit's dead blocks stay unheld
+                pool.touch(b)
+                self._ev("prefix_hit", seq, len(table), b)
             table.append(b)
         if cached_blocks:
             seq.block_hashes = list(cached_hashes or [])

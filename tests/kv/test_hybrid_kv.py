@@ -134,3 +134,54 @@ def test_no_freeing_with_a_kv_connector(tmp_path):
         "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
         "kv_connector_extra_config": {"cpu_bytes": 1 << 20}})
     assert eng.block_manager.sliding_window is None
+
+
+def decode_all(bm, seq):
+    """Compute the sequence one token per step, publishing full blocks as the engine does."""
+    for _ in range(len(seq.token_ids)):
+        assert bm.allocate_slots(seq, 1)
+        seq.num_computed_tokens += 1
+        bm.cache_full_blocks(seq)
+
+
+def test_window_hit_survives_evicted_root_blocks():
+    """bs 2, window 4: A's 30 tokens fill 15 blocks, all published. Its dead root blocks were
+    freed first, so the root is evicted first and the chain a full-attention hit walks from
+    block 0 is broken; the window lookup still hits all 15 blocks (30 tokens of B's 31), holding
+    only the live tail, blocks 13 and 14 (keys 26..29: what a query at 30 sees, 30 - 4 < k)."""
+    bm = BlockManager(20, 2, sliding_window=4)
+    a = Seq(range(30))
+    decode_all(bm, a)
+    bm.free(a)
+    hog = Seq(range(100, 112))  # 6 fresh blocks: 5 free ones, then the oldest cached one
+    assert bm.allocate_slots(hog, 12)
+    assert bm.pool.num_evictions == 1
+    b = Seq(list(range(30)) + [7])
+    blocks, hashes = bm.find_cached_prefix(b)
+    assert bm.pool.lookup(hashes[0]) is None  # the root: a full-attention hit would be empty
+    assert len(blocks) == len(hashes) == 15
+    assert blocks[:13] == [NULL_BLOCK] * 13  # dead at 30 computed: (30 - 4 + 1) // 2 = 13
+    assert NULL_BLOCK not in blocks[13:]
+    assert bm.allocate_slots(b, 1, blocks, hashes)
+    assert b.num_computed_tokens == 30 and b.block_table[:13] == [NULL_BLOCK] * 13
+    assert bm.pool.ref_counts[blocks[13]] == 1 and bm.pool.ref_counts[blocks[14]] == 1
+
+
+def test_engine_prefix_hit_holds_only_the_window():
+    """A second request repeating a finished one's 30-token prompt hits 15 blocks (bs 2) but
+    takes only the 3 its window of 6 still sees ((30 - 6 + 1) // 2 = 12 dead); tokens equal
+    generate's."""
+    model = tiny_model(0, **MISTRAL)
+    eng = LLMEngine.from_model(model, None, block_size=2, num_blocks=60)
+    p = list(range(10, 40))
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for rid, prompt in (("a", p), ("b", p + [3, 4])):
+        eng.add_request(rid, prompt, sp)
+        while eng.has_unfinished_requests():
+            eng.step()
+            check_kv_invariants(eng)
+        assert eng.requests[rid].seqs[0].output_token_ids == \
+            generate(model, prompt, 6, ignore_eos=True)
+    hits = [e for st in eng.trace.steps for e in st["events"] if e["type"] == "prefix_hit"]
+    assert eng.stats()["prefix_hit_tokens"] == 30 and len(hits) == 3
+    assert_no_leaks(eng)
