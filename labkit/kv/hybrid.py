@@ -81,7 +81,9 @@ def num_skipped_blocks(num_computed_tokens: int, window: int, block_size: int) -
 def peak_blocks(num_tokens: int, block_size: int, window: int | None = None) -> int:
     """Most blocks one sequence of ``num_tokens`` holds at once: all of them for full
     attention; with freeing, the max over each step's allocation (position ``n`` being written,
-    ``n`` tokens computed) of the blocks allocated minus those skipped."""
+    ``n`` tokens computed) of the blocks allocated minus those skipped. That is decoding one
+    token a step; a prompt prefilled in one chunk holds all its blocks until the next step
+    frees the dead ones (chunked prefill keeps the peak near this)."""
     if window is None:
         return cdiv(num_tokens, block_size)
     return max((cdiv(n + 1, block_size) - num_skipped_blocks(n, window, block_size)
