@@ -185,3 +185,24 @@ def test_engine_prefix_hit_holds_only_the_window():
     hits = [e for st in eng.trace.steps for e in st["events"] if e["type"] == "prefix_hit"]
     assert eng.stats()["prefix_hit_tokens"] == 30 and len(hits) == 3
     assert_no_leaks(eng)
+
+
+@pytest.mark.slow
+def test_triton_backend_reads_no_freed_block():
+    """The Triton kernels (interpreter on CPU) over tables with NULL_BLOCK entries: the
+    metadata hands them block 0, the window masks it, tokens equal generate's."""
+    import os
+
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("CPU tensors through Triton need TRITON_INTERPRET=1")
+    model = tiny_model(0, **MISTRAL)
+    prompts = [list(range(10, 26)), list(range(30, 41))]
+    sp = SamplingParams(n=1, temperature=0, max_tokens=6, ignore_eos=True)
+    eng = run_engine(model, prompts, sp, block_size=4, num_blocks=30, enable_chunked_prefill=True,
+                     max_num_batched_tokens=7, attention_backend="triton")
+    assert eng.executor.kv_cache.backend.name == "triton"
+    assert eng.block_manager.num_window_freed > 0
+    for i, p in enumerate(prompts):
+        assert eng.requests[f"r{i}"].seqs[0].output_token_ids == \
+            generate(model, p, 6, ignore_eos=True)
+    assert_no_leaks(eng)
