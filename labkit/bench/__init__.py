@@ -29,4 +29,5 @@ BENCHMARKS = {
     "disagg-sim": "labkit.bench.disagg_sim",
     "ops": "labkit.bench.ops",
     "step": "labkit.bench.step",
+    "kv-formats": "labkit.bench.kv_formats",
 }

@@ -20,11 +20,13 @@ import torch
 
 
 @torch.inference_mode()
-def int8_reference_greedy(model: torch.nn.Module, prompt: list[int], max_new: int) -> list[int]:
-    """Greedy tokens of the model over the contiguous per-(token, head) INT8 cache."""
+def int8_reference_greedy(model: torch.nn.Module, prompt: list[int], max_new: int,
+                          code_dtype: torch.dtype = torch.int8) -> list[int]:
+    """Greedy tokens of the model over the contiguous per-(token, head) INT8 cache (or, with
+    ``code_dtype=torch.float8_e4m3fn``, the FP8 one)."""
     from labkit.quant.kv_int8 import Int8ContiguousKVCache
 
-    cache = Int8ContiguousKVCache(model, 1, len(prompt) + max_new)
+    cache = Int8ContiguousKVCache(model, 1, len(prompt) + max_new, code_dtype)
     dev = model.device
     logits = model(torch.tensor([prompt], device=dev), torch.arange(len(prompt), device=dev)[None],
                    cache)[0, -1]

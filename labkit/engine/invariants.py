@@ -42,8 +42,8 @@ def check_kv_invariants(engine: Any) -> None:
                     _fail(f"finished sequence {s.seq_id} still holds blocks "
                           f"{s.block_table} / cpu {s.cpu_block_table}")
                 continue
-            gpu_holders.update(s.block_table)
-            cpu_holders.update(s.cpu_block_table)
+            gpu_holders.update(b for b in s.block_table if b >= 0)  # -1: freed (window)
+            cpu_holders.update(b for b in s.cpu_block_table if b >= 0)
     for b in range(pool.num_blocks):
         if pool.ref_counts[b] != gpu_holders[b]:
             _fail(f"block {b}: ref count {pool.ref_counts[b]} but {gpu_holders[b]} block tables "

@@ -36,7 +36,7 @@ from labkit.engine.clock import WallClock
 from labkit.engine.detokenizer import update_text
 from labkit.engine.executor import Executor, ModelRunnerOutput, executor_factory
 from labkit.engine.logprobs import decode_tokens
-from labkit.engine.model_setup import load_draft, moe_experts
+from labkit.engine.model_setup import load_draft, moe_experts, window_to_free
 from labkit.engine.outputs import StepOutput
 from labkit.engine.overlap import OverlapStepLoop
 from labkit.engine.sampling_params import SamplingParams
@@ -131,6 +131,7 @@ class LLMEngine:
             load_draft(config, model)
             executor = executor_factory("speculative")(executor, config)
         engine = cls(config, executor, tokenizer, kv_connector=connector)
+        engine.block_manager.sliding_window = window_to_free(c, config)
         if getattr(c, "moe_layers", None) and isinstance(model, torch.nn.Module):
             engine.trace.meta["moe_layers"] = c.moe_layers  # the rows of each expert_load
             engine.observer.probes["expert_load"] = ExpertLoadProbe(model)

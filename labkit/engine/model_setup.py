@@ -100,3 +100,17 @@ def norm_kernel(model: torch.nn.Module, on: bool) -> None:
 
     for n in norms:
         n.forward = partial(_kernel_norm, rms_norm, n)
+
+
+def window_to_free(model_config: Any, config: EngineConfig) -> int | None:
+    """The sliding window the block manager frees blocks outside of (labkit.kv.hybrid), or None.
+
+    Only when every layer slides with one window (Mistral); not with speculative decoding (a
+    draft model reads the same block tables with its own layers, which may attend fully, so a
+    block dead for the target could still be read by the draft), nor with a KV connector (it
+    saves, loads and ships a request's blocks by their ids, every one of them)."""
+    from labkit.kv.hybrid import freeable_window
+
+    if config.speculative is not None or config.kv_transfer is not None:
+        return None
+    return freeable_window(model_config)

@@ -7,6 +7,8 @@ bottom (``labkit.config``, ``labkit.errors``, ``labkit.utils``).
 - ``prefix``: chained sha256 block hashes for prefix caching.
 - ``block_manager.BlockManager``: block tables, prefix hits, copy-on-write, swap, rollback; it
   queues tensor copies as ``BlockOps`` for the executor and logs every change as a trace event.
+- ``hybrid``: layers grouped by attention type (full / sliding / latent), the rule for freeing
+  blocks outside a sliding window (``NULL_BLOCK`` placeholders) and bytes per group.
 - ``cache.PagedKVCache``: per-layer ``[num_blocks, block_size, Hkv, D]`` tensors, the per-step
   ``AttentionMetadata`` (``metadata``) and the model's ``attend`` hook.
 - ``attention``: the AttentionBackend protocol and the PyTorch reference paged attention;

@@ -12,6 +12,16 @@ Tensor work is *not* done here: copy-on-write and swaps are queued in ``pending_
 pass. That keeps this module usable by the simulator, which has no tensors at all.
 
 Sequences are duck-typed (see ``SeqLike``): the scheduler's Sequence, or a small test double.
+
+Sliding windows (``sliding_window=w``, set when every layer of the model slides with window
+``w``: :func:`labkit.kv.hybrid.freeable_window`): each ``allocate_slots`` first frees the
+leading blocks no future query can see (``remove_skipped_blocks``, vLLM's name; the rule is
+derived in :mod:`labkit.kv.hybrid`) and leaves ``NULL_BLOCK`` (-1) in their table entries, so
+logical block ``p // block_size`` still holds position ``p``. The attention metadata maps -1 to
+block 0, as it pads; the window mask gives those positions zero weight, so what block 0 holds
+is never used. Every walk over a table here skips -1. A prefix hit needs only the blocks its
+window still sees (vLLM's ``SlidingWindowManager.find_longest_cache_hit``): the blocks before
+them may have been evicted and come back as -1 (``_window_hit``).
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from typing import Protocol
 
 from labkit.config import CacheConfig
 from labkit.kv.block_pool import BlockPool
+from labkit.kv.hybrid import NULL_BLOCK, num_skipped_blocks
 from labkit.kv.prefix import BlockHash, hash_block_tokens, hash_prompt_blocks
 from labkit.utils import cdiv
 
@@ -61,6 +72,7 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         num_cpu_blocks: int = 0,
+        sliding_window: int | None = None,
     ) -> None:
         # the one place pool settings are checked (EngineConfigError, a ValueError)
         CacheConfig(block_size, num_blocks, num_cpu_blocks, enable_prefix_caching)
@@ -80,6 +92,11 @@ class BlockManager:
         self.weight_version: str | None = None
         self.version_in_key = True
         self.used_weight_versions: set[str] = set()  # a version is used once
+        if sliding_window is not None and (not isinstance(sliding_window, int)
+                                           or sliding_window < 1):
+            raise ValueError(f"sliding_window must be an int >= 1, got {sliding_window!r}")
+        self.sliding_window = sliding_window  # free blocks outside it (None: keep all)
+        self.num_window_freed = 0  # blocks freed because no future query can see them
 
     @property
     def key_version(self) -> str | None:
@@ -87,9 +104,10 @@ class BlockManager:
         return self.weight_version if self.version_in_key else None
 
     @classmethod
-    def from_config(cls, cache: CacheConfig) -> BlockManager:
+    def from_config(cls, cache: CacheConfig, sliding_window: int | None = None
+                    ) -> BlockManager:
         return cls(cache.num_blocks, cache.block_size, cache.enable_prefix_caching,
-                   cache.num_cpu_blocks)
+                   cache.num_cpu_blocks, sliding_window)
 
     @property
     def num_blocks(self) -> int:
@@ -133,6 +151,8 @@ class BlockManager:
         hashes = hash_prompt_blocks(seq.token_ids[: n - n % self.block_size], self.block_size,
                                     seq.cache_salt, lora_int_id=_lora_id(seq),
                                     weight_version=self.key_version)
+        if self.sliding_window is not None:
+            return self._window_hit(hashes)
         blocks: list[int] = []
         for h in hashes:
             b = self.pool.lookup(h)
@@ -140,6 +160,20 @@ class BlockManager:
                 break
             blocks.append(b)
         return blocks, hashes[: len(blocks)]
+
+    def _window_hit(self, hashes: list[BlockHash]) -> tuple[list[int], list[BlockHash]]:
+        """The longest hit of ``k`` blocks whose live part is cached: with ``k * block_size``
+        tokens computed, the blocks before ``num_skipped_blocks`` are dead (NULL_BLOCK in the
+        hit), the rest must all be cached. Root blocks, freed first and so evicted first, are
+        not needed."""
+        found = [self.pool.lookup(h) for h in hashes]
+        for k in range(len(hashes), 0, -1):
+            dead = min(num_skipped_blocks(k * self.block_size, self.sliding_window,
+                                          self.block_size), k)
+            live = found[dead:k]
+            if all(b is not None for b in live):
+                return [NULL_BLOCK] * dead + live, hashes[:k]
+        return [], []
 
     def cache_full_blocks(self, seq: SeqLike) -> None:
         """Register blocks whose every slot now holds computed KV under their chained hash."""
@@ -156,7 +190,8 @@ class BlockManager:
             parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], seq.cache_salt,
                                        _lora_id(seq), self.key_version)
             hashes.append(parent)
-            self.pool.register(table[i], parent)
+            if table[i] != NULL_BLOCK:
+                self.pool.register(table[i], parent)
 
     # ---- allocation ---------------------------------------------------------------------------
     def num_blocks_needed(self, seq: SeqLike, num_new_tokens: int, num_cached_blocks: int = 0,
@@ -189,6 +224,7 @@ class BlockManager:
         availability check accounts for."""
         table = seq.block_table
         bs = self.block_size
+        self.remove_skipped_blocks(seq)
         if not cached_blocks:  # fast path: a decode step whose slot is already allocated
             start = seq.num_computed_tokens
             if start + num_new_tokens + num_lookahead <= len(table) * bs and \
@@ -197,7 +233,7 @@ class BlockManager:
         cached_blocks = cached_blocks or []
         pool = self.pool
         need = self.num_blocks_needed(seq, num_new_tokens, len(cached_blocks), num_lookahead)
-        reclaimed = sum(1 for b in cached_blocks if pool.ref_counts[b] == 0)
+        reclaimed = sum(1 for b in cached_blocks if b != NULL_BLOCK and pool.ref_counts[b] == 0)
         if need > pool.num_available - reclaimed:
             return False
         fresh = not table and seq.num_computed_tokens == 0
@@ -207,8 +243,9 @@ class BlockManager:
                 self.prefix_query_tokens += len(seq.token_ids)
                 self.prefix_hit_tokens += len(cached_blocks) * self.block_size
         for b in cached_blocks:
-            pool.touch(b)
-            self._ev("prefix_hit", seq, len(table), b)
+            if b != NULL_BLOCK:  # a window hit's dead blocks stay unheld
+                pool.touch(b)
+                self._ev("prefix_hit", seq, len(table), b)
             table.append(b)
         if cached_blocks:
             seq.block_hashes = list(cached_hashes or [])
@@ -226,6 +263,26 @@ class BlockManager:
             self._alloc(seq, len(table))
         return True
 
+    def remove_skipped_blocks(self, seq: SeqLike) -> int:
+        """Free the leading blocks outside the sliding window of every query still to come
+        (``(b+1) * block_size <= num_computed_tokens - window + 1``) and put NULL_BLOCK in their
+        table entries; returns how many were freed now. Nothing without a window."""
+        if self.sliding_window is None:
+            return 0
+        table = seq.block_table
+        dead = min(num_skipped_blocks(seq.num_computed_tokens, self.sliding_window,
+                                      self.block_size), len(table))
+        freed = 0
+        for i in range(dead - 1, -1, -1):  # tail first, as free(): the LRU keeps a chain's root
+            if table[i] == NULL_BLOCK:
+                break  # everything before it was freed by an earlier call
+            cached = self.pool.free(table[i])
+            self._ev("free", seq, i, table[i], None, cached=cached)
+            table[i] = NULL_BLOCK
+            freed += 1
+        self.num_window_freed += freed
+        return freed
+
     def _alloc(self, seq: SeqLike, logical: int, event: bool = True) -> int:
         b, evicted = self.pool.allocate()
         if evicted is not None:
@@ -239,8 +296,9 @@ class BlockManager:
         """Child shares all of parent's blocks (ref counts +1); writes diverge via copy-on-write."""
         child.block_table = []
         for i, b in enumerate(parent.block_table):
-            self.pool.touch(b)
-            self._ev("fork", child, i, b, None)
+            if b != NULL_BLOCK:
+                self.pool.touch(b)
+                self._ev("fork", child, i, b, None)
             child.block_table.append(b)
         child.block_hashes = list(parent.block_hashes)
         self.seqs[child.seq_id] = child
@@ -249,16 +307,24 @@ class BlockManager:
         """Release every block of a sequence (finish, abort, recompute preemption).
         Tail first, so the prefix cache's LRU evicts a chain from its end."""
         table = seq.block_table
-        for i in range(len(table) - 1, -1, -1):
-            cached = self.pool.free(table[i])
-            self._ev("free", seq, i, table[i], None, cached=cached)
+        self._free_table(seq)
         table.clear()
         seq.block_hashes = []
         for i, c in enumerate(seq.cpu_block_table):  # aborted while swapped out
+            if c == NULL_BLOCK:
+                continue
             self.cpu_pool.free(c)
             self._ev("swap_free", seq, i, c)  # so a trace replay drops its CPU blocks too
         seq.cpu_block_table = []
         self.seqs.pop(seq.seq_id, None)
+
+    def _free_table(self, seq: SeqLike) -> None:
+        """Drop one reference to each block of the table (tail first), skipping NULL_BLOCK."""
+        table = seq.block_table
+        for i in range(len(table) - 1, -1, -1):
+            if table[i] != NULL_BLOCK:
+                cached = self.pool.free(table[i])
+                self._ev("free", seq, i, table[i], None, cached=cached)
 
     def truncate(self, seq: SeqLike, num_slots: int) -> None:
         """Keep only the blocks covering the first ``num_slots`` slots (speculative rollback)."""
@@ -273,29 +339,35 @@ class BlockManager:
 
     # ---- swapping -----------------------------------------------------------------------------
     def can_swap_out(self, seq: SeqLike) -> bool:
-        return 0 < len(seq.block_table) <= self.cpu_pool.num_available
+        held = sum(b != NULL_BLOCK for b in seq.block_table)
+        return 0 < held <= self.cpu_pool.num_available
 
     def swap_out(self, seq: SeqLike) -> None:
         """Copy a sequence's blocks to the CPU pool and free them on the GPU."""
         table = seq.block_table
         seq.cpu_block_table = []
         for i, b in enumerate(table):
+            if b == NULL_BLOCK:  # outside the window: nothing to keep
+                seq.cpu_block_table.append(NULL_BLOCK)
+                continue
             c, _ = self.cpu_pool.allocate()
             self.pending_swap_out.append((b, c))
             self._ev("swap_out", seq, i, c, b)
             seq.cpu_block_table.append(c)
-        for i in range(len(table) - 1, -1, -1):
-            cached = self.pool.free(table[i])
-            self._ev("free", seq, i, table[i], None, cached=cached)
+        self._free_table(seq)
         table.clear()
         seq.block_hashes = []
 
     def can_swap_in(self, seq: SeqLike, num_lookahead: int = 0) -> bool:
-        need = cdiv(seq.num_computed_tokens + 1 + num_lookahead, self.block_size)
-        return max(need, len(seq.cpu_block_table)) <= self.pool.num_available
+        nulls = seq.cpu_block_table.count(NULL_BLOCK)  # freed outside the window: stay freed
+        need = cdiv(seq.num_computed_tokens + 1 + num_lookahead, self.block_size) - nulls
+        return max(need, len(seq.cpu_block_table) - nulls) <= self.pool.num_available
 
     def swap_in(self, seq: SeqLike) -> None:
         for i, c in enumerate(seq.cpu_block_table):
+            if c == NULL_BLOCK:
+                seq.block_table.append(NULL_BLOCK)
+                continue
             g = self._alloc(seq, i)
             self.pending_swap_in.append((c, g))
             self._ev("swap_in", seq, i, g, c)
@@ -307,7 +379,8 @@ class BlockManager:
     def token_slots_used(self) -> int:
         """Slots holding a token's KV (shared blocks counted once per holder's view)."""
         bs = self.block_size
-        return sum(min(s.num_computed_tokens, len(s.block_table) * bs) for s in self.seqs.values())
+        return sum(min(s.num_computed_tokens, len(s.block_table) * bs)
+                   - bs * s.block_table.count(NULL_BLOCK) for s in self.seqs.values())
 
     def stats(self) -> dict:
         p = self.pool
@@ -323,4 +396,5 @@ class BlockManager:
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "prefix_hit_rate": self.prefix_hit_tokens / max(self.prefix_query_tokens, 1),
             "num_evictions": p.num_evictions,
+            "num_window_freed_blocks": self.num_window_freed,
         }

@@ -39,7 +39,9 @@ def build_attention_metadata(slots: list[int], block_tables: list[list[int]],
         raise ValueError(f"{len(block_tables)} block tables, {len(query_lens)} query lengths, "
                          f"{len(context_lens)} context lengths: one of each per sequence")
     width = max((len(t) for t in block_tables), default=0)
-    bt = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables],
+    # -1 (NULL_BLOCK: freed outside a sliding window) reads block 0, as padding does; the
+    # window mask gives those positions zero weight, so their contents are never used
+    bt = torch.tensor([[max(b, 0) for b in t] + [0] * (width - len(t)) for t in block_tables],
                       dtype=torch.int32, device=device)
     qsl = [0]
     for n in query_lens:

@@ -123,7 +123,7 @@ def preempt_for_waiting(sched: Any) -> list[tuple[Sequence, str]]:
         v = running.pop()
         victims.append(v)
         free += _blocks_needed(v, bs) + sum(1 for b in v.block_table
-                                             if bm.pool.ref_counts[b] == 1)
+                                             if b >= 0 and bm.pool.ref_counts[b] == 1)
         slots += 1
     for v in victims:  # recompute (as Scheduler._preempt): free, requeue in priority order
         sched.running.remove(v)

@@ -44,7 +44,7 @@ class TenantQuota:
             return True  # progress: one sequence per tenant always may run
         ok = self.max_running is None or len(mine) < self.max_running
         if ok and self.max_kv_blocks is not None:
-            held = sum(len(s.block_table) for s in mine)
+            held = sum(sum(b >= 0 for b in s.block_table) for s in mine)  # -1: freed
             ok = held + cdiv(seq.num_tokens, self.block_size) <= self.max_kv_blocks
         self.refused += not ok
         return ok

@@ -33,6 +33,19 @@ ranks ``q_lora_rank`` 1536, ``kv_lora_rank`` 512, ``qk_rope_head_dim`` 64). Thei
 the published counts: Mixtral 46,702,792,704 and Qwen3-30B-A3B 30,532,122,624 exactly;
 DeepSeek-V3 671.03B against the report's "671B total, 37B activated", which leaves out the
 multi-token-prediction module (one more MoE layer, 14B: the 685B on its model page).
+
+The 2026 presets (issue 33), from each ``config.json``: openai/gpt-oss-120b (36 layers,
+hidden 2880, 64 heads, 8 KV heads of 64, 128 experts of 2880, top-4, vocab 201,088,
+``sliding_window`` 128 on ``layer_types`` ["sliding_attention", "full_attention"] x 18; MXFP4
+experts, 4.25 bits a weight with one 8-bit scale per 32); google/gemma-3-27b-it ``text_config``
+(62 layers, hidden 5376, 32 heads, 16 KV heads of 128, intermediate 21504, vocab 262,208,
+``sliding_window`` 1024, ``sliding_window_pattern`` 6: every 6th layer full, so 10 full and 52
+sliding); Qwen/Qwen3-32B (64 layers, hidden 5120, 64 heads, 8 KV heads of 128, intermediate
+25600, vocab 151,936, no sliding window). Their KV geometry is exact; their parameter counts
+are the formula's (gpt-oss: 116.79B, the published 116.83B less the attention/expert biases and
+sinks; Gemma 3: 27.01B text, the norms beyond two per layer left out; Qwen3-32B: 32.76B).
+A sliding layer holds at most ``sliding_window`` tokens: :meth:`ModelPreset.kv_bytes` counts
+that, ``kv_bytes_per_token`` is what a cache that frees nothing pays.
 """
 
 from __future__ import annotations
@@ -78,6 +91,16 @@ class ModelPreset:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     max_position_embeddings: int = 4096
+    sliding_window: int = 0  # 0: none; else the window of the num_sliding_layers sliding layers
+    num_sliding_layers: int = 0
+
+    def kv_bytes(self, num_tokens: int, tp: int = 1) -> int:
+        """KV bytes one sequence of ``num_tokens`` holds on one of ``tp`` GPUs when every
+        sliding layer keeps only its last ``sliding_window`` tokens (the rest freed)."""
+        per_layer = self.kv_bytes_per_token_per_gpu(tp, layers=1)
+        full = self.num_layers - self.num_sliding_layers
+        held = min(num_tokens, self.sliding_window) if self.num_sliding_layers else 0
+        return per_layer * (full * num_tokens + self.num_sliding_layers * held)
 
     @property
     def params_per_layer(self) -> int:
@@ -146,6 +169,7 @@ class MoEPreset(ModelPreset):
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     kv_dtype_bytes: int = 0
+    expert_weight_bits: float = 0  # 0: dtype_bytes; gpt-oss's MXFP4 experts: 4.25
 
     @property
     def moe_layers(self) -> int:
@@ -195,7 +219,16 @@ class MoEPreset(ModelPreset):
     @property
     def routed_expert_bytes(self) -> int:
         """Every routed expert of every MoE layer: what expert parallelism spreads over ranks."""
-        return self.moe_layers * self.num_experts * self.expert_params * self.dtype_bytes
+        n = self.moe_layers * self.num_experts * self.expert_params
+        if self.expert_weight_bits:
+            return int(n * self.expert_weight_bits / 8)
+        return n * self.dtype_bytes
+
+    @property
+    def weight_bytes(self) -> int:
+        """The routed experts at their own width (MXFP4 for gpt-oss), the rest at dtype_bytes."""
+        routed = self.moe_layers * self.num_experts * self.expert_params
+        return (self.num_params - routed) * self.dtype_bytes + self.routed_expert_bytes
 
     def weight_bytes_read(self, num_tokens: int) -> float:
         """A step reads the experts its tokens chose: with uniform routing a given expert is
@@ -273,6 +306,17 @@ MODELS: dict[str, ModelPreset] = {
                   moe_intermediate_size=2048, num_shared_experts=1, first_k_dense=3,
                   router_bias=True, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                   qk_rope_head_dim=64, kv_dtype_bytes=2),
+        # issue 33: sliding windows (module docstring for the sources)
+        MoEPreset("gpt-oss-120b", 36, 2880, 64, 8, 64, 2880, 201088,
+                  max_position_embeddings=131072, num_experts=128, num_experts_per_tok=4,
+                  moe_intermediate_size=2880, attention_bias=True, router_bias=True,
+                  expert_weight_bits=4.25,
+                  sliding_window=128, num_sliding_layers=18),
+        ModelPreset("gemma-3-27b", 62, 5376, 32, 16, 128, 21504, 262208,
+                    tie_word_embeddings=True, max_position_embeddings=131072,
+                    sliding_window=1024, num_sliding_layers=52),
+        ModelPreset("qwen3-32b", 64, 5120, 64, 8, 128, 25600, 151936,
+                    max_position_embeddings=40960),
     )
 }
 
@@ -283,7 +327,8 @@ _GPU_ALIASES = {
 }
 _MODEL_ALIASES = {"llama-3.1-8b": "llama-3-8b", "tinyllama": "tinyllama-1.1b",
                   "mixtral": "mixtral-8x7b", "qwen3-moe": "qwen3-30b-a3b",
-                  "deepseek-v3-671b": "deepseek-v3", "deepseek": "deepseek-v3"}
+                  "deepseek-v3-671b": "deepseek-v3", "deepseek": "deepseek-v3",
+                  "gpt-oss": "gpt-oss-120b", "gemma-3": "gemma-3-27b", "qwen3": "qwen3-32b"}
 
 
 def _normalise(name: str) -> str:

@@ -21,7 +21,7 @@ from labkit.model.testing import tiny_model
 
 WINDOWS = {  # sliding layers: none, every layer (Mistral), some (per-layer layer_types)
     "llama": {},
-    "mistral-window6": dict(sliding_window=6, architecture="MistralForCausalLM"),
+    "mistral-window6": dict(sliding_window=6, architecture="MistralForCausalLM"),  # frees blocks
     "per-layer-window6": dict(sliding_window=6, layer_types=["full_attention",
                                                              "sliding_attention"]),
 }
