@@ -60,6 +60,11 @@ def _fault_name(name: str) -> str:
     return name
 
 
+def pick_fault(seed: int | None) -> str:
+    """The hidden fault for ``seed`` (None: the system's randomness)."""
+    return random.Random(seed).choice(FAULTS)
+
+
 def load_requests() -> list[Any]:
     """The fixed load: ``NUM_SHORT`` code prompts and ``NUM_LONG`` prompts of ``LONG_TOKENS``
     token ids each, in a fixed shuffled order (seed 0)."""
@@ -90,13 +95,16 @@ def process_tree_cpu(root: int) -> dict[int, tuple[str, str, float]]:
         return out
     for p in procs:
         try:
-            cmd = " ".join(p.cmdline())
+            argv = p.cmdline()
             t = p.cpu_times()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
+        cmd = " ".join(argv)
         role = ("api" if p.pid == root else "engine" if "spawn_main" in cmd
                 else "helper" if "resource_tracker" in cmd else "other")
-        out[p.pid] = (role, cmd[-60:], t.user + t.system)
+        name = {"api": "labkit serve", "engine": "labkit engine core",
+                "helper": "resource tracker"}.get(role, argv[-1][-40:] if argv else "?")
+        out[p.pid] = (role, name, t.user + t.system)
     return out
 
 
@@ -110,7 +118,7 @@ class Triage:
                  startup_timeout: float = 120.0) -> None:
         from labkit.serve.process import ServerProcess
 
-        self._fault = _fault_name(fault) if fault else random.Random(seed).choice(FAULTS)
+        self._fault = _fault_name(fault) if fault else pick_fault(seed)
         flags, env_fault = INJECT[self._fault]
         self.server = ServerProcess(MODEL, [*BASE_ARGS, *flags],
                                     startup_timeout=startup_timeout)
@@ -209,9 +217,9 @@ def _profile_engine(fault: str, requests: list[Any]) -> dict[str, Any]:
     tokenizer wrapped under slow-tokenizer), with the step profiler attached."""
     from labkit.engine.profiler import StepProfiler
     from labkit.engine.sampling_params import SamplingParams
+    from labkit.model.loader import open_checkpoint
     from labkit.serve.engine_core import build_engine
     from labkit.serve.faults import SlowTokenizer
-    from labkit.model.loader import open_checkpoint
 
     tok = open_checkpoint(MODEL)[1]
     if fault == "slow-tokenizer":

@@ -7,6 +7,7 @@ three here are things no flag expresses, so the server reads this environment va
 at start and injects them at two seams of ``labkit/serve`` (never in the engine core):
 
 - ``cpu-hog``: ``launcher.main`` starts one busy-spinning process per core beside the server
+  once its engine is built
   (a runaway sidecar, a noisy neighbour). From outside: every latency up, nothing in
   ``/metrics`` explains it; ``top`` shows a process that is not the server burning CPU. Each
   hog exits within ~50 ms of the server (it watches its parent), so none outlives it.
@@ -35,7 +36,7 @@ from typing import Any
 
 FAULT_ENV = "LABKIT_FAULT"
 FAULTS = ("cpu-hog", "gc-storm", "slow-tokenizer")
-SLOW_DECODE_S = 0.002  # CPU seconds each decode call burns under slow-tokenizer
+SLOW_DECODE_S = 0.005  # CPU seconds each decode call burns under slow-tokenizer
 HOG_ARG = "labkit-fault-cpu-hog"  # in the hog's command line, so top names it
 _HOG_CODE = ("import os,sys,time\nppid=os.getppid()\nwhile os.getppid()==ppid:\n"
              " t=time.perf_counter()\n while time.perf_counter()-t<0.05: pass\n")

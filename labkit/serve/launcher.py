@@ -271,8 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--tenant-weights names {unknown}, which no --api-key KEY:TENANT "
                              f"defines (tenants: {sorted(set(keys.values())) or 'none'})")
         lora_modules = lora_modules_of(args)
-        fault = inject_api_process()  # LABKIT_FAULT (the triage lab): before the engine starts
         llm, tok, render = _engine_core(args)
+        fault = inject_api_process()  # LABKIT_FAULT (the triage lab), once the engine is up
     except (CheckpointError, ValueError) as e:
         p.error(str(e))
     cfg = ServeConfig(args.served_model_name or str(args.model), args.max_waiting,
