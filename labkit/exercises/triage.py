@@ -39,7 +39,10 @@ from labkit.exercises.triage_faults import (
 
 MODEL = "labkit-tiny"
 API_KEY = "triage-key"
-BASE_ARGS = ("--api-key", API_KEY, "--max-num-seqs", "8", "--engine-threads", "1")
+# the engine in a thread of the server: one process to start (faster), and /metrics' GC and CPU
+# counters then cover the engine too
+BASE_ARGS = ("--api-key", API_KEY, "--max-num-seqs", "8", "--engine-threads", "1",
+             "--engine-mode", "thread")
 NUM_SHORT, NUM_LONG, LONG_TOKENS, MAX_TOKENS, RATE = 8, 2, 800, 16, 20.0
 
 
@@ -83,8 +86,8 @@ def load_requests() -> list[Any]:
 
 def process_tree_cpu(root: int) -> dict[int, tuple[str, str, float]]:
     """``{pid: (role, name, cpu seconds so far)}`` for ``root`` and its descendants: role
-    "api" (the server), "engine" (its engine process), "helper" (multiprocessing's resource
-    tracker) or "other" (anything else the server started)."""
+    "api" (the server), "engine" (an engine process, with ``--engine-mode process``), "helper"
+    (multiprocessing's resource tracker) or "other" (anything else the server started)."""
     import psutil
 
     out: dict[int, tuple[str, str, float]] = {}

@@ -41,7 +41,7 @@ INJECT: dict[str, tuple[tuple[str, ...], str | None]] = {
     "slow-tokenizer": ((), "slow-tokenizer"),
 }
 GC_PER_REQUEST = 200  # collections per request above which the collector is the problem
-HOG_SHARE = 0.1  # a non-server process using more than this share of a core during the load
+HOG_RATIO = 0.25  # a process beside the server using more than this x the server's CPU-seconds
 DETOKENIZE_SHARE = 0.1  # of the profiled steps' wall time
 
 
@@ -71,14 +71,16 @@ def _gc(ev: Any) -> tuple[bool, str]:
 
 
 def _hog(ev: Any) -> tuple[bool, str]:
+    server = sum(p["cpu_s"] for p in ev.top if p["role"] != "other")
     others = [p for p in ev.top if p["role"] == "other"]
     busiest = max(others, key=lambda p: p["cpu_s"], default=None)
     if busiest is None:
-        return False, "top shows no process beside the server's own (API, engine)"
-    share = busiest["cpu_s"] / max(ev.duration, 1e-9)
-    return share > HOG_SHARE, (f"top's busiest process beside the server (pid {busiest['pid']}"
-                               f", {busiest['name']}) used {busiest['cpu_s']:.2f} CPU-s in the "
-                               f"{ev.duration:.1f} s load ({share:.0%} of a core)")
+        return False, (f"top shows no process beside the server, which used {server:.2f} "
+                       f"CPU-s in the {ev.duration:.1f} s load")
+    return busiest["cpu_s"] > HOG_RATIO * server, (
+        f"top's busiest process beside the server (pid {busiest['pid']}, {busiest['name']}) "
+        f"used {busiest['cpu_s']:.2f} CPU-s in the {ev.duration:.1f} s load, the server "
+        f"{server:.2f}")
 
 
 def _big_step(ev: Any) -> tuple[bool, str]:

@@ -119,4 +119,4 @@ def _cited_numbers_are_real(run, wrong: str, message: str) -> None:
         assert abs(share - 100 * run.profile()["share"]["detokenize"]) <= 1
     elif wrong == "cpu-hog":
         assert "beside the server" in message
-        assert not [p for p in run.top if p["role"] == "other" and p["cpu_s"] > 0.1]
+        assert not [p for p in run.top if p["role"] == "other"]
