@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import random
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,8 +146,9 @@ class Triage:
         from labkit.serve.metrics import parse_metrics
 
         before = process_tree_cpu(self.server.pid)
-        results, self.duration = load(self.server.url, MODEL, self.requests, None,
-                                      rate=RATE, seed=0)
+        with ThreadPoolExecutor(1) as pool:  # its own event loop: a notebook's already runs
+            results, self.duration = pool.submit(load, self.server.url, MODEL, self.requests,
+                                                 None, rate=RATE, seed=0).result()
         after = process_tree_cpu(self.server.pid)
         self.top = sorted(({"pid": pid, "role": role, "name": name,
                             "cpu_s": cpu - before.get(pid, (0, 0, 0.0))[2]}

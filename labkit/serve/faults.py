@@ -63,6 +63,12 @@ def gc_storm() -> None:
     gc.set_threshold(1, 1, 1)
 
 
+def gc_state(_engine: Any = None) -> tuple[tuple[int, ...], int]:
+    """(``gc.get_threshold()``, ``gc.get_freeze_count()``) of the process it runs in: picklable,
+    so ``AsyncLLM.call(gc_state)`` reads an engine process's collector settings."""
+    return gc.get_threshold(), gc.get_freeze_count()
+
+
 def start_cpu_hogs(n: int | None = None) -> list[subprocess.Popen]:
     """``n`` (default: one per core) processes that spin until their parent exits."""
     procs = [subprocess.Popen([sys.executable, "-c", _HOG_CODE, HOG_ARG])

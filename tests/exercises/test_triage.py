@@ -120,3 +120,57 @@ def _cited_numbers_are_real(run, wrong: str, message: str) -> None:
     elif wrong == "cpu-hog":
         assert "beside the server" in message
         assert not [p for p in run.top if p["role"] == "other"]
+
+
+# ---- the seams the hook and the flag use -----------------------------------------------------
+def test_no_enable_chunked_prefill_flag_prefills_a_long_prompt_in_one_step():
+    from labkit.engine.sampling_params import SamplingParams
+    from labkit.serve.engine_core import build_engine
+    from labkit.serve.launcher import ENGINE_FLAGS, build_parser
+
+    sp = SamplingParams(temperature=0.0, max_tokens=2)
+    computed = {}
+    for flag in ("--enable-chunked-prefill", "--no-enable-chunked-prefill"):
+        args = build_parser().parse_args([MODEL, flag, "--num-blocks", "64"])
+        eng, _, _ = build_engine(MODEL, **{k: getattr(args, k) for k in ENGINE_FLAGS})
+        eng.add_request("r", None, sp, prompt_token_ids=list(range(5, 605)))
+        eng.step()  # the first step: one chunk of the 600-token prompt, or all of it
+        computed[flag] = eng.scheduler.running[0].num_computed_tokens
+    assert computed == {"--enable-chunked-prefill": CHUNK_BUDGET,
+                        "--no-enable-chunked-prefill": 600}
+    assert build_parser().parse_args([MODEL]).enable_chunked_prefill is None  # engine default
+
+
+def test_slow_tokenizer_seam_wraps_only_under_the_fault(monkeypatch):
+    from labkit.serve.engine_core import build_engine
+
+    monkeypatch.setenv(faults.FAULT_ENV, "slow-tokenizer")
+    eng, tok, _ = build_engine(MODEL, num_blocks=16)
+    assert isinstance(tok, faults.SlowTokenizer) and eng.tokenizer is tok
+    monkeypatch.delenv(faults.FAULT_ENV)
+    assert not isinstance(build_engine(MODEL, num_blocks=16)[1], faults.SlowTokenizer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["gc-storm", None])
+def test_gc_storm_reaches_the_engine_process(monkeypatch, fault):
+    import gc
+
+    from labkit.serve.engine_core import EngineCoreProc, EngineSpec
+
+    if fault:  # the spawned child inherits the environment
+        monkeypatch.setenv(faults.FAULT_ENV, fault)
+    else:
+        monkeypatch.delenv(faults.FAULT_ENV, raising=False)
+    core = EngineCoreProc(EngineSpec(MODEL, engine_kw={"num_blocks": 16}))
+    try:
+        core.send(("call", 1, faults.gc_state))
+        assert core.out_conn.poll(60)
+        kind, _, err, (threshold, frozen) = core.out_conn.recv()
+        assert (kind, err) == ("reply", None)
+        if fault:  # every allocation collects, over the whole heap
+            assert threshold == (1, 1, 1) and frozen == 0
+        else:  # the healthy engine: CPython's thresholds, its startup heap frozen
+            assert threshold == gc.get_threshold() != (1, 1, 1) and frozen > 0
+    finally:
+        assert core.stop() is not None
