@@ -28,7 +28,7 @@ from labkit.serve.engine_flags import (
     features_of,
     lora_modules_of,
 )
-from labkit.serve.faults import inject_api_process
+from labkit.serve.faults import active_fault, inject_api_process
 from labkit.serve.limits import parse_api_keys
 from labkit.serve.read_timeout import read_timeout_protocol
 
@@ -271,6 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--tenant-weights names {unknown}, which no --api-key KEY:TENANT "
                              f"defines (tenants: {sorted(set(keys.values())) or 'none'})")
         lora_modules = lora_modules_of(args)
+        active_fault()  # an unknown LABKIT_FAULT fails here, before an engine is built
         llm, tok, render = _engine_core(args)
         fault = inject_api_process()  # LABKIT_FAULT (the triage lab), once the engine is up
     except (CheckpointError, ValueError) as e:

@@ -174,3 +174,15 @@ def test_gc_storm_reaches_the_engine_process(monkeypatch, fault):
             assert threshold == gc.get_threshold() != (1, 1, 1) and frozen > 0
     finally:
         assert core.stop() is not None
+
+
+def test_unknown_fault_stops_labkit_serve_before_its_engine(monkeypatch, capsys):
+    from labkit.serve import launcher
+
+    monkeypatch.setenv(faults.FAULT_ENV, "disk-full")
+    built = []
+    monkeypatch.setattr(launcher, "_engine_core", lambda args: built.append(args))
+    with pytest.raises(SystemExit) as e:
+        launcher.main([MODEL])
+    assert e.value.code == 2 and not built
+    assert "LABKIT_FAULT='disk-full'" in capsys.readouterr().err
