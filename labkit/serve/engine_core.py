@@ -44,6 +44,7 @@ from typing import Any
 
 from labkit.engine.errors import EngineStepError
 from labkit.engine.outputs import StepOutput
+from labkit.serve.faults import inject_engine_process, maybe_slow_tokenizer
 from labkit.utils import freeze_gc_heap
 
 SWITCH_INTERVAL = 0.0005  # s; CPython's default is 0.005 (sys.getswitchinterval)
@@ -97,8 +98,9 @@ def build_engine(model: str, *, tokenizer: Any = None, dtype: str | None = None,
     else:
         m, tok = load_for_serving(model, quantization, dtype, device)
     step_cures(m, kw, fused, compile)  # --fused / --compile, as LLM(fused=, compile=)
-    eng = LLMEngine.from_model(m, tokenizer or tok, name=str(model), **kw)
-    return eng, tokenizer or tok, chat_template_for(model)
+    tok = maybe_slow_tokenizer(tokenizer or tok)  # LABKIT_FAULT=slow-tokenizer (triage lab)
+    eng = LLMEngine.from_model(m, tok, name=str(model), **kw)
+    return eng, tok, chat_template_for(model)
 
 
 def chat_template_for(model: str) -> Any:
@@ -267,6 +269,7 @@ def _core_main(spec: EngineSpec, cmd_conn: Any, out_conn: Any) -> None:
         return
     eng.record_trace = spec.record_trace
     frozen = freeze_gc_heap()  # no 100+ ms full collections of the startup heap under load
+    inject_engine_process()  # LABKIT_FAULT=gc-storm undoes that (labkit.serve.faults)
     out_conn.send(("ready", {"max_model_len": eng.max_model_len, "vocab_size": eng.vocab_size,
                              "max_num_seqs": eng.config.scheduler.max_num_seqs,
                              "stats": dict(eng.stats()), "tokenizer": tok,

@@ -28,13 +28,15 @@ from labkit.serve.engine_flags import (
     features_of,
     lora_modules_of,
 )
+from labkit.serve.faults import active_fault, inject_api_process
 from labkit.serve.limits import parse_api_keys
 from labkit.serve.read_timeout import read_timeout_protocol
 
 ENGINE_FLAGS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "policy",
                 "max_model_len", "preemption_mode", "num_cpu_blocks", "kv_cache_bytes",
                 "tensor_parallel_size", "enable_expert_parallel", "tenant_weights",
-                "tenant_max_running", "tenant_max_kv_blocks", *FEATURE_FLAGS)
+                "tenant_max_running", "tenant_max_kv_blocks", "enable_chunked_prefill",
+                *FEATURE_FLAGS)
 
 
 class DrainingServer(uvicorn.Server):
@@ -165,6 +167,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tenant-max-kv-blocks", type=int, default=None, metavar="N",
                    help="per-tenant quota: a tenant starts a sequence only while it holds at "
                    "most N KV blocks with it")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=None, help="split long prompts into chunks of the token budget "
+                   "(default on); --no-enable-chunked-prefill prefills each prompt in one step, "
+                   "stalling every running decode for it (vLLM's flag)")
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     p.add_argument("--num-cpu-blocks", type=int, default=0)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
@@ -265,13 +271,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--tenant-weights names {unknown}, which no --api-key KEY:TENANT "
                              f"defines (tenants: {sorted(set(keys.values())) or 'none'})")
         lora_modules = lora_modules_of(args)
+        active_fault()  # an unknown LABKIT_FAULT fails here, before an engine is built
         llm, tok, render = _engine_core(args)
+        fault = inject_api_process()  # LABKIT_FAULT (the triage lab), once the engine is up
     except (CheckpointError, ValueError) as e:
         p.error(str(e))
     cfg = ServeConfig(args.served_model_name or str(args.model), args.max_waiting,
                       args.queue_timeout, args.request_timeout, keys, args.rate_limit_rps,
                       args.rate_limit_tps, args.max_body_bytes, drain_timeout=args.drain_timeout,
-                      freeze_gc=True, request_read_timeout=args.request_read_timeout,
+                      freeze_gc=fault != "gc-storm", request_read_timeout=args.request_read_timeout,
                       seed=args.seed, features=features_of(args), lora_modules=lora_modules,
                       stream_interval=args.stream_interval)
     app = build_app(llm, tok, cfg, render)

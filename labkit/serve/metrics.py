@@ -19,6 +19,11 @@ users feel (TTFT and inter-token latency histograms). The names follow vLLM's
   arrival to the start of the step that produced its first token (equal to vLLM's queue time
   when the prompt is prefilled in one chunk; longer by the earlier chunks otherwise).
 
+- the API process's own health, as every Prometheus client exports it: garbage collections
+  by generation (``python_gc_collections_total``, ``python_gc_objects_collected_total``) and
+  CPU seconds / memory (``process_cpu_seconds_total``, ``process_resident_memory_bytes``; on
+  Linux). A storm of collections or a CPU share that falls while latency climbs shows here.
+
 Each server owns its own ``CollectorRegistry``, so several servers (tests) live in one process.
 """
 
@@ -26,7 +31,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 P = "labkit:"
@@ -125,6 +137,8 @@ class ServerMetrics:
         self.registry = r = CollectorRegistry()
         self.model = model
         r.register(_EngineCollector(llm, model))
+        GCCollector(registry=r)  # python_gc_collections_total...: the API process's collector
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, memory: the API process
         m = ["model_name"]
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prefill tokens of admitted requests",
                                      m, registry=r)
