@@ -9,6 +9,7 @@ generated token:
 
 * ``sequential``: one GET per object into the node-local cache, then a normal load;
 * ``ranged``: parallel ranged GETs (8 connections, 8 MiB parts), then a normal load;
+  (the checkpoint is sharded, 32 MB per file, as Hugging Face checkpoints are);
 * ``stream``: tensors streamed from ranged GETs straight into the model, no disk;
 * ``cache-hit``: the node-local copy is current, nothing is fetched.
 
@@ -33,9 +34,9 @@ from labkit.bench.common import bench_parser, environment, print_table, write_re
 
 QUICK = {"hidden": 256, "intermediate": 704, "layers": 4, "heads": 8, "kv_heads": 2,
          "per_conn_mbps": 200.0, "total_mbps": 1600.0, "part_mib": 1, "connections": 8,
-         "tokens": 8, "seed": 0}
+         "tokens": 8, "seed": 0, "shard_mb": 4}
 FULL = {**QUICK, "hidden": 768, "intermediate": 2048, "layers": 16, "heads": 12, "kv_heads": 4,
-        "per_conn_mbps": 400.0, "total_mbps": 3200.0, "part_mib": 8}
+        "per_conn_mbps": 400.0, "total_mbps": 3200.0, "part_mib": 8, "shard_mb": 32}
 MODES = ("sequential", "ranged", "stream", "cache-hit")
 PROMPT = [1, 17, 42, 99, 7, 3]
 
@@ -54,7 +55,33 @@ def make_checkpoint(cfg: dict[str, Any], out: Path) -> tuple[Path, int]:
     torch.manual_seed(cfg["seed"])
     model = LlamaForCausalLM(config)
     export_hf(model, config, resolve_model_path("labkit-tiny"), out, dtype=torch.float32)
+    shard(out, cfg["shard_mb"] << 20)
     return out, sum(p.numel() for p in model.parameters())
+
+
+def shard(folder: Path, max_bytes: int) -> None:
+    """Split model.safetensors into shards of at most ``max_bytes`` with an index, as Hugging
+    Face checkpoints ship (and as an object store serves best: moto's server, like many, reads
+    a whole object per ranged GET, so parts of one huge object would each cost the object)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    groups: list[dict] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if groups[-1] and size + n > max_bytes:
+            groups.append({})
+            size = 0
+        groups[-1][name] = t
+        size += n
+    weight_map = {}
+    for i, g in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file(g, str(folder / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(g, fname))
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
 
 
 def worker(mode: str, uri: str, endpoint: str, cache: str, cfg: dict[str, Any],
@@ -133,7 +160,7 @@ def run(quick: bool = True, sizes: dict[str, Any] | None = None) -> dict[str, An
             cache = Path(tmp) / ("cache" if mode == "cache-hit" else f"cache-{mode}")
             rows.append(_spawn(mode, uri, s3.endpoint_url, cache, cfg))
             if mode == "ranged":  # fills the cache the cache-hit start then finds
-                (Path(tmp) / "cache-ranged").rename(cache)
+                cache.rename(Path(tmp) / "cache")
         bare = _bare_torch_s()
     for r in rows:
         r["outputs_match"] = r.pop("tokens") == ref

@@ -27,11 +27,11 @@ POLICIES = ("fcfs", "fair", "quota")
 def run(quick: bool = True, sizes: dict[str, Any] | None = None,
         model: str = "labkit-tiny") -> dict[str, Any]:
     from labkit.bench.serve_fairness import fairness
-    from labkit.model.loader import resolve_model_path
 
     cfg = {**(QUICK if quick else FULL), **(sizes or {})}
     with tqdm(desc="noisy-neighbour", unit="req") as bar:
-        res = fairness(str(resolve_model_path(model)), cfg, bar, policies=POLICIES)
+        res = fairness(model, cfg, bar, policies=POLICIES)  # served as "labkit-tiny", the
+        # name the load generator asks for
     rows = [{"policy": p, **{k: v for k, v in res[p].items() if k != "saturation"},
              "saturation": res[p]["saturation"]["verdict"]} for p in POLICIES]
     return {"benchmark": "ops noisy-neighbour", "quick": quick, "config": cfg, "rows": rows,

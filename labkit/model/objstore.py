@@ -139,22 +139,28 @@ def _parts(size: int, part: int) -> list[tuple[int, int]]:
     return [(s, min(s + part, size)) for s in range(0, size, part)]
 
 
-def download_object(src: S3Source, client: Any, name: str, size: int, etag: str,
-                    mode: str, pool: ThreadPoolExecutor) -> bytearray:
-    """One object's bytes: a single GET (``sequential``) or parallel ranged GETs (``ranged``)."""
+def download_objects(src: S3Source, client: Any, objects: dict[str, tuple[int, str]],
+                     mode: str, pool: ThreadPoolExecutor) -> dict[str, bytearray]:
+    """Every object's bytes: one GET each, one object after another (``sequential``), or all
+    objects' ``part_size`` ranges at once on the pool's connections (``ranged``)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    buf = bytearray(size)
-    if size == 0:
-        return buf
-    spans = [(0, size)] if mode == "sequential" else _parts(size, src.part_size)
+    bufs = {name: bytearray(size) for name, (size, _) in objects.items()}
 
-    def fill(span: tuple[int, int]) -> None:
-        buf[span[0]:span[1]] = get_range(src, client, name, etag, *span)
+    def fill(job: tuple[str, int, int]) -> None:
+        name, start, end = job
+        bufs[name][start:end] = get_range(src, client, name, objects[name][1], start, end)
 
-    for _ in pool.map(fill, spans):
-        pass
-    return buf
+    if mode == "sequential":
+        for name, (size, _) in sorted(objects.items()):
+            if size:
+                fill((name, 0, size))
+    else:
+        jobs = [(name, s, e) for name, (size, _) in sorted(objects.items())
+                for s, e in _parts(size, src.part_size)]
+        for _ in pool.map(fill, jobs):
+            pass
+    return bufs
 
 
 def check_safetensors(name: str, data: bytes | bytearray) -> None:
@@ -201,12 +207,12 @@ def fetch_checkpoint(src: S3Source | str, mode: str = "ranged") -> Path:
     src.local_dir.mkdir(parents=True, exist_ok=True)
     (src.local_dir / ".labkit-manifest.json").unlink(missing_ok=True)
     with ThreadPoolExecutor(src.max_connections) as pool:
-        for name, (size, etag) in sorted(listing.items()):
-            data = download_object(src, client, name, size, etag, mode, pool)
-            if name.endswith(".safetensors"):
-                check_safetensors(f"{src.uri}/{name}", data)
-            tmp = src.local_dir / f".{name}.part"
-            tmp.write_bytes(data)
-            tmp.replace(src.local_dir / name)
+        bufs = download_objects(src, client, listing, mode, pool)
+    for name, data in sorted(bufs.items()):
+        if name.endswith(".safetensors"):
+            check_safetensors(f"{src.uri}/{name}", data)
+        tmp = src.local_dir / f".{name}.part"
+        tmp.write_bytes(data)
+        tmp.replace(src.local_dir / name)
     (src.local_dir / ".labkit-manifest.json").write_text(json.dumps(_manifest(listing)))
     return src.local_dir

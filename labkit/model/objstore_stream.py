@@ -24,7 +24,7 @@ import torch
 from labkit.errors import CheckpointError
 from labkit.model.loader import _checkpoint_views, load_config
 from labkit.model.meta import empty_model
-from labkit.model.objstore import S3Source, _parts, download_object, get_range, list_checkpoint
+from labkit.model.objstore import S3Source, _parts, download_objects, get_range, list_checkpoint
 
 ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
              "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8,
@@ -90,12 +90,11 @@ class _Tensor:
         self.buf = bytearray()
 
 
-def _stream_file(src: S3Source, client: Any, name: str, size: int, etag: str,
-                 params: dict[str, torch.Tensor], tied: bool, seen: set[str],
-                 pool: ThreadPoolExecutor) -> None:
-    """Reads of ``part_size`` over the data section, ignoring tensor boundaries (a model has
-    hundreds of small tensors: one GET each would pay the request overhead hundreds of times,
-    so streamers coalesce), each read handing its bytes to the tensors it overlaps."""
+def _file_jobs(src: S3Source, client: Any, name: str, size: int, etag: str,
+               params: dict[str, torch.Tensor], tied: bool, seen: set[str]) -> list[tuple]:
+    """Reads of ``part_size`` over one file's data section, ignoring tensor boundaries (a model
+    has hundreds of small tensors: one GET each would pay the request overhead hundreds of
+    times, so streamers coalesce); each read hands its bytes to the tensors it overlaps."""
     base, header = read_header(src, client, name, size, etag)
     tensors = []
     for tname, info in header.items():
@@ -109,25 +108,24 @@ def _stream_file(src: S3Source, client: Any, name: str, size: int, etag: str,
         seen.add(tname)
     tensors.sort(key=lambda t: t.start)
     starts = [t.start for t in tensors]
+    return [(name, etag, base, s, e, tensors, starts) for s, e in _parts(size - base,
+                                                                         src.part_size)]
 
-    def run(span: tuple[int, int]) -> None:
-        s, e = span
-        data = get_range(src, client, name, etag, base + s, base + e)
-        for t in tensors[max(bisect.bisect_right(starts, s) - 1, 0):]:
-            if t.start >= e:
-                break
-            t.put(s, data)
 
-    for _ in pool.map(run, _parts(size - base, src.part_size)):
-        pass
+def _run_job(src: S3Source, client: Any, job: tuple) -> None:
+    name, etag, base, s, e, tensors, starts = job
+    data = get_range(src, client, name, etag, base + s, base + e)
+    for t in tensors[max(bisect.bisect_right(starts, s) - 1, 0):]:
+        if t.start >= e:
+            break
+        t.put(s, data)
 
 
 def _small_files(src: S3Source, client: Any, listing: dict, pool: ThreadPoolExecutor,
                  folder: Path) -> None:
-    for name, (size, etag) in listing.items():
-        if not name.endswith(".safetensors"):
-            data = download_object(src, client, name, size, etag, "sequential", pool)
-            (folder / name).write_bytes(data)
+    small = {n: v for n, v in listing.items() if not n.endswith(".safetensors")}
+    for name, data in download_objects(src, client, small, "ranged", pool).items():
+        (folder / name).write_bytes(data)
 
 
 def load_streaming(src: S3Source | str, dtype: torch.dtype = torch.float32,
@@ -152,10 +150,13 @@ def load_streaming(src: S3Source | str, dtype: torch.dtype = torch.float32,
         params = dict(model.named_parameters())
         views, parts = _checkpoint_views(model)
         seen: set[str] = set()
+        jobs = []  # every shard's reads at once, on the pool's connections
         for name in _shards(folder, listing):
             size, etag = listing[name]
-            _stream_file(src, client, name, size, etag, {**params, **views},
-                         config.tie_word_embeddings, seen, pool)
+            jobs += _file_jobs(src, client, name, size, etag, {**params, **views},
+                               config.tie_word_embeddings, seen)
+        for _ in pool.map(lambda job: _run_job(src, client, job), jobs):
+            pass
         seen |= {p for p, disk in parts.items() if all(d in seen for d in disk)}
         missing = [n for n in params if n not in seen
                    and not (n == "lm_head.weight" and config.tie_word_embeddings)]
