@@ -23,11 +23,11 @@ def test_reference_equals_hand_softmax_with_sink_logit():
     s = [2.0 * kj for kj in (1.0, -1.0, 0.5)]  # scale 1/sqrt(1)
     denom = math.exp(sink) + sum(math.exp(x) for x in s)
     want = sum(math.exp(x) / denom * vj for x, vj in zip(s, (10.0, 20.0, 30.0)))
-    assert out.item() == pytest.approx(want, rel=1e-6)
+    assert out.item() == pytest.approx(want, rel=1e-5)  # float32 softmax vs float64 math
     # a window of 1: the query sees its own key only (the last), the sink still takes its share
     out = causal_attention(q, k, v, sliding_window=1, sinks=torch.tensor([sink]))
     assert out.item() == pytest.approx(math.exp(1.0) / (math.exp(sink) + math.exp(1.0)) * 30,
-                                       rel=1e-6)
+                                       rel=1e-5)
 
 
 def test_very_negative_sink_is_plain_softmax():
