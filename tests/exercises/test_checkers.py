@@ -162,7 +162,8 @@ def test_every_exercise_has_negative_controls():
                  "moe_routing": "test_moe_routing_exercise.py",
                  "lora_delta": "test_lora_batching_exercise.py",
                  "lora_slots": "test_lora_batching_exercise.py",
-                 "kv_connector": "test_kv_connector_exercise.py"}
+                 "kv_connector": "test_kv_connector_exercise.py",
+                 "mla_window": "test_mla_window_exercise.py"}
     here = Path(__file__).parent
     for exercise, f in elsewhere.items():
         text = (here / f).read_text()
