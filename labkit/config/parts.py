@@ -61,6 +61,12 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     kv_cache_bytes: int | None = None
     bytes_per_block: int | None = None  # set with num_blocks by the builder (stats, trace)
+    # one block table per layer group for models mixing sliding and full layers
+    # (labkit.kv.hybrid_manager); True keeps one table, as vLLM's flag of the same name
+    disable_hybrid_kv_cache_manager: bool = False
+    # each group's sliding window (None: full), set by the builder when it gives the groups
+    # their own tables: what one request can hold at most (engine.validate.check_fits)
+    kv_group_windows: tuple[int | None, ...] | None = None
 
     def __post_init__(self) -> None:
         check_int("block_size", self.block_size)

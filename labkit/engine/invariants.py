@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from labkit.kv.hybrid_manager import group_block_tables
+
 
 class KVInvariantError(AssertionError):
     """The engine's block accounting is inconsistent (a labkit bug, not bad input)."""
@@ -37,12 +39,13 @@ def check_kv_invariants(engine: Any) -> None:
     cpu_holders: Counter[int] = Counter()
     for req in engine.requests.values():
         for s in req.seqs:
+            tables = group_block_tables(s)  # one per KV cache group (hybrid), else one
             if s.is_finished:
-                if s.block_table or s.cpu_block_table:
+                if any(tables) or s.cpu_block_table:
                     _fail(f"finished sequence {s.seq_id} still holds blocks "
-                          f"{s.block_table} / cpu {s.cpu_block_table}")
+                          f"{tables} / cpu {s.cpu_block_table}")
                 continue
-            gpu_holders.update(b for b in s.block_table if b >= 0)  # -1: freed (window)
+            gpu_holders.update(b for t in tables for b in t if b >= 0)  # -1: freed (window)
             cpu_holders.update(b for b in s.cpu_block_table if b >= 0)
     for b in range(pool.num_blocks):
         if pool.ref_counts[b] != gpu_holders[b]:

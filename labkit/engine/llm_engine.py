@@ -36,7 +36,7 @@ from labkit.engine.clock import WallClock
 from labkit.engine.detokenizer import update_text
 from labkit.engine.executor import Executor, ModelRunnerOutput, executor_factory
 from labkit.engine.logprobs import decode_tokens
-from labkit.engine.model_setup import load_draft, moe_experts, window_to_free
+from labkit.engine.model_setup import load_draft, moe_experts, size_kv_pool, window_to_free
 from labkit.engine.outputs import StepOutput
 from labkit.engine.overlap import OverlapStepLoop
 from labkit.engine.sampling_params import SamplingParams
@@ -51,6 +51,7 @@ from labkit.errors import (
     StructuredOutputsError,
 )
 from labkit.kv.block_manager import BlockManager
+from labkit.kv.hybrid_manager import KVCacheCoordinator
 from labkit.sched.request import Request
 from labkit.sched.scheduler import Scheduler, SchedulerOutput, SeqOutput
 from labkit.sched.stop import StopChecker
@@ -60,11 +61,13 @@ FINISHED_RECORDS = 4096  # sequences whose timings a forgetting engine keeps (re
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor, tokenizer: Any = None,
-                 clock: Any = None, kv_connector: Any = None) -> None:
+                 clock: Any = None, kv_connector: Any = None, block_manager: Any = None
+                 ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.clock = clock or WallClock()
-        self.block_manager = BlockManager.from_config(config.cache)
+        # one block table per sequence, or a hybrid model's per-group tables (from_model)
+        self.block_manager = block_manager or BlockManager.from_config(config.cache)
         stop = StopChecker(config.model.eos_token_ids, config.max_model_len, tokenizer)
         # the KV connector's scheduler side; its worker side is the executor's (from_model)
         if config.kv_transfer is not None and kv_connector is None:
@@ -103,7 +106,7 @@ class LLMEngine:
         ``kv_connector``) plugs a KV connector into both the scheduler and the executor."""
         from labkit.engine.model_runner import ModelExecutor, ModelRunner
         from labkit.kv.attention import get_attention_backend
-        from labkit.kv.cache import PagedKVCache, model_kv_bytes_per_block
+        from labkit.kv.cache import PagedKVCache
         from labkit.model.moe import ExpertLoadProbe
 
         c = model.config
@@ -111,9 +114,7 @@ class LLMEngine:
             max_position_embeddings=c.max_position_embeddings, vocab_size=c.vocab_size,
             eos_token_ids=tuple(c.eos_token_ids), **kw)
         cache = config.cache
-        per_block = model_kv_bytes_per_block(c, cache.block_size, model.dtype,
-                                             cache.kv_cache_dtype)  # MLA layers: the latent
-        cache.resolve_num_blocks(per_block, config.scheduler.max_num_seqs, config.max_model_len)
+        layout = size_kv_pool(c, config, model.dtype)  # per-group block tables, or None
         connector = None
         if config.kv_transfer is not None:  # EngineConfig allows it with this executor only
             from labkit.kv.connector import create_kv_connector
@@ -123,14 +124,15 @@ class LLMEngine:
             executor: Executor = executor_factory("tensor_parallel")(model, config)
         else:
             backend = get_attention_backend(config.model.attention_backend)
-            kv = PagedKVCache.for_model(c, cache, model.dtype, model.device, backend)
+            kv = PagedKVCache.for_model(c, cache, model.dtype, model.device, backend, layout)
             executor = ModelExecutor(ModelRunner(model, kv), connector)
         if config.lora is not None:  # adapter slots on the model's linears (labkit.lora)
             executor = executor_factory("lora")(executor, config)
         if config.speculative is not None:
             load_draft(config, model)
             executor = executor_factory("speculative")(executor, config)
-        engine = cls(config, executor, tokenizer, kv_connector=connector)
+        bm = None if layout is None else KVCacheCoordinator(cache, layout)
+        engine = cls(config, executor, tokenizer, kv_connector=connector, block_manager=bm)
         engine.block_manager.sliding_window = window_to_free(c, config)
         if getattr(c, "moe_layers", None) and isinstance(model, torch.nn.Module):
             engine.trace.meta["moe_layers"] = c.moe_layers  # the rows of each expert_load

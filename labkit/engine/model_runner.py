@@ -5,7 +5,8 @@ All scheduled sequences go through ONE forward: their new tokens are packed into
 ``logits_indices`` picks only the rows that need a next token (the last token of each chunk that
 reaches its sequence's end) so the vocabulary projection runs on a handful of rows.
 
-A chunk is ``(block_table, start_pos, token_ids)``: the runner does not care whose it is. That
+A chunk is ``(block_table, start_pos, token_ids)``: the runner does not care whose it is (with
+per-group block tables, :mod:`labkit.kv.hybrid_manager`, ``block_table`` is one per group). That
 is what lets the speculative executor's verify pass (a chunk of ``[last token, d1 .. dγ]`` with
 logits kept for every position) and the draft model (its own runner over its own
 ``PagedKVCache``) use this same code path.
@@ -37,6 +38,7 @@ from labkit.engine.logprobs import prompt_rows, split_prompt_rows, token_entry
 from labkit.kv.attention import AttentionBackend
 from labkit.kv.block_manager import BlockOps
 from labkit.kv.cache import PagedKVCache
+from labkit.kv.hybrid_manager import group_block_tables
 from labkit.model.sampling import processed_logprobs, sample_token
 from labkit.sched.request import Sequence
 from labkit.sched.scheduler import SchedulerOutput
@@ -79,15 +81,20 @@ class ModelRunner:
         slots: list[int] = []
         qlens: list[int] = []
         out_idx: list[int] = []
+        hybrid = self.kv_cache.layout is not None  # a chunk's "table" is one per group
         for (table, start, toks), rows in zip(chunks, logits_rows):
             out_idx.extend(len(ids) + r for r in rows)
             ids.extend(toks)
             span = range(start, start + len(toks))
             pos.extend(span)
-            slots.extend([table[p // bs] * bs + p % bs for p in span])
+            if not hybrid:
+                slots.extend([table[p // bs] * bs + p % bs for p in span])
             qlens.append(len(toks))
         ctx = [start + n for (_, start, _), n in zip(chunks, qlens)]
-        self.kv_cache.begin_step(slots, [c[0] for c in chunks], qlens, ctx)
+        if hybrid:
+            self._begin_groups(chunks, qlens, ctx)
+        else:
+            self.kv_cache.begin_step(slots, [c[0] for c in chunks], qlens, ctx)
         dev = self.device
         try:
             with ExitStack() as hooks:
@@ -98,7 +105,18 @@ class ModelRunner:
                                   torch.tensor(out_idx, dtype=torch.long, device=dev),
                                   **model_inputs)
         finally:
-            self.kv_cache.meta = None
+            self.kv_cache.end_step()
+
+    def _begin_groups(self, chunks: list[Chunk], qlens: list[int], ctx: list[int]) -> None:
+        """Per-group slot mappings and block tables (hybrid KV: each chunk carries one table
+        per group, :func:`labkit.kv.hybrid_manager.group_block_tables`)."""
+        bs, n = self.block_size, len(self.kv_cache.layout.groups)
+        slots: list[list[int]] = [[] for _ in range(n)]
+        for tables, start, toks in chunks:
+            for g, t in enumerate(tables):
+                slots[g].extend(t[p // bs] * bs + p % bs for p in range(start, start + len(toks)))
+        self.kv_cache.begin_step_groups(slots, [[c[0][g] for c in chunks] for g in range(n)],
+                                        qlens, ctx)
 
     @staticmethod
     def sample(logits: torch.Tensor, groups: list[list[Sequence]],
@@ -152,13 +170,14 @@ def step_chunks(out: SchedulerOutput, drafts: dict[str, list[int]] | None = None
     groups: list[list[Sequence]] = []
     for sc in out.scheduled:
         s, a = sc.seq, sc.start_pos
+        table = s.block_table if not hasattr(s, "kv_group_views") else group_block_tables(s)
         d = drafts.get(s.seq_id)
         if d is not None:
-            chunks.append((s.block_table, a, s.token_ids[a:a + 1] + d))
+            chunks.append((table, a, s.token_ids[a:a + 1] + d))
             rows.append(list(range(len(d) + 1)))
             groups.append([s])
             continue
-        chunks.append((s.block_table, a, s.token_ids[a:a + sc.num_new_tokens]))
+        chunks.append((table, a, s.token_ids[a:a + sc.num_new_tokens]))
         rows.append([sc.num_new_tokens - 1] if sc.samples else [])
         if sc.samples:
             groups.append([s, *sc.children])

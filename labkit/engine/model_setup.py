@@ -114,3 +114,38 @@ def window_to_free(model_config: Any, config: EngineConfig) -> int | None:
     if config.speculative is not None or config.kv_transfer is not None:
         return None
     return freeable_window(model_config)
+
+
+def hybrid_kv_layout(model_config: Any, config: EngineConfig) -> Any:
+    """The per-group layout (labkit.kv.hybrid.HybridLayout) when the engine gives each layer
+    group its own block table (labkit.kv.hybrid_manager), or None: one table.
+
+    For a model that mixes sliding and full layers, unless ``disable_hybrid_kv_cache_manager``;
+    not with speculative decoding, a KV connector or tensor-parallel workers, which read one
+    block table per sequence (they keep every block, as before)."""
+    from labkit.kv.hybrid import hybrid_layout
+
+    if config.cache.disable_hybrid_kv_cache_manager or config.speculative is not None \
+            or config.kv_transfer is not None or config.parallel.uses_workers:
+        return None
+    return hybrid_layout(model_config)
+
+
+def size_kv_pool(model_config: Any, config: EngineConfig, dtype: torch.dtype) -> Any:
+    """Resolve the pool's ``num_blocks`` for the model's shapes (MLA layers: the latent) and
+    return the hybrid layout (or None). With per-group tables a block id holds one group's
+    layers, and every group needs tables of its own: the default pool covers max_num_seqs
+    full-length sequences in every group (the same bytes as one table)."""
+    from labkit.kv.cache import model_kv_bytes_per_block
+
+    c, cache = model_config, config.cache
+    layout = hybrid_kv_layout(c, config)
+    per_block, groups = model_kv_bytes_per_block(c, cache.block_size, dtype,
+                                                 cache.kv_cache_dtype), 1
+    if layout is not None:
+        per_block = per_block * layout.num_tensors // c.num_hidden_layers
+        groups = len(layout.groups)
+        cache.kv_group_windows = tuple(g.sliding_window for g in layout.groups)
+    cache.resolve_num_blocks(per_block, config.scheduler.max_num_seqs * groups,
+                             config.max_model_len)
+    return layout

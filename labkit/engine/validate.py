@@ -15,6 +15,7 @@ from typing import Any
 
 from labkit.config import EngineConfig
 from labkit.errors import InvalidPromptError
+from labkit.kv.hybrid import max_blocks_held
 from labkit.utils import cdiv, check_int, is_int
 
 __all__ = ["check_fits", "check_int", "check_request_args", "is_int", "prompt_ids"]
@@ -84,8 +85,15 @@ def check_fits(config: EngineConfig, rid: str, ids: list[int], params: Any, prio
 
 
 def _check_capacity(config: EngineConfig, rid: str, total: int) -> None:
-    sched, num_blocks = config.scheduler, config.cache.num_blocks
-    need = cdiv(total + sched.num_lookahead_slots, config.cache.block_size)
+    sched, num_blocks, cache = config.scheduler, config.cache.num_blocks, config.cache
+    slots = total + sched.num_lookahead_slots
+    if cache.kv_group_windows is None:  # one block table
+        need = cdiv(slots, cache.block_size)
+    else:  # one table per group: a sliding group holds at most a window and a chunk
+        chunk = (min(total, sched.max_num_batched_tokens) if sched.enable_chunked_prefill
+                 else total) + sched.num_lookahead_slots
+        need = sum(max_blocks_held(slots, cache.block_size, w, chunk)
+                   for w in cache.kv_group_windows)
     if need > num_blocks:
         raise InvalidPromptError(
             f"request {rid!r} needs up to {need} KV blocks ({total} tokens) but the pool "

@@ -31,7 +31,7 @@ from typing import Protocol
 
 from labkit.config import CacheConfig
 from labkit.kv.block_pool import BlockPool
-from labkit.kv.hybrid import NULL_BLOCK, num_skipped_blocks
+from labkit.kv.hybrid import NULL_BLOCK, hit_blocks, num_skipped_blocks
 from labkit.kv.prefix import BlockHash, hash_block_tokens, hash_prompt_blocks
 from labkit.utils import cdiv
 
@@ -73,12 +73,16 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         num_cpu_blocks: int = 0,
         sliding_window: int | None = None,
+        pool: BlockPool | None = None,
+        kv_group: int | None = None,
     ) -> None:
         # the one place pool settings are checked (EngineConfigError, a ValueError)
         CacheConfig(block_size, num_blocks, num_cpu_blocks, enable_prefix_caching)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        # pool/kv_group: one group of labkit.kv.hybrid_manager (a shared pool, its own keys)
+        self.pool = pool or BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.kv_group = kv_group
         self.cpu_pool = BlockPool(num_cpu_blocks, enable_caching=False)
         self.seqs: dict[str, SeqLike] = {}  # sequences holding GPU blocks
         self.events: list[dict] = []
@@ -150,7 +154,7 @@ class BlockManager:
         n = len(seq.token_ids) - 1
         hashes = hash_prompt_blocks(seq.token_ids[: n - n % self.block_size], self.block_size,
                                     seq.cache_salt, lora_int_id=_lora_id(seq),
-                                    weight_version=self.key_version)
+                                    weight_version=self.key_version, kv_group=self.kv_group)
         if self.sliding_window is not None:
             return self._window_hit(hashes)
         blocks: list[int] = []
@@ -162,17 +166,13 @@ class BlockManager:
         return blocks, hashes[: len(blocks)]
 
     def _window_hit(self, hashes: list[BlockHash]) -> tuple[list[int], list[BlockHash]]:
-        """The longest hit of ``k`` blocks whose live part is cached: with ``k * block_size``
-        tokens computed, the blocks before ``num_skipped_blocks`` are dead (NULL_BLOCK in the
-        hit), the rest must all be cached. Root blocks, freed first and so evicted first, are
-        not needed."""
+        """The longest hit of ``k`` blocks whose live part is cached (:func:`hit_blocks`).
+        Root blocks, freed first and so evicted first, are not needed."""
         found = [self.pool.lookup(h) for h in hashes]
         for k in range(len(hashes), 0, -1):
-            dead = min(num_skipped_blocks(k * self.block_size, self.sliding_window,
-                                          self.block_size), k)
-            live = found[dead:k]
-            if all(b is not None for b in live):
-                return [NULL_BLOCK] * dead + live, hashes[:k]
+            blocks = hit_blocks(found, k, self.sliding_window, self.block_size)
+            if blocks is not None:
+                return blocks, hashes[:k]
         return [], []
 
     def cache_full_blocks(self, seq: SeqLike) -> None:
@@ -188,7 +188,7 @@ class BlockManager:
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_full):
             parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], seq.cache_salt,
-                                       _lora_id(seq), self.key_version)
+                                       _lora_id(seq), self.key_version, self.kv_group)
             hashes.append(parent)
             if table[i] != NULL_BLOCK:
                 self.pool.register(table[i], parent)

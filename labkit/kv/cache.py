@@ -12,6 +12,7 @@ import torch
 
 from labkit.config import KV_CACHE_DTYPES, CacheConfig
 from labkit.kv.attention import AttentionBackend, TorchBackend
+from labkit.kv.hybrid import HybridLayout
 from labkit.kv.metadata import AttentionMetadata
 from labkit.kv.mla import mla_paged_attention, reshape_and_cache_latent
 from labkit.kv.ops import FP8_KV_DTYPE, KV_SCALE_DTYPE
@@ -106,6 +107,19 @@ def _latent_widths(kv_latent_dims: list[int | None] | None, num_layers: int,
     return latent
 
 
+def _layer_windows(sliding_window: int | None | list[int | None], num_layers: int,
+                   backend: str) -> list[int | None]:
+    """One window per layer (None = full attention); an int means every layer (Mistral)."""
+    windows = (list(sliding_window) if isinstance(sliding_window, (list, tuple))
+               else [sliding_window] * num_layers)
+    if len(windows) != num_layers:
+        raise ValueError(f"{len(windows)} sliding windows for {num_layers} layers")
+    if any(w is not None for w in windows) and backend not in ("torch", "triton"):
+        raise ValueError(f"sliding-window attention is implemented by the torch and triton "
+                         f"backends only, not {backend!r}")
+    return windows
+
+
 class PagedKVCache:
     """Per layer ``k_caches[i], v_caches[i]: [num_blocks, block_size, Hkv, D]``. With
     ``kv_cache_dtype="int8"`` (or ``"fp8"``) those hold int8 (e4m3) codes and ``k_scales[i],
@@ -121,8 +135,10 @@ class PagedKVCache:
                  backend: AttentionBackend | None = None, num_cpu_blocks: int = 0,
                  sliding_window: int | None | list[int | None] = None,
                  kv_cache_dtype: str = "auto",
-                 kv_latent_dims: list[int | None] | None = None) -> None:
+                 kv_latent_dims: list[int | None] | None = None,
+                 layout: HybridLayout | None = None) -> None:
         self.backend = backend or TorchBackend()
+        self.layout = layout  # per-group block tables (labkit.kv.hybrid_manager) or None
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         quant = kv_cache_dtype in QUANT_KV
         latent = _latent_widths(kv_latent_dims, num_layers, kv_cache_dtype)
@@ -152,29 +168,33 @@ class PagedKVCache:
         self.v_scales = make(shape[:3], KV_SCALE_DTYPE, device, n_scale)
         self.cpu_k_scales = make(cpu_shape[:3], KV_SCALE_DTYPE, "cpu", n_cpu if quant else 0)
         self.cpu_v_scales = make(cpu_shape[:3], KV_SCALE_DTYPE, "cpu", n_cpu if quant else 0)
+        if layout is not None:
+            self._share_tensors(layout)
+        self.metas: list[AttentionMetadata] = []  # one per group (hybrid), else empty
         self.scale = head_dim ** -0.5
         self.block_size = block_size
-        # one window per layer (None = full attention); an int means every layer (Mistral)
-        windows = (list(sliding_window) if isinstance(sliding_window, (list, tuple))
-                   else [sliding_window] * num_layers)
-        if len(windows) != num_layers:
-            raise ValueError(f"{len(windows)} sliding windows for {num_layers} layers")
-        self.sliding_windows = windows
-        if any(w is not None for w in windows) and self.backend.name not in ("torch", "triton"):
-            raise ValueError(f"sliding-window attention is implemented by the torch and triton "
-                             f"backends only, not {self.backend.name!r}")
+        self.sliding_windows = _layer_windows(sliding_window, num_layers, self.backend.name)
         self.meta: AttentionMetadata | None = None
 
+    def _share_tensors(self, layout: HybridLayout) -> None:
+        """Layer j of every group writes into tensor j (:class:`labkit.kv.hybrid.
+        HybridLayout`): a block id belongs to one group at a time, so they never collide."""
+        for name in ("k_caches", "v_caches", "cpu_k", "cpu_v", "k_scales", "v_scales",
+                     "cpu_k_scales", "cpu_v_scales"):
+            ts = getattr(self, name)
+            setattr(self, name, [ts[t] for t in layout.layer_tensor] if ts else ts)
+
     def nbytes(self) -> int:
-        """Device bytes of the KV pool (values and, for INT8, scales)."""
-        return sum(t.numel() * t.element_size() for ts in (self.k_caches, self.v_caches,
-                                                           self.k_scales, self.v_scales)
-                   for t in ts)
+        """Device bytes of the KV pool (values and, for INT8, scales; a tensor the groups
+        share counted once)."""
+        ts = {id(t): t for ts in (self.k_caches, self.v_caches, self.k_scales, self.v_scales)
+              for t in ts}
+        return sum(t.numel() * t.element_size() for t in ts.values())
 
     @classmethod
     def for_model(cls, model_config: object, cache: CacheConfig, dtype: torch.dtype,
-                  device: torch.device | str, backend: AttentionBackend | None = None
-                  ) -> PagedKVCache:
+                  device: torch.device | str, backend: AttentionBackend | None = None,
+                  layout: HybridLayout | None = None) -> PagedKVCache:
         """The pool ``cache`` describes (its num_blocks resolved) for a model's shapes. A model
         with attention sinks (gpt-oss) needs the torch backend: refused here, before a step."""
         c = model_config
@@ -186,13 +206,25 @@ class PagedKVCache:
         return cls(c.num_hidden_layers, cache.num_blocks, cache.block_size,
                    c.num_key_value_heads, c.head_dim, dtype, device, backend,
                    cache.num_cpu_blocks, layer_sliding_windows(c), cache.kv_cache_dtype,
-                   layer_kv_latent_dims(c))
+                   layer_kv_latent_dims(c), layout)
 
     def begin_step(self, slots: list[int], block_tables: list[list[int]], query_lens: list[int],
                    context_lens: list[int]) -> None:
         """Set the metadata every layer of the next forward reads (built once, not per layer)."""
         dev = self.k_caches[0].device
         self.meta = build_attention_metadata(slots, block_tables, query_lens, context_lens, dev)
+
+    def begin_step_groups(self, slots: list[list[int]], block_tables: list[list[list[int]]],
+                          query_lens: list[int], context_lens: list[int]) -> None:
+        """:meth:`begin_step` with one slot mapping and set of block tables per group
+        (hybrid): each layer then reads its group's metadata."""
+        dev = self.k_caches[0].device
+        self.metas = [build_attention_metadata(s, t, query_lens, context_lens, dev)
+                      for s, t in zip(slots, block_tables)]
+        self.meta = self.metas[0]
+
+    def end_step(self) -> None:
+        self.meta, self.metas = None, []
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                positions: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -201,7 +233,8 @@ class PagedKVCache:
         ``sinks`` [Hq] (a gpt-oss layer's sink logits, :mod:`labkit.model.sinks`) is the one
         per-layer value the layer hands over with its q/k/v: nothing is cached for it, the
         backend adds it to every softmax's denominator (the torch backend; Triton refuses)."""
-        m, be = self.meta, self.backend
+        m = self.metas[self.layout.layer_group[layer_idx]] if self.metas else self.meta
+        be = self.backend
         kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
         ks = self.k_scales[layer_idx] if self.k_scales else None
         vs = self.v_scales[layer_idx] if self.v_scales else None
@@ -234,8 +267,13 @@ class PagedKVCache:
     # ---- block copies the block manager queued ------------------------------------------------
     def _device_lists(self) -> list[tuple[list, list]]:
         """(device tensors per layer, their CPU swap pool) for values and scales."""
-        return [(self.k_caches, self.cpu_k), (self.v_caches, self.cpu_v),
-                (self.k_scales, self.cpu_k_scales), (self.v_scales, self.cpu_v_scales)]
+        pairs = [(self.k_caches, self.cpu_k), (self.v_caches, self.cpu_v),
+                 (self.k_scales, self.cpu_k_scales), (self.v_scales, self.cpu_v_scales)]
+        if self.layout is None:
+            return pairs
+        first = sorted({self.layout.layer_tensor.index(t) for t in self.layout.layer_tensor})
+        return [([d[i] for i in first] if d else d, [h[i] for i in first] if h else h)
+                for d, h in pairs]  # shared tensors once each
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: dst <- src in every layer."""

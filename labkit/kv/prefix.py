@@ -43,10 +43,13 @@ def hash_block_tokens(
     cache_salt: str | None = None,
     lora_int_id: int | None = None,
     weight_version: str | None = None,
+    kv_group: int | None = None,
 ) -> BlockHash:
     """Key of one full block given its parent's key (None for the first block). Without an
-    adapter or a weight version the bytes hashed are exactly the old ones (keys stay stable
-    across labkit versions)."""
+    adapter, a weight version or a KV cache group the bytes hashed are exactly the old ones
+    (keys stay stable across labkit versions). ``kv_group`` (the hybrid manager's groups
+    after the first, :mod:`labkit.kv.hybrid_manager`): the same tokens are cached once per
+    group, in different blocks of one pool, so each group needs its own keys."""
     h = hashlib.sha256()
     h.update(parent_hash if parent_hash is not None else _ROOT)
     h.update(struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids))
@@ -60,6 +63,8 @@ def hash_block_tokens(
     if weight_version is not None:
         v = weight_version.encode("utf-8")
         h.update(b"W" + struct.pack("<I", len(v)) + v)
+    if kv_group is not None:
+        h.update(b"G" + struct.pack("<q", kv_group))
     return h.digest()
 
 
@@ -70,12 +75,13 @@ def hash_prompt_blocks(
     parent_hash: BlockHash | None = None,
     lora_int_id: int | None = None,
     weight_version: str | None = None,
+    kv_group: int | None = None,
 ) -> list[BlockHash]:
     """Chained keys of every *full* block of ``token_ids`` (a partial tail block has no key)."""
     hashes: list[BlockHash] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         block = token_ids[start : start + block_size]
         parent_hash = hash_block_tokens(parent_hash, block, cache_salt, lora_int_id,
-                                        weight_version)
+                                        weight_version, kv_group)
         hashes.append(parent_hash)
     return hashes

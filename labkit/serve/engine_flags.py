@@ -7,6 +7,7 @@
     --kv-cache-dtype auto|int8|fp8     the paged KV pool's element type
     --attention-backend torch|triton   the paged-attention implementation
     --enable-prefix-caching / --no-enable-prefix-caching
+    --disable-hybrid-kv-cache-manager  one block table for a sliding + full model (nothing freed)
     --seed S                           seeds for unseeded requests (not an engine setting)
     --fused, --compile                 the step cures of ``LLM(fused=True, compile=True)``
                                        (``engine/model_setup.py``'s ``step_cures``)
@@ -51,7 +52,7 @@ FEATURE_FLAGS = ("quantization", "speculative_config", "kv_cache_dtype", "attent
                  "enable_prefix_caching", "kv_transfer_config", *KV_OFFLOAD_FLAGS,
                  "kv_role", "kv_transfer_port",
                  "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
-                 "fused", "compile", "async_scheduling")
+                 "fused", "compile", "async_scheduling", "disable_hybrid_kv_cache_manager")
 STEP_CURES = ("fused", "compile")  # change the model before the engine is built, not settings
 LORA_SIZES = ("max_loras", "max_lora_rank", "max_cpu_loras")
 
@@ -79,6 +80,9 @@ def add_feature_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None, help="reuse the KV of shared prompt prefixes (default on)")
+    p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true", default=None,
+                   help="one block table for models that mix sliding and full layers (keeps "
+                   "every block; vLLM's flag)")
     p.add_argument("--kv-transfer-config", type=_json_object, default=None, metavar="JSON",
                    help='a KV connector, e.g. \'{"kv_connector": "offloading", '
                    '"kv_connector_extra_config": {"cpu_bytes": 1073741824}}\'')

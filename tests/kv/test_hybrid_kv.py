@@ -115,10 +115,14 @@ def test_engine_greedy_matches_reference_with_short_window(kw):
     assert_no_leaks(eng)
 
 
-def test_no_freeing_for_mixed_layers_or_speculation():
+def test_one_table_frees_nothing_for_mixed_layers_or_speculation():
+    """One table per sequence cannot free for a mixed model (the full layer needs every
+    block): that takes per-group tables (tests/kv/test_hybrid_manager.py), or nothing."""
     mixed = tiny_model(2, num_hidden_layers=3, sliding_window=5,
                        layer_types=["sliding_attention", "full_attention", "sliding_attention"])
-    assert LLMEngine.from_model(mixed, None).block_manager.sliding_window is None
+    eng = LLMEngine.from_model(mixed, None, disable_hybrid_kv_cache_manager=True)
+    assert isinstance(eng.block_manager, BlockManager)
+    assert eng.block_manager.sliding_window is None
     spec = LLMEngine.from_model(tiny_model(0, **MISTRAL), None, speculative_config={
         "method": "ngram", "num_speculative_tokens": 2})
     assert spec.block_manager.sliding_window is None
