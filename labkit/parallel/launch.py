@@ -124,6 +124,11 @@ class LaunchedGroup:
         self._open = False
         try:
             self._send((STOP, ()))
+            # A tensor-free collective last: gloo's worker thread drops the STOP broadcast's
+            # work (and its Python-owned tensors, which needs the GIL) while this thread waits
+            # here. Exiting right after the broadcast let that drop race the interpreter's
+            # finalization: "terminate called without an active exception" (SIGABRT).
+            dist.barrier(group=self._ctrl)
         finally:
             dist.destroy_process_group()
 
@@ -154,6 +159,7 @@ def worker_loop(device: str = "cpu", timeout_s: float = 300.0) -> int:
             dist.broadcast_object_list(box, src=0, group=ctrl)
             method, args = box[0]
             if method == STOP:
+                dist.barrier(group=ctrl)  # rank 0's last collective (LaunchedGroup.shutdown)
                 return 0 if target is not None else 1
             dist.gather_object(_answer(target, method, args), None, dst=0, group=ctrl)
     finally:
