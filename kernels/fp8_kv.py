@@ -39,7 +39,7 @@ import triton.language as tl
 from labkit.kv.ops import FP8_KV_DTYPE, FP8_MAX
 
 # fp16's exponent bias (15) minus e4m3's (7): e4m3_to_fp16 gives value / 2^8; the scales undo it.
-FP8_DECODE_SCALE = 256.0
+FP8_DECODE_SCALE = tl.constexpr(256.0)  # a constexpr: @jit code reads it
 
 
 @triton.jit

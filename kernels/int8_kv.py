@@ -103,9 +103,10 @@ def check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch
         return False
     want = (f"k_scale and v_scale [num_blocks, block_size, num_kv_heads] = "
             f"{list(k_cache.shape[:3])} fp16")
-    check(quant and all(given), f"an INT8/FP8 KV cache needs both int8 (or both float8_e4m3fn) "
-          f"caches and {want}; got caches {k_cache.dtype}/{v_cache.dtype}, k_scale "
-          f"{'given' if given[0] else 'None'}, v_scale {'given' if given[1] else 'None'}")
+    check(quant and all(given), f"a quantized KV cache needs both int8 caches and {want} (or "
+          f"both float8_e4m3fn caches and those scales); got caches {k_cache.dtype}/"
+          f"{v_cache.dtype}, k_scale {'given' if given[0] else 'None'}, v_scale "
+          f"{'given' if given[1] else 'None'}")
     check(k_cache.dtype == v_cache.dtype and k_cache.dtype in QUANT_CACHE_DTYPES,
           f"k_cache and v_cache must both be int8 or both float8_e4m3fn, got {k_cache.dtype} "
           f"and {v_cache.dtype}")

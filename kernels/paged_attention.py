@@ -54,7 +54,7 @@ from labkit.kernels.paged_checks import (
 )
 
 LOG2E = 1.4426950408889634
-LOG2E_JIT: tl.constexpr = tl.constexpr(LOG2E)  # the kernels work in base 2 (exp2)
+LOG2E_JIT = tl.constexpr(LOG2E)  # the kernels work in base 2 (exp2)
 
 
 @triton.jit

@@ -99,7 +99,8 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
           f"slot_mapping must have one entry per token ({key.shape[0]}), "
           f"got {tuple(slot_mapping.shape)}")
     if check_kv_scales(k_cache, v_cache, k_scale, v_scale):
-        check_dtype(key, f"key (quantized into a {k_cache.dtype} cache)", FLOAT_DTYPES)
+        kind = "an fp8" if is_fp8(k_cache) else "an int8"
+        check_dtype(key, f"key (quantized into {kind} cache)", FLOAT_DTYPES)
         check(value.dtype == key.dtype, f"key and value dtypes differ: {key.dtype}, "
               f"{value.dtype}")
     else:
