@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from labkit.kv.ops import FP8_KV_DTYPE, FP8_MAX
+from labkit.kv.ops import FP8_KV_DTYPE
 
 # fp16's exponent bias (15) minus e4m3's (7): e4m3_to_fp16 gives value / 2^8; the scales undo it.
 FP8_DECODE_SCALE = tl.constexpr(256.0)  # a constexpr: @jit code reads it
@@ -94,7 +94,7 @@ def quantize_rows_fp8(x):
     """
     x = x.to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-8).to(tl.float16)
+    scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-8).to(tl.float16)  # 448: ops.FP8_MAX
     s = scale.to(tl.float32)[:, None]
     zero = s == 0.0
     r = tl.math.div_rn(x, tl.where(zero, 1.0, s))
@@ -105,6 +105,7 @@ def quantize_rows_fp8(x):
 
 
 def is_fp8(cache: torch.Tensor) -> bool:
+    """An e4m3 cache (``kv_cache_dtype="fp8"``); False on a torch without float8."""
     return FP8_KV_DTYPE is not None and cache.dtype == FP8_KV_DTYPE
 
 
@@ -113,6 +114,3 @@ def kernel_view(cache: torch.Tensor) -> torch.Tensor:
     strides), which is also how the kernels tell it from an INT8 one at compile time
     (``k_cache_ptr.dtype.element_ty == tl.uint8``); any other cache unchanged."""
     return cache.view(torch.uint8) if is_fp8(cache) else cache
-
-
-assert FP8_MAX == 448.0  # quantize_rows_fp8 and encode_e4m3 spell it out

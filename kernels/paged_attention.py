@@ -27,12 +27,20 @@ multiply the score and probability tiles instead (``int8_kv.load_token_scales``)
 head) then costs 2 * (D + 2) bytes of K+V instead of 2 * 2D in bf16: ~1.9x fewer bytes, hence
 up to ~1.9x faster decode at long contexts. The cost: an int8 -> bf16 convert per element, two
 multiplies per score (hidden under the memory stall) and the quantization error (half a step,
-absmax / 254, per element).
+absmax / 254, per element). An FP8 (e4m3) cache is the same with e4m3 bytes, which
+``fp8_kv.e4m3_to_fp16`` turns into fp16 with a shift and a mask (exact; see ``fp8_kv``).
 
 Sliding window (``sliding_window=w``, a sliding layer of Mistral / Qwen2 / Gemma 3): the query at
 position ``ctx_len - 1`` sees only keys ``ctx_len - w .. ctx_len - 1``, so every split starts its
 loop at ``max(split start, ctx_len - w)``: tiles wholly before the window are never read, which
 is what makes a sliding layer's decode cost O(w) instead of O(context).
+
+Attention sinks (``sinks`` [Hq], gpt-oss): the softmax's denominator gains ``exp(sink_h)``, a term
+with no value. The online softmax takes it as a first "key" of value 0: ``m = sink, l = 1,
+acc = 0``, then the tiles as usual, so ``out = acc / (l_keys * 2^(m_keys - m) + 2^(sink - m))``
+with ``m`` the max over keys and sink. With split-KV each split stays sink-free and the merge
+adds ``2^(sink - m)`` to its denominator once (counting it per split would count it many times).
+It costs one load per row: nothing per token.
 """
 
 from __future__ import annotations

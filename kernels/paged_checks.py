@@ -12,10 +12,10 @@ from labkit.kv.ops import gather_blocks
 
 
 def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        block_tables: torch.Tensor, context_lens: torch.Tensor,
-                        k_scale: torch.Tensor | None = None,
-                        v_scale: torch.Tensor | None = None,
-                        sinks: torch.Tensor | None = None) -> bool:
+                       block_tables: torch.Tensor, context_lens: torch.Tensor,
+                       k_scale: torch.Tensor | None = None,
+                       v_scale: torch.Tensor | None = None,
+                       sinks: torch.Tensor | None = None) -> bool:
     """ValueError for inputs the kernels would misread; returns True for an INT8/FP8 cache."""
     check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape,
           f"k_cache/v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
@@ -46,7 +46,7 @@ def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 
 def check_context_lens(block_tables: torch.Tensor, context_lens: torch.Tensor,
-                        k_cache: torch.Tensor, min_len: int) -> None:
+                       k_cache: torch.Tensor, min_len: int) -> None:
     """On CPU tensors (see ``on_host``): every context fits its block-table row and the blocks
     it uses exist. Out-of-range values would read outside the caches."""
     if not on_host(block_tables, context_lens) or context_lens.numel() == 0:

@@ -32,6 +32,10 @@ Sliding window (``sliding_window=w``): query position p sees keys ``p - w + 1 ..
 loop then starts at the tile's first query position minus ``w - 1`` (nothing before it is read)
 and every tile is masked, since rows of one tile see different windows; a row can meet a tile
 with no key it sees, so the online softmax guards its max against -inf.
+
+FP8 (e4m3) caches: as INT8, the bytes decoded by ``fp8_kv.e4m3_to_fp16``. Attention sinks
+(``sinks`` [Hq], gpt-oss): each row's online softmax starts at ``m = sink, l = 1`` (the sink as a
+key of value 0, see ``paged_attention``), so a row's max is finite from the start.
 """
 
 from __future__ import annotations
