@@ -1,7 +1,7 @@
 """The engine on the Triton kernels (interpreter on CPU) with what they used to refuse: gpt-oss's
 attention sinks (a tiny random checkpoint written by transformers, sliding and full layers) and
-an FP8 (e4m3) KV cache. Greedy tokens must equal the torch backend's, through chunked prefill
-and a prefix-cache hit, and the kernels must really have served the run."""
+an FP8 (e4m3) KV cache, apart and together. Greedy tokens must equal the torch backend's,
+through chunked prefill and a prefix-cache hit, and the kernels must really have served the run."""
 
 import pytest
 import torch
@@ -72,10 +72,11 @@ def gpt_oss_checkpoint(tmp_path_factory):
     return path
 
 
-def test_gpt_oss_sinks_triton_equals_torch(gpt_oss_checkpoint, calls):
+@pytest.mark.parametrize("kv", ["auto", "fp8"])  # sinks over a float and an e4m3 cache
+def test_gpt_oss_sinks_triton_equals_torch(gpt_oss_checkpoint, calls, kv):
     prompts = _prompts(64)
     run = {be: _greedy(LLM(model=gpt_oss_checkpoint, dtype=torch.float32, device="cpu",
-                           attention_backend=be, **ENGINE), prompts)
+                           attention_backend=be, kv_cache_dtype=kv, **ENGINE), prompts)
            for be in ("torch", "triton")}
     assert run["triton"] == run["torch"]
     assert calls["decode"] > 0 and calls["prefill"] > 0
