@@ -6,7 +6,9 @@ with its tiling, what bounds it and its arithmetic intensity:
 - ``paged_attention``: decode attention over a paged KV cache, split-KV (flash-decoding) merge;
 - ``paged_prefill``: causal varlen attention of new tokens over their cached blocks;
 - ``reshape_and_cache``: scatter new K/V into their slots (quantizing for an INT8 cache);
-- ``int8_kv``: the INT8 KV cache pieces those three share (quantize on write, scale on read);
+- ``int8_kv``: the INT8 KV cache pieces those three share (quantize on write, scale on read),
+  and ``fp8_kv`` the FP8 (e4m3) ones (its bits encoded and decoded by hand);
+- ``paged_checks``: the paged kernels' input checks and their references' small pieces;
 - ``rms_norm`` (optional fused residual add), ``rotary_embedding`` (in place);
 - ``dequant_matmul``: W4A16 GPTQ / AWQ and W8A16 matmuls on the tensor cores, dispatching
   M = 1 to ``dequant_gemv`` (the decode GEMVs); ``nf4``: NF4 dequantisation (its table,

@@ -27,12 +27,20 @@ multiply the score and probability tiles instead (``int8_kv.load_token_scales``)
 head) then costs 2 * (D + 2) bytes of K+V instead of 2 * 2D in bf16: ~1.9x fewer bytes, hence
 up to ~1.9x faster decode at long contexts. The cost: an int8 -> bf16 convert per element, two
 multiplies per score (hidden under the memory stall) and the quantization error (half a step,
-absmax / 254, per element).
+absmax / 254, per element). An FP8 (e4m3) cache is the same with e4m3 bytes, which
+``fp8_kv.e4m3_to_fp16`` turns into fp16 with a shift and a mask (exact; see ``fp8_kv``).
 
 Sliding window (``sliding_window=w``, a sliding layer of Mistral / Qwen2 / Gemma 3): the query at
 position ``ctx_len - 1`` sees only keys ``ctx_len - w .. ctx_len - 1``, so every split starts its
 loop at ``max(split start, ctx_len - w)``: tiles wholly before the window are never read, which
 is what makes a sliding layer's decode cost O(w) instead of O(context).
+
+Attention sinks (``sinks`` [Hq], gpt-oss): the softmax's denominator gains ``exp(sink_h)``, a term
+with no value. The online softmax takes it as a first "key" of value 0: ``m = sink, l = 1,
+acc = 0``, then the tiles as usual, so ``out = acc / (l_keys * 2^(m_keys - m) + 2^(sink - m))``
+with ``m`` the max over keys and sink. With split-KV each split stays sink-free and the merge
+adds ``2^(sink - m)`` to its denominator once (counting it per split would count it many times).
+It costs one load per row: nothing per token.
 """
 
 from __future__ import annotations
@@ -42,34 +50,26 @@ import math
 import torch
 import triton
 import triton.language as tl
-from labkit.kernels._common import (
-    FLOAT_DTYPES,
-    INDEX_DTYPES,
-    check,
-    check_dtype,
-    dot_precision,
-    interpreting,
-    next_pow2,
-    on_host,
+from labkit.kernels._common import check, dot_precision, interpreting, next_pow2
+from labkit.kernels.fp8_kv import kernel_view
+from labkit.kernels.int8_kv import dequantize_cache, load_kv_tile, load_token_scales, scale_args
+from labkit.kernels.paged_checks import (
+    check_context_lens,
+    check_paged_inputs,
+    check_window,
+    gather_kv,
+    softmax_with_sinks,
 )
-from labkit.kernels.int8_kv import (
-    check_kv_scales,
-    dequantize_cache,
-    load_kv_tile,
-    load_token_scales,
-    scale_args,
-)
-
-from labkit.kv.ops import gather_blocks
 
 LOG2E = 1.4426950408889634
+LOG2E_JIT = tl.constexpr(LOG2E)  # the kernels work in base 2 (exp2)
 
 
 @triton.jit
 def _paged_decode_kernel(
     out_ptr, lse_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    k_scale_ptr, v_scale_ptr,
+    k_scale_ptr, v_scale_ptr, sinks_ptr,
     sm_scale_log2, tokens_per_split, window,
     stride_qb, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -82,9 +82,10 @@ def _paged_decode_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
-    WINDOWED: tl.constexpr,
+    WINDOWED: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     KV_INT8: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.int8  # compile-time: int8 cache
+    KV_FP8: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.uint8  # e4m3 bytes (fp8_kv)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -110,6 +111,9 @@ def _paged_decode_kernel(
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
+    if HAS_SINKS and not SPLIT:  # the sink as a first "key" with value 0: m = sink, l = 2^0
+        m_i = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32) * LOG2E_JIT
+        l_i += 1.0
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
 
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -121,28 +125,28 @@ def _paged_decode_kernel(
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = load_kv_tile(
             k_cache_ptr + (phys * stride_kb + in_blk * stride_ks + kv_head * stride_kh)[:, None]
-            + offs_d[None, :], kv_mask, KV_INT8, q.dtype,
+            + offs_d[None, :], kv_mask, KV_INT8, KV_FP8, q.dtype,
         )
         v = load_kv_tile(
             v_cache_ptr + (phys * stride_vb + in_blk * stride_vs + kv_head * stride_vh)[:, None]
-            + offs_d[None, :], kv_mask, KV_INT8, q.dtype,
+            + offs_d[None, :], kv_mask, KV_INT8, KV_FP8, q.dtype,
         )
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        if KV_INT8:  # S = (Q C_k^T) diag(k_scale): see int8_kv.load_token_scales
+        if KV_INT8 or KV_FP8:  # S = (Q C_k^T) diag(k_scale): see int8_kv.load_token_scales
             s = s * load_token_scales(k_scale_ptr + kv_head * stride_sh, phys, in_blk, stride_sb,
-                                      stride_ss, t_mask)[None, :]
+                                      stride_ss, t_mask, KV_FP8)[None, :]
         s = s * sm_scale_log2
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if KV_INT8:  # P V = (P diag(v_scale)) C_v
+        if KV_INT8 or KV_FP8:  # P V = (P diag(v_scale)) C_v
             p = p * load_token_scales(v_scale_ptr + kv_head * stride_sh, phys, in_blk, stride_sb,
-                                      stride_ss, t_mask)[None, :]
+                                      stride_ss, t_mask, KV_FP8)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
@@ -168,11 +172,13 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    out_ptr, part_ptr, lse_ptr, num_splits,
+    out_ptr, part_ptr, lse_ptr, sinks_ptr, num_splits,
     stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
-    """out = sum_s w_s * part_s / sum_s w_s with w_s = 2^(lse_s - max lse)."""
+    """out = sum_s w_s * part_s / (sum_s w_s + w_sink) with w_s = 2^(lse_s - m), m the largest
+    lse (and sink): the sink joins the denominator here, once, not in every split."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -180,64 +186,22 @@ def _merge_splits_kernel(
     s_mask = offs_s < num_splits
     lse = tl.load(lse_ptr + seq * stride_lb + head * stride_lh + offs_s, mask=s_mask,
                   other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))
+    m = tl.max(lse, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E_JIT
+        m = tl.maximum(m, sink)
+    w = tl.exp2(lse - m)
     w = tl.where(s_mask & (lse > float("-inf")), w, 0.0)
+    den = tl.sum(w, 0)
+    if HAS_SINKS:
+        den += tl.exp2(sink - m)
     part = tl.load(
         part_ptr + seq * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps
         + offs_d[None, :], mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0,
     )
-    o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    o = tl.sum(part * w[:, None], 0) / den
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d,
              o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
-
-
-def _check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        block_tables: torch.Tensor, context_lens: torch.Tensor,
-                        k_scale: torch.Tensor | None = None,
-                        v_scale: torch.Tensor | None = None) -> bool:
-    """ValueError for inputs the kernels would misread; returns True for an INT8 cache."""
-    check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape,
-          f"k_cache/v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
-          f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    check(q.shape[-1] == k_cache.shape[3],
-          f"q head_dim {q.shape[-1]} != cache head_dim {k_cache.shape[3]}")
-    check(q.shape[-2] % k_cache.shape[2] == 0,
-          f"num query heads {q.shape[-2]} must be a multiple of num kv heads {k_cache.shape[2]}")
-    check_dtype(q, "q (and the caches)", FLOAT_DTYPES)
-    int8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
-    check(int8 or q.dtype == k_cache.dtype == v_cache.dtype,
-          f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    check(q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1,
-          "q, k_cache and v_cache need a contiguous last (head_dim) dimension")
-    check(block_tables.dim() == 2 and block_tables.dtype in INDEX_DTYPES,
-          "block_tables must be a 2-D int32 tensor [num_seqs, max_blocks]")
-    check(context_lens.dim() == 1 and context_lens.numel() == block_tables.shape[0],
-          "context_lens must be 1-D with one entry per block_tables row")
-    check_dtype(context_lens, "context_lens", INDEX_DTYPES)
-    check(len({t.device for t in (q, k_cache, v_cache, block_tables, context_lens)}) == 1,
-          "q, the caches, block_tables and context_lens must be on one device")
-    return int8
-
-
-def _check_context_lens(block_tables: torch.Tensor, context_lens: torch.Tensor,
-                        k_cache: torch.Tensor, min_len: int) -> None:
-    """On CPU tensors (see ``on_host``): every context fits its block-table row and the blocks
-    it uses exist. Out-of-range values would read outside the caches."""
-    if not on_host(block_tables, context_lens) or context_lens.numel() == 0:
-        return
-    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
-    lens = context_lens.long()
-    check(int(lens.min()) >= min_len, f"every context_lens entry must be >= {min_len}, got "
-          f"{int(lens.min())}")
-    capacity = block_tables.shape[1] * block_size
-    check(int(lens.max()) <= capacity,
-          f"context_lens has {int(lens.max())} tokens but block_tables rows hold only "
-          f"{block_tables.shape[1]} blocks x {block_size} = {capacity}")
-    used = torch.arange(block_tables.shape[1])[None, :] < (lens[:, None] + block_size - 1) \
-        // block_size
-    ids = block_tables[used]
-    check(ids.numel() == 0 or (int(ids.min()) >= 0 and int(ids.max()) < num_blocks),
-          f"block_tables name physical blocks outside the cache's {num_blocks}")
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int,
@@ -258,21 +222,23 @@ def paged_attention_decode(
     context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
     block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-    sliding_window: int | None = None,
+    sliding_window: int | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over a paged KV cache. q [B, Hq, D] -> out [B, Hq, D] (q's dtype).
 
     ``num_splits=None`` picks split-KV automatically (see ``default_num_splits``); 1 forces the
     single-pass kernel. Every context_lens entry must be >= 1 and fit its block-table row
     (checked on CPU tensors; on a GPU the caller guarantees it). INT8 cache: int8 caches plus
-    fp16 ``k_scale``/``v_scale`` [num_blocks, block_size, Hkv] (``int8_kv``).
-    ``sliding_window``: each query sees only its last that many keys (None: all of them).
+    fp16 ``k_scale``/``v_scale`` [num_blocks, block_size, Hkv] (``int8_kv``); FP8 the same with
+    float8_e4m3fn caches (``fp8_kv``). ``sliding_window``: each query sees only its last that
+    many keys (None: all of them). ``sinks`` [Hq]: gpt-oss's sink logits, one more term in each
+    head's softmax denominator (``labkit.model.sinks``).
     """
     check_window(sliding_window)
-    _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
+    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, sinks)
     check(q.dim() == 3, f"q must be [num_seqs, num_q_heads, head_dim], got {tuple(q.shape)}")
     check(q.shape[0] == block_tables.shape[0], "q and block_tables disagree on num_seqs")
-    _check_context_lens(block_tables, context_lens, k_cache, min_len=1)
+    check_context_lens(block_tables, context_lens, k_cache, min_len=1)
     # the kernel indexes a table row and the lengths with unit stride
     block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
     context_lens = context_lens.contiguous()
@@ -304,10 +270,11 @@ def paged_attention_decode(
     else:
         lse = out  # unused
         o, strides_o, strides_l = out, (out.stride(0), out.stride(1), 0), (0, 0)
+    sinks_arg = q if sinks is None else sinks.contiguous()
     grid = (num_seqs, num_kv_heads, num_splits)
     _paged_decode_kernel[grid](
-        o, lse, q, k_cache, v_cache, block_tables, context_lens,
-        *scale_args(k_cache, k_scale, v_scale)[:2],
+        o, lse, q, kernel_view(k_cache), kernel_view(v_cache), block_tables, context_lens,
+        *scale_args(k_cache, k_scale, v_scale)[:2], sinks_arg,
         scale * LOG2E, tokens_per_split, sliding_window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -318,38 +285,29 @@ def paged_attention_decode(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, next_pow2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split,
         DOT_FP32=interpreting(), PRECISION=dot_precision(q.dtype),
-        WINDOWED=sliding_window is not None, num_warps=num_warps, num_stages=num_stages,
+        WINDOWED=sliding_window is not None, HAS_SINKS=sinks is not None,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if split:
         _merge_splits_kernel[(num_seqs, num_q_heads)](
-            out, part, lse, num_splits,
+            out, part, lse, sinks_arg, num_splits,
             out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),
             lse.stride(0), lse.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim),
-            SPLITS_PAD=max(2, next_pow2(num_splits)),
+            SPLITS_PAD=max(2, next_pow2(num_splits)), HAS_SINKS=sinks is not None,
         )
     return out
-
-
-def check_window(sliding_window: int | None) -> None:
-    check(sliding_window is None or (isinstance(sliding_window, int) and sliding_window >= 1),
-          f"sliding_window must be None or a positive int, got {sliding_window!r}")
-
-
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` tokens of one sequence from a paged cache, as [length, Hkv, D]
-    (labkit's one block gather, :func:`labkit.kv.ops.gather_blocks`)."""
-    n_blocks = (length + cache.shape[1] - 1) // cache.shape[1]
-    return gather_blocks(cache, block_table[:n_blocks])[:length]
 
 
 def paged_attention_decode_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None, sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain PyTorch: gather each sequence's K/V, softmax(q K^T * scale) V in fp32 (an INT8
-    cache is dequantized to q's dtype first); a window keeps only the last keys."""
+    """Plain PyTorch: gather each sequence's K/V, softmax(q K^T * scale) V in fp32 (an INT8/FP8
+    cache is dequantized to q's dtype first); a window keeps only the last keys; sinks join
+    the softmax as one more column whose probability is dropped."""
     k_cache = dequantize_cache(k_cache, k_scale, q.dtype)
     v_cache = dequantize_cache(v_cache, v_scale, q.dtype)
     out = torch.empty_like(q)
@@ -360,5 +318,5 @@ def paged_attention_decode_ref(
         k = gather_kv(k_cache, block_tables[b], n)[lo:].float().repeat_interleave(group, dim=1)
         v = gather_kv(v_cache, block_tables[b], n)[lo:].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,thd->ht", q[b].float(), k) * scale
-        out[b] = torch.einsum("ht,thd->hd", scores.softmax(-1), v).to(q.dtype)
+        out[b] = torch.einsum("ht,thd->hd", softmax_with_sinks(scores, sinks), v).to(q.dtype)
     return out

@@ -32,6 +32,10 @@ Sliding window (``sliding_window=w``): query position p sees keys ``p - w + 1 ..
 loop then starts at the tile's first query position minus ``w - 1`` (nothing before it is read)
 and every tile is masked, since rows of one tile see different windows; a row can meet a tile
 with no key it sees, so the online softmax guards its max against -inf.
+
+FP8 (e4m3) caches: as INT8, the bytes decoded by ``fp8_kv.e4m3_to_fp16``. Attention sinks
+(``sinks`` [Hq], gpt-oss): each row's online softmax starts at ``m = sink, l = 1`` (the sink as a
+key of value 0, see ``paged_attention``), so a row's max is finite from the start.
 """
 
 from __future__ import annotations
@@ -48,13 +52,15 @@ from labkit.kernels._common import (
     next_pow2,
     on_host,
 )
+from labkit.kernels.fp8_kv import kernel_view
 from labkit.kernels.int8_kv import dequantize_cache, load_kv_tile, load_token_scales, scale_args
-from labkit.kernels.paged_attention import (
-    LOG2E,
-    _check_context_lens,
-    _check_paged_inputs,
+from labkit.kernels.paged_attention import LOG2E, LOG2E_JIT
+from labkit.kernels.paged_checks import (
+    check_context_lens,
+    check_paged_inputs,
     check_window,
     gather_kv,
+    softmax_with_sinks,
 )
 
 
@@ -64,7 +70,7 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, t0, kv_end, bt_row, k_base, v_base, ks
                  offs_d, d_mask, window,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                  DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, KV_INT8: tl.constexpr,
-                 WINDOWED: tl.constexpr):
+                 KV_FP8: tl.constexpr, WINDOWED: tl.constexpr):
     """One BLOCK_N tile of keys: gather through the block table, online-softmax update."""
     offs_t = t0 + tl.arange(0, BLOCK_N)
     t_mask = offs_t < kv_end
@@ -72,15 +78,16 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, t0, kv_end, bt_row, k_base, v_base, ks
     in_blk = offs_t % BLOCK_SIZE
     kv_mask = t_mask[:, None] & d_mask[None, :]
     k = load_kv_tile(k_base + (phys * stride_kb + in_blk * stride_ks)[:, None] + offs_d[None, :],
-                     kv_mask, KV_INT8, q.dtype)
+                     kv_mask, KV_INT8, KV_FP8, q.dtype)
     v = load_kv_tile(v_base + (phys * stride_vb + in_blk * stride_vs)[:, None] + offs_d[None, :],
-                     kv_mask, KV_INT8, q.dtype)
+                     kv_mask, KV_INT8, KV_FP8, q.dtype)
     if DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    if KV_INT8:  # S = (Q C_k^T) diag(k_scale): see int8_kv.load_token_scales
-        s = s * load_token_scales(ks_base, phys, in_blk, stride_sb, stride_ss, t_mask)[None, :]
+    if KV_INT8 or KV_FP8:  # S = (Q C_k^T) diag(k_scale): see int8_kv.load_token_scales
+        s = s * load_token_scales(ks_base, phys, in_blk, stride_sb, stride_ss, t_mask,
+                                  KV_FP8)[None, :]
     s = s * sm_scale_log2
     if MASKED:
         visible = (offs_t[None, :] <= q_pos[:, None]) & t_mask[None, :]
@@ -94,8 +101,9 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, t0, kv_end, bt_row, k_base, v_base, ks
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if KV_INT8:  # P V = (P diag(v_scale)) C_v
-        p = p * load_token_scales(vs_base, phys, in_blk, stride_sb, stride_ss, t_mask)[None, :]
+    if KV_INT8 or KV_FP8:  # P V = (P diag(v_scale)) C_v
+        p = p * load_token_scales(vs_base, phys, in_blk, stride_sb, stride_ss, t_mask,
+                                  KV_FP8)[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
 
@@ -103,7 +111,7 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, t0, kv_end, bt_row, k_base, v_base, ks
 @triton.jit
 def _paged_prefill_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr,
-    context_lens_ptr, k_scale_ptr, v_scale_ptr, sm_scale_log2, window,
+    context_lens_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, sm_scale_log2, window,
     stride_qn, stride_qh, stride_on, stride_oh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -112,8 +120,10 @@ def _paged_prefill_kernel(
     QUERY_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     KV_INT8: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.int8  # compile-time: int8 cache
+    KV_FP8: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.uint8  # e4m3 bytes (fp8_kv)
     tile = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
@@ -139,6 +149,10 @@ def _paged_prefill_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # the sink as a first "key" with value 0: m = sink, l = 2^0 (see the top)
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E_JIT
+        m_i = tl.zeros([BLOCK_M], tl.float32) + sink
+        l_i += 1.0
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
 
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -158,13 +172,13 @@ def _paged_prefill_kernel(
                                      ks_base, vs_base, stride_kb, stride_ks, stride_vb, stride_vs,
                                      stride_sb, stride_ss, sm_scale_log2, offs_d, d_mask,
                                      window, BLOCK_SIZE, BLOCK_N, False, DOT_FP32, PRECISION,
-                                     KV_INT8, WINDOWED)
+                                     KV_INT8, KV_FP8, WINDOWED)
     for t0 in range(full_end, kv_end, BLOCK_N):  # the diagonal: causal mask
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, t0, kv_end, bt_row, k_base, v_base,
                                      ks_base, vs_base, stride_kb, stride_ks, stride_vb, stride_vs,
                                      stride_sb, stride_ss, sm_scale_log2, offs_d, d_mask,
                                      window, BLOCK_SIZE, BLOCK_N, True, DOT_FP32, PRECISION,
-                                     KV_INT8, WINDOWED)
+                                     KV_INT8, KV_FP8, WINDOWED)
 
     if WINDOWED:  # a padded row past the chunk may have seen no key at all: keep it finite
         l_i = tl.where(l_i > 0, l_i, 1.0)
@@ -179,6 +193,7 @@ def paged_prefill_attention(
     max_query_len: int | None = None, block_m: int | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int = 2, k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None, sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of packed new tokens q [N, Hq, D] over the paged cache.
 
@@ -186,10 +201,11 @@ def paged_prefill_attention(
     sync). Returns [N, Hq, D] in q's dtype. query_start_loc must run from 0 to N without going
     down, and each q_len must be <= its context_lens entry, which must fit its block-table row
     (all checked on CPU tensors; on a GPU the caller guarantees them). INT8 cache: int8 caches
-    plus fp16 ``k_scale``/``v_scale`` [num_blocks, block_size, Hkv] (``int8_kv``).
-    ``sliding_window``: query position p sees keys p - window + 1 .. p (None: 0 .. p).
+    plus fp16 ``k_scale``/``v_scale`` [num_blocks, block_size, Hkv] (``int8_kv``); FP8 the same
+    with float8_e4m3fn caches (``fp8_kv``). ``sliding_window``: query position p sees keys
+    p - window + 1 .. p (None: 0 .. p). ``sinks`` [Hq]: gpt-oss's per-head sink logits.
     """
-    _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
+    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, sinks)
     check_window(sliding_window)
     check(q.dim() == 3, f"q must be [num_tokens, num_q_heads, head_dim], got {tuple(q.shape)}")
     num_seqs = block_tables.shape[0]
@@ -198,7 +214,7 @@ def paged_prefill_attention(
           f"got {query_start_loc.numel()}")
     check_dtype(query_start_loc, "query_start_loc", INDEX_DTYPES)
     check(query_start_loc.device == q.device, "query_start_loc must be on q's device")
-    _check_context_lens(block_tables, context_lens, k_cache, min_len=0)
+    check_context_lens(block_tables, context_lens, k_cache, min_len=0)
     _, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     query_start_loc, context_lens = query_start_loc.contiguous(), context_lens.contiguous()
@@ -230,8 +246,9 @@ def paged_prefill_attention(
         num_warps = 4 if block_m <= 64 else 8
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_q_heads)
     _paged_prefill_kernel[grid](
-        out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
-        *scale_args(k_cache, k_scale, v_scale)[:2], scale * LOG2E, sliding_window or 0,
+        out, q, kernel_view(k_cache), kernel_view(v_cache), block_tables, query_start_loc,
+        context_lens, *scale_args(k_cache, k_scale, v_scale)[:2],
+        q if sinks is None else sinks.contiguous(), scale * LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -241,7 +258,8 @@ def paged_prefill_attention(
         HEAD_DIM_PAD=max(16, next_pow2(head_dim)), BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_FP32=interpreting(), PRECISION=dot_precision(q.dtype),
-        WINDOWED=sliding_window is not None, num_warps=num_warps, num_stages=num_stages,
+        WINDOWED=sliding_window is not None, HAS_SINKS=sinks is not None,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
@@ -250,10 +268,10 @@ def paged_prefill_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-    sliding_window: int | None = None,
+    sliding_window: int | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch, one sequence at a time, fp32, explicit causal (and window) mask by
-    position (an INT8 cache is dequantized to q's dtype first)."""
+    position (an INT8/FP8 cache is dequantized to q's dtype first), sinks as an extra column."""
     k_cache = dequantize_cache(k_cache, k_scale, q.dtype)
     v_cache = dequantize_cache(v_cache, v_scale, q.dtype)
     out = torch.empty_like(q)
@@ -272,5 +290,5 @@ def paged_prefill_attention_ref(
         if sliding_window is not None:
             mask &= kpos > q_pos[:, None] - sliding_window
         scores = scores.masked_fill(~mask, float("-inf"))
-        out[s:e] = torch.einsum("hqt,thd->qhd", scores.softmax(-1), v).to(q.dtype)
+        out[s:e] = torch.einsum("hqt,thd->qhd", softmax_with_sinks(scores, sinks), v).to(q.dtype)
     return out

@@ -9,11 +9,12 @@ rows (``Hkv*D`` contiguous elements each in the cache)::
 
 What bounds it: memory, pure copy (0 FLOPs): 2 * N * Hkv * D * bytes read and as many written.
 
-INT8 KV cache (``k_scale``/``v_scale`` given, caches int8): each token's [Hkv, D] rows are
-quantized in registers, one absmax scale per (token, head), exactly as
+INT8 or FP8 KV cache (``k_scale``/``v_scale`` given, caches int8 or float8_e4m3fn): each token's
+[Hkv, D] rows are quantized in registers, one absmax scale per (token, head), exactly as
 ``labkit.kv.ops.quantize_kv_per_head`` (same codes and fp16 scales, bit for bit; see
-``int8_kv.quantize_rows``). It writes D + 2 bytes per (token, head) instead of 2 * D (bf16) and
-adds a row max and a divide per element, which a copy-bound kernel hides.
+``int8_kv.quantize_rows`` and ``fp8_kv.quantize_rows_fp8``, which packs e4m3's bits by hand).
+It writes D + 2 bytes per (token, head) instead of 2 * D (bf16) and adds a row max and a divide
+per element, which a copy-bound kernel hides.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from labkit.kernels._common import (
     next_pow2,
     on_host,
 )
+from labkit.kernels.fp8_kv import is_fp8, kernel_view, quantize_rows_fp8
 from labkit.kernels.int8_kv import check_kv_scales, quantize_rows, scale_args
 
 from labkit.kv.ops import quantize_kv_per_head
@@ -44,6 +46,7 @@ def _reshape_and_cache_kernel(
     HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
     KV_INT8: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.int8  # compile-time: int8 cache
+    KV_FP8: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.uint8  # e4m3 bytes (fp8_kv)
     n = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + n).to(tl.int64)
     if slot < 0:
@@ -58,9 +61,13 @@ def _reshape_and_cache_kernel(
                 mask=mask)
     v = tl.load(value_ptr + n64 * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :],
                 mask=mask)
-    if KV_INT8:  # codes into the caches, one fp16 scale per (token, head) beside them
-        k, k_s = quantize_rows(tl.where(mask, k, 0.0))
-        v, v_s = quantize_rows(tl.where(mask, v, 0.0))
+    if KV_INT8 or KV_FP8:  # codes into the caches, one fp16 scale per (token, head) beside them
+        if KV_INT8:
+            k, k_s = quantize_rows(tl.where(mask, k, 0.0))
+            v, v_s = quantize_rows(tl.where(mask, v, 0.0))
+        else:
+            k, k_s = quantize_rows_fp8(tl.where(mask, k, 0.0))
+            v, v_s = quantize_rows_fp8(tl.where(mask, v, 0.0))
         s_off = blk * stride_sb + off * stride_ss + offs_h * stride_sh
         tl.store(k_scale_ptr + s_off, k_s, mask=offs_h < NUM_HEADS)
         tl.store(v_scale_ptr + s_off, v_s, mask=offs_h < NUM_HEADS)
@@ -78,8 +85,9 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
 
     ``slot_mapping`` [N] int32/int64: a slot in ``[0, num_blocks * block_size)`` or -1 (skip);
     checked on CPU tensors (where a wrong slot would write outside the cache), on a GPU the
-    caller guarantees it. INT8 cache: int8 caches plus fp16 ``k_scale``/``v_scale``
-    [num_blocks, block_size, Hkv] that receive each written (token, head)'s scale.
+    caller guarantees it. INT8 (FP8) cache: int8 (float8_e4m3fn) caches plus fp16
+    ``k_scale``/``v_scale`` [num_blocks, block_size, Hkv] that receive each written (token,
+    head)'s scale.
     """
     check(key.dim() == 3 and key.shape == value.shape,
           f"key and value must both be [N, num_kv_heads, head_dim], got {tuple(key.shape)} "
@@ -90,9 +98,9 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     check(slot_mapping.dim() == 1 and slot_mapping.numel() == key.shape[0],
           f"slot_mapping must have one entry per token ({key.shape[0]}), "
           f"got {tuple(slot_mapping.shape)}")
-    int8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
-    if int8:
-        check_dtype(key, "key (quantized into an int8 cache)", FLOAT_DTYPES)
+    if check_kv_scales(k_cache, v_cache, k_scale, v_scale):
+        kind = "an fp8" if is_fp8(k_cache) else "an int8"
+        check_dtype(key, f"key (quantized into {kind} cache)", FLOAT_DTYPES)
         check(value.dtype == key.dtype, f"key and value dtypes differ: {key.dtype}, "
               f"{value.dtype}")
     else:
@@ -113,7 +121,8 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
         check(lo >= -1 and hi < num_slots, f"slot_mapping entries must be -1 (padding) or a "
               f"slot in [0, {num_slots}), got min {lo}, max {hi}")
     _reshape_and_cache_kernel[(n,)](
-        key, value, k_cache, v_cache, slot_mapping, *scale_args(k_cache, k_scale, v_scale)[:2],
+        key, value, kernel_view(k_cache), kernel_view(v_cache), slot_mapping,
+        *scale_args(k_cache, k_scale, v_scale)[:2],
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -128,13 +137,17 @@ def reshape_and_cache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch
                           k_scale: torch.Tensor | None = None,
                           v_scale: torch.Tensor | None = None) -> None:
     """Plain PyTorch: index_copy into the flattened [num_blocks*block_size, Hkv, D] view; with
-    scales, ``labkit.kv.ops.quantize_kv_per_head`` first."""
+    scales, ``labkit.kv.ops.quantize_kv_per_head`` (into the cache's code dtype) first. FP8
+    codes are copied as bytes (CPU torch has no float8 index_put)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     if k_scale is not None:
-        key, ks = quantize_kv_per_head(key)
-        value, vs = quantize_kv_per_head(value)
+        key, ks = quantize_kv_per_head(key, k_cache.dtype)
+        value, vs = quantize_kv_per_head(value, v_cache.dtype)
         k_scale.view(-1, k_scale.shape[2])[slots] = ks[keep]
         v_scale.view(-1, v_scale.shape[2])[slots] = vs[keep]
+    if is_fp8(k_cache):
+        k_cache, v_cache = kernel_view(k_cache), kernel_view(v_cache)
+        key, value = key.view(torch.uint8), value.view(torch.uint8)
     k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep]
     v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep]

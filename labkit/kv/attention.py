@@ -43,7 +43,7 @@ class AttentionBackend(Protocol):
     query sees; the paged cache passes each layer's own (the model's layer specs: every layer for
     Mistral, some for Qwen2 / ``layer_types``), None for full attention. Both backends take it.
     ``sinks`` [Hq] (gpt-oss's per-head sink logits, :mod:`labkit.model.sinks`) join each
-    softmax's denominator; the torch backend implements them, the Triton one refuses them."""
+    softmax's denominator; both backends implement them."""
 
     name: str
 

@@ -142,7 +142,7 @@ class PagedKVCache:
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         quant = kv_cache_dtype in QUANT_KV
         latent = _latent_widths(kv_latent_dims, num_layers, kv_cache_dtype)
-        able = ("torch", "triton") if kv_cache_dtype == "int8" else ("torch",)
+        able = ("torch", "triton")  # both read and write int8 and fp8 (e4m3) caches
         if quant and self.backend.name not in able:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is implemented by the "
                              f"{' and '.join(able)} attention backend(s) only, not "
@@ -196,12 +196,13 @@ class PagedKVCache:
                   device: torch.device | str, backend: AttentionBackend | None = None,
                   layout: HybridLayout | None = None) -> PagedKVCache:
         """The pool ``cache`` describes (its num_blocks resolved) for a model's shapes. A model
-        with attention sinks (gpt-oss) needs the torch backend: refused here, before a step."""
+        with attention sinks (gpt-oss) needs a backend that has them (torch, triton): a backend
+        without them is refused here, before a step."""
         c = model_config
         name = (backend or TorchBackend()).name
-        if getattr(c, "attention_sinks", False) and name != "torch":
-            raise ValueError(f"attention sinks (gpt-oss) are implemented by the 'torch' "
-                             f"attention backend only, not {name!r}; use "
+        if getattr(c, "attention_sinks", False) and name not in ("torch", "triton"):
+            raise ValueError(f"attention sinks (gpt-oss) are implemented by the 'torch' and "
+                             f"'triton' attention backends only, not {name!r}; use "
                              "attention_backend='torch'")
         return cls(c.num_hidden_layers, cache.num_blocks, cache.block_size,
                    c.num_key_value_heads, c.head_dim, dtype, device, backend,

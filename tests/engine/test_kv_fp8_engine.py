@@ -92,6 +92,4 @@ def test_fp8_bytes_and_backends(tiny_model):
                               torch.bfloat16, "fp8") == want
     bf16 = kv_bytes_per_block(c.num_hidden_layers, 16, c.num_key_value_heads, c.head_dim,
                               torch.bfloat16)
-    assert want < 0.6 * bf16
-    with pytest.raises(ValueError, match="fp8.*torch attention backend"):
-        LLM.from_model(tiny_model, None, kv_cache_dtype="fp8", attention_backend="triton")
+    assert want < 0.6 * bf16  # both backends take it: tests/kernels/test_engine_triton_sinks_fp8.py

@@ -22,12 +22,15 @@ from labkit.bench.kernels_static import compile_sm90
 SMEM_LIMIT = 227 * 1024
 BF16_ATTN = {"out_ptr": "*bf16", "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
              "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "lse_ptr": "*fp32",
-             "query_start_loc_ptr": "*i32", "k_scale_ptr": "*fp16", "v_scale_ptr": "*fp16"}
+             "query_start_loc_ptr": "*i32", "k_scale_ptr": "*fp16", "v_scale_ptr": "*fp16",
+             "sinks_ptr": "*bf16"}
 ATTN = {"QUERY_GROUP": 4, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "BLOCK_SIZE": 16,
-        "DOT_FP32": False, "PRECISION": "tf32", "WINDOWED": False}
+        "DOT_FP32": False, "PRECISION": "tf32", "WINDOWED": False, "HAS_SINKS": False}
 # INT8 KV cache (the kernels branch on the cache's int8 element type at compile time):
 # int8 codes, fp16 per-(token, head) scales, bf16 queries
 INT8_ATTN = {**BF16_ATTN, "k_cache_ptr": "*i8", "v_cache_ptr": "*i8"}
+# FP8 (e4m3) KV cache: its bytes as uint8 (kernels/fp8_kv.py decodes them by hand)
+FP8_ATTN = {**BF16_ATTN, "k_cache_ptr": "*u8", "v_cache_ptr": "*u8"}
 
 
 def variants():
@@ -41,7 +44,7 @@ def variants():
             **ATTN, "GROUP_PAD": 16, "BLOCK_N": 64, "SPLIT": split}, 4, 2
     yield paged_attention._merge_splits_kernel, {"out_ptr": "*bf16", "part_ptr": "*fp32",
                                                  "lse_ptr": "*fp32"}, {
-        "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "SPLITS_PAD": 32}, 4, 1
+        "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "SPLITS_PAD": 32, "HAS_SINKS": False}, 4, 1
     for bm, bn, warps in ((64, 64, 4), (16, 64, 4), (128, 128, 8)):
         yield paged_prefill._paged_prefill_kernel, BF16_ATTN, {
             **ATTN, "BLOCK_M": bm, "BLOCK_N": bn}, warps, 2
@@ -57,6 +60,18 @@ def variants():
     for types in (BF16_ATTN, INT8_ATTN):
         yield paged_prefill._paged_prefill_kernel, types, {**win, "BLOCK_M": 64, "BLOCK_N": 64}, \
             4, 2
+    # FP8 caches, and gpt-oss's sinks (with its sliding layers) over float and FP8 caches
+    sinks = {**ATTN, "HAS_SINKS": True}
+    for types, extra in ((FP8_ATTN, ATTN), (BF16_ATTN, sinks), (FP8_ATTN, sinks)):
+        for split in (False, True):
+            yield paged_attention._paged_decode_kernel, {
+                **types, "out_ptr": "*fp32" if split else "*bf16"}, {
+                **extra, "WINDOWED": split, "GROUP_PAD": 16, "BLOCK_N": 64, "SPLIT": split}, 4, 2
+        yield paged_prefill._paged_prefill_kernel, types, {
+            **extra, "WINDOWED": True, "BLOCK_M": 64, "BLOCK_N": 64}, 4, 2
+    yield paged_attention._merge_splits_kernel, {"out_ptr": "*bf16", "part_ptr": "*fp32",
+                                                 "lse_ptr": "*fp32", "sinks_ptr": "*bf16"}, {
+        "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "SPLITS_PAD": 32, "HAS_SINKS": True}, 4, 1
     # head_dim 256 in fp32 (fp32 models, Gemma-sized heads): the largest tiles the fuzz tests
     # run; prefill's default 64 x 64 tile needs ~213 KB of shared memory here
     fp32 = {k: v.replace("bf16", "fp32") for k, v in BF16_ATTN.items()}
@@ -79,8 +94,9 @@ def variants():
     rc_consts = {"NUM_HEADS": 8, "HEAD_DIM": 128, "HEADS_PAD": 8, "DIM_PAD": 128,
                  "BLOCK_SIZE": 16}
     yield rc._reshape_and_cache_kernel, rc_types, rc_consts, 4, 1
-    yield rc._reshape_and_cache_kernel, {**rc_types, "k_cache_ptr": "*i8", "v_cache_ptr": "*i8"}, \
-        rc_consts, 4, 1
+    for code in ("*i8", "*u8"):  # INT8 and FP8 (e4m3 bytes) caches
+        yield rc._reshape_and_cache_kernel, {**rc_types, "k_cache_ptr": code,
+                                             "v_cache_ptr": code}, rc_consts, 4, 1
     yield rms_norm._rms_norm_kernel, {"out_ptr": "*bf16", "res_out_ptr": "*bf16",
                                       "x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16",
                                       "eps": "fp32"}, {"HAS_RESIDUAL": True, "BLOCK": 4096}, 8, 1
@@ -168,9 +184,9 @@ def main(group: str | None = None) -> int:
             kernel = compile_sm90(fn, types, consts, warps, stages)
             smem = kernel.metadata.shared
             ok = smem <= SMEM_LIMIT
-            if fn is rc._reshape_and_cache_kernel and types["k_cache_ptr"] == "*i8":
-                # bit-exact INT8 codes need IEEE division (div_rn), not the GPU's fast one; the
-                # interpreter divides exactly either way, so only the PTX can show it
+            if fn is rc._reshape_and_cache_kernel and types["k_cache_ptr"] in ("*i8", "*u8"):
+                # bit-exact INT8 / FP8 codes need IEEE division (div_rn), not the GPU's fast
+                # one; the interpreter divides exactly either way, so only the PTX can show it
                 ptx = kernel.asm["ptx"]
                 ok &= "div.rn.f32" in ptx and "div.full.f32" not in ptx \
                     and "div.approx" not in ptx

@@ -1,6 +1,7 @@
 """Attention sinks (gpt-oss): the reference against a hand-computed softmax with the extra
 logit, and the paged torch backend (prefill, decode, sliding windows, GQA) against the reference;
-the Triton backend refuses sinks by name."""
+the Triton backend gives the same answer (the kernels' own tests:
+tests/kernels/test_attention_sinks_kernels.py)."""
 
 from __future__ import annotations
 
@@ -71,14 +72,14 @@ def test_paged_prefill_and_decode_with_sinks_match_reference(window):
     assert (plain - dec).abs().max() > 1e-3  # the sinks changed the answer
 
 
-def test_triton_backend_refuses_sinks():
+def test_triton_backend_takes_sinks():
+    """The Triton backend gives the torch backend's answer with sinks (the kernels' own tests
+    are in tests/kernels/test_attention_sinks_kernels.py)."""
     pytest.importorskip("triton")
-    be = get_attention_backend("triton")
-    kc = torch.zeros(2, 4, 1, 8)
-    args = (torch.zeros(1, 2, 8), kc, kc.clone(), torch.zeros(1, 1, dtype=torch.int32),
-            torch.ones(1, dtype=torch.int32), 0.35)
-    with pytest.raises(ValueError, match="attention sinks .* 'torch' attention backend only"):
-        be.decode(*args, sinks=torch.zeros(2))
-    with pytest.raises(ValueError, match="attention sinks"):
-        be.prefill(args[0], kc, kc, args[3], torch.tensor([0, 1], dtype=torch.int32), args[4],
-                   0.35, sinks=torch.zeros(2))
+    g = torch.Generator().manual_seed(1)
+    kc, vc = torch.randn(2, 4, 1, 8, generator=g), torch.randn(2, 4, 1, 8, generator=g)
+    q, sinks = torch.randn(1, 2, 8, generator=g), torch.tensor([0.5, -1.0])
+    bt, ctx = torch.ones(1, 1, dtype=torch.int32), torch.full((1,), 3, dtype=torch.int32)
+    outs = [get_attention_backend(be).decode(q, kc, vc, bt, ctx, 0.35, sinks=sinks)
+            for be in ("torch", "triton")]
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
