@@ -168,7 +168,8 @@ class KVGroupsWidget(widgets.VBox):
         for g, d in enumerate(self.groups):
             fig.add_trace(go.Scatter(x=list(range(len(self.held_over_steps))),
                                      y=[h[g] for h in self.held_over_steps], mode="lines",
-                                     name=d["name"], line=dict(color=_color(g))),
+                                     name=f"group {g}: {d['name']}",
+                                     line=dict(color=_color(g))),
                           row=G + 2, col=1)
         fig.add_trace(go.Scatter(x=[0, 0], y=[0, 1], mode="lines", showlegend=False,
                                  line=dict(color="#888", dash="dot"), hoverinfo="skip"),
@@ -220,8 +221,8 @@ class KVGroupsWidget(widgets.VBox):
         held = self.held(step)
         freed = [sum(t[g].count(NULL_BLOCK) for t in self.group_tables(step).values())
                  for g in range(len(self.groups))]
-        parts = "; ".join(f"<span style='color:{_color(g)}'>■</span> {d['name']}: holds "
-                          f"{held[g]}, freed {freed[g]}" for g, d in enumerate(self.groups))
+        parts = "; ".join(f"<span style='color:{_color(g)}'>■</span> group {g} {d['name']}: "
+                          f"holds {held[g]}, freed {freed[g]}" for g, d in enumerate(self.groups))
         kv = rec.get("kv", {})
         return (f"<div><b>step {step}</b> — scheduled: {sched}<br>{parts}<br>pool: used "
                 f"{kv.get('used', '?')} / {kv.get('total', self.num_blocks)}, prefix-cached "

@@ -92,7 +92,7 @@ def test_the_drawing_follows_the_slider(run):
                 if b != NULL_BLOCK:
                     assert pool[b] == GROUP_COLORS[g]
     assert [list(h) for h in w.held_over_steps] == [w.held(i) for i in range(len(live))]
-    assert f"step {last}" in w.summary.value and "sliding_6: holds" in w.summary.value
+    assert f"step {last}" in w.summary.value and "group 0 sliding_6: holds" in w.summary.value
     w.prev_button.click()
     assert w.slider.value == last - 1
 
