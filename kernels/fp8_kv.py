@@ -85,16 +85,15 @@ def quantize_rows_fp8(x):
     """x [H, D] (padding = 0) -> (e4m3fn codes as uint8 [H, D], fp16 scales [H]), bit for bit
     ``labkit.kv.ops.quantize_kv_per_head(x, torch.float8_e4m3fn)``:
 
-        scale = fp16(max(absmax / 448, 1e-8));  code = e4m3_rne(clamp(x / scale, +-448))
+        scale = fp16(max(absmax / 448, 2**-24));  code = e4m3_rne(clamp(x / scale, +-448))
 
-    ``div_rn`` is IEEE division as torch's. A scale that underflows fp16 to 0 (absmax below
-    ~1.3e-5; the 1e-8 floor is itself below fp16's range) makes torch's x / 0 = +-inf clamp to
-    +-448, and 0 / 0 a NaN: code 0xFF, the sign of x86's default NaN, which torch on CPU writes
-    (it reads back as NaN there, as 0 here: see :func:`e4m3_to_fp16`).
+    ``div_rn`` is IEEE division as torch's. The floor 2**-24 (``ops.KV_SCALE_MIN``, fp16's
+    smallest subnormal) keeps the scale non-zero: an all-zero row encodes as zeros, not 0 / 0.
     """
     x = x.to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-8).to(tl.float16)  # 448: ops.FP8_MAX
+    # 448: ops.FP8_MAX; 2**-24: ops.KV_SCALE_MIN
+    scale = tl.maximum(tl.math.div_rn(amax, 448.0), 5.960464477539063e-08).to(tl.float16)
     s = scale.to(tl.float32)[:, None]
     zero = s == 0.0
     r = tl.math.div_rn(x, tl.where(zero, 1.0, s))

@@ -40,16 +40,16 @@ def quantize_rows(x):
     """x [H, D] (padding = 0) -> (int8 codes [H, D], fp16 scales [H]), bit for bit
     ``labkit.kv.ops.quantize_kv_per_head``:
 
-        scale = fp16(max(absmax / 127, 1e-8));  code = clamp(round_half_even(x / scale), ±127)
+        scale = fp16(max(absmax / 127, 2**-24));  code = clamp(round_half_even(x / scale), ±127)
 
     ``div_rn`` is IEEE division as torch's (a GPU's plain ``/`` is approximate); the rounding is
     spelled out with ``floor`` (``fp8_kv.round_half_even``) because that is exact everywhere (GPU
-    and interpreter). A scale that underflows fp16 to 0 (absmax < ~3.8e-6) gives codes
-    sign(x) * 127, as torch's x / 0 = ±inf clamped (and 0 / 0 = nan -> 0) does on CPU.
+    and interpreter). The floor 2**-24 (``ops.KV_SCALE_MIN``, fp16's smallest subnormal) keeps the
+    scale non-zero: an all-zero row encodes as zeros.
     """
     x = x.to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.maximum(tl.math.div_rn(amax, 127.0), 1e-8).to(tl.float16)
+    scale = tl.maximum(tl.math.div_rn(amax, 127.0), 5.960464477539063e-08).to(tl.float16)  # 2**-24
     s = scale.to(tl.float32)[:, None]
     zero = s == 0.0
     r = round_half_even(tl.math.div_rn(x, tl.where(zero, 1.0, s)))

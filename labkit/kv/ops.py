@@ -25,6 +25,9 @@ KV_SCALE_DTYPE = torch.float16
 
 FP8_KV_DTYPE = getattr(torch, "float8_e4m3fn", None)  # vLLM's kv_cache_dtype="fp8" (e4m3)
 FP8_MAX = 448.0
+# the smallest scale: fp16's smallest subnormal (2**-24). A lower floor (1e-8) rounds to 0 in
+# fp16, and an all-zero (token, head) row then encodes 0 / 0 = NaN
+KV_SCALE_MIN = 2.0 ** -24
 
 
 def quantize_kv_per_head(x: torch.Tensor, code_dtype: torch.dtype = torch.int8
@@ -33,12 +36,12 @@ def quantize_kv_per_head(x: torch.Tensor, code_dtype: torch.dtype = torch.int8
     ``code_dtype``: ``torch.int8`` (absmax -> 127, round) or ``torch.float8_e4m3fn`` (absmax ->
     448, e4m3's rounding)."""
     if code_dtype == torch.int8:
-        scale = (x.float().abs().amax(dim=-1) / 127).clamp(min=1e-8).to(KV_SCALE_DTYPE)
+        scale = (x.float().abs().amax(dim=-1) / 127).clamp(min=KV_SCALE_MIN).to(KV_SCALE_DTYPE)
         q = torch.round(x.float() / scale.float()[..., None]).clamp(-127, 127).to(torch.int8)
         return q, scale
     if FP8_KV_DTYPE is None or code_dtype != FP8_KV_DTYPE:
         raise ValueError(f"KV codes are int8 or float8_e4m3fn, not {code_dtype}")
-    scale = (x.float().abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-8).to(KV_SCALE_DTYPE)
+    scale = (x.float().abs().amax(dim=-1) / FP8_MAX).clamp(min=KV_SCALE_MIN).to(KV_SCALE_DTYPE)
     q = (x.float() / scale.float()[..., None]).clamp(-FP8_MAX, FP8_MAX).to(code_dtype)
     return q, scale
 

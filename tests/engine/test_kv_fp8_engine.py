@@ -93,3 +93,18 @@ def test_fp8_bytes_and_backends(tiny_model):
     bf16 = kv_bytes_per_block(c.num_hidden_layers, 16, c.num_key_value_heads, c.head_dim,
                               torch.bfloat16)
     assert want < 0.6 * bf16  # both backends take it: tests/kernels/test_engine_triton_sinks_fp8.py
+
+
+@pytest.mark.parametrize("code", [torch.int8, FP8_KV_DTYPE])
+def test_an_all_zero_row_encodes_as_zeros_not_nan(code):
+    """A (token, head) whose K or V is all zero (a zeroed channel, a pruned head) gets the scale
+    floor 2**-24, fp16's smallest subnormal, and codes 0; a floor below fp16's range (the old
+    1e-8) rounded the scale to 0 and encoded 0 / 0 = NaN, which attention then spread."""
+    x = torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(0))
+    x[1, 0] = 0.0
+    q, scale = quantize_kv_per_head(x, code)
+    assert float(scale[1, 0]) == 2.0 ** -24
+    back = dequantize_kv_per_head(q, scale)
+    assert not back.isnan().any()
+    assert bool((back[1, 0] == 0).all())
+    assert torch.allclose(back[0], x[0], rtol=0.07, atol=0.05)  # the others as before

@@ -96,8 +96,8 @@ def test_reshape_and_cache_fp8_is_bit_exact(heads, dim, bs, dtype):
         key[:3] = _tie_rows(3, heads, dim)
         r = key[:3, 0] / quantize_kv_per_head(key, F8)[1][:3, 0, None].float()
         assert bool((r[:, 1:] != r[:, 1:].to(F8).float()).all()) and r[0, 0] == 448
-    value[4, 0] = 0.0  # all-zero row: fp16 scale 0, and torch's 0 / 0 codes (NaN, 0xFF)
-    value[5, -1] = 1e-7  # scale underflows to 0: codes +-448 as torch's x / 0 = +-inf clamped
+    value[4, 0] = 0.0  # all-zero row: the 2**-24 scale floor, codes 0 (not 0 / 0 = NaN)
+    value[5, -1] = 1e-7  # a row at the scale floor (absmax / 448 < 2**-24)
     value[5, -1, ::3] = 0.0
     value[5, -1, 1::3] *= -1
     slots = torch.randperm(num_blocks * bs, generator=g)[:n]
@@ -118,8 +118,11 @@ def test_reshape_and_cache_fp8_is_bit_exact(heads, dim, bs, dtype):
     assert torch.equal(got, kq[keep].view(torch.uint8))
     assert torch.equal(scales[0].view(-1, heads)[slots[keep]], ks[keep])
     flat_v, flat_vs = bits[1].view(-1, heads, dim), scales[1].view(-1, heads)
-    assert flat_vs[slots[4], 0] == 0 and bool((flat_v[slots[4], 0] == 0xFF).all())
-    assert set(flat_v[slots[5], -1].tolist()) == {0x7E, 0xFE, 0xFF}  # 448, -448, 0 / 0
+    assert flat_vs[slots[4], 0] == 2 ** -24 and bool((flat_v[slots[4], 0] == 0).all())
+    vq, vs = quantize_kv_per_head(value, F8)  # the floor row: the quantizer's codes, no NaN
+    assert flat_vs[slots[5], -1] == 2 ** -24 == vs[5, -1]
+    assert torch.equal(flat_v[slots[5], -1], vq[5, -1].view(torch.uint8))
+    assert not vq[5, -1].float().isnan().any() and len(set(vq[5, -1].float().tolist())) == 3
     untouched = torch.ones(num_blocks * bs, dtype=torch.bool)
     untouched[slots[keep]] = False
     assert bool((bits[0].view(-1, heads, dim)[untouched] == 0x44).all())  # 3.0, as filled

@@ -2,7 +2,7 @@
 
 - reshape_and_cache quantizes exactly as labkit.quant's ``quantize_kv_per_head`` (the torch
   backend's path): same int8 codes and fp16 scales bit for bit, including rounding ties (torch
-  rounds half to even), all-zero rows and scales that underflow fp16 to 0.
+  rounds half to even), all-zero rows and rows at the scale floor (2**-24).
 - decode (split and unsplit) and prefill over int8 caches agree with the torch backend's INT8
   attention, and with the fp kernels run on the dequantized cache.
 - bad input: ValueError with a message.
@@ -38,8 +38,8 @@ def _quantize_inputs(n: int, heads: int, dim: int, dtype: torch.dtype, seed: int
     key = (torch.randn(n, heads, dim, generator=g) * 3).to(dtype)
     value = torch.randn(n, heads, dim, generator=g).to(dtype)
     key[:4] = _tie_rows(4, heads, dim, dtype)
-    value[4, 0] = 0.0  # all-zero row: scale 0 (1e-8 underflows fp16), codes 0
-    value[5, -1] = 1e-7  # scale underflows to 0: codes sign(x) * 127, as torch's x / 0 = inf
+    value[4, 0] = 0.0  # all-zero row: the 2**-24 scale floor, codes 0
+    value[5, -1] = 1e-7  # a row at the scale floor (absmax / 127 < 2**-24)
     value[5, -1, ::3] = 0.0
     value[5, -1, 1::3] *= -1
     return key, value
@@ -83,9 +83,11 @@ def test_reshape_and_cache_int8_is_bit_exact(heads, dim, bs, dtype):
     assert flat_ks[slots[0], 0] == (0.25 if dtype != torch.float32 else float(ts[0]))
     assert flat_k[slots[0], 0, :4].tolist() == [127, -30, -30, -28]  # -30.5, -29.5, -28.5
     assert flat_k[slots[0], 0, 32:36].tolist() == [0, 2, 2, 4]  # 0.5 -> 0, 1.5 -> 2, 2.5 -> 2
-    assert flat_vs[slots[4], 0] == 0 and bool((flat_v[slots[4], 0] == 0).all())
-    tiny = flat_v[slots[5], -1]
-    assert flat_vs[slots[5], -1] == 0 and set(tiny.tolist()) == {-127, 0, 127}
+    assert flat_vs[slots[4], 0] == 2 ** -24 and bool((flat_v[slots[4], 0] == 0).all())
+    tiny = flat_v[slots[5], -1]  # at the floor: small codes, the quantizer's own
+    assert flat_vs[slots[5], -1] == 2 ** -24
+    assert torch.equal(tiny, quantize_kv_per_head(value, torch.int8)[0][5, -1])
+    assert len(set(tiny.tolist())) == 3 and tiny.abs().max() < 127
     untouched = torch.ones(num_blocks * bs, dtype=torch.bool)
     untouched[slots[keep]] = False
     assert bool((flat_k[untouched] == 55).all()) and bool((flat_vs[untouched] == 9.0).all())
@@ -220,7 +222,7 @@ def test_int8_cache_key_must_be_float():
 
 
 def test_reshape_and_cache_int8_exact_over_magnitudes():
-    """512 tokens x 2 heads whose magnitudes span 1e-7 .. 1e4 (fp16 scales from underflow to
+    """512 tokens x 2 heads whose magnitudes span 1e-7 .. 1e4 (fp16 scales from the 2**-24 floor to
     normal, rounding near every fp16 boundary): still bit for bit the torch quantizer."""
     g = torch.Generator().manual_seed(11)
     n, heads, dim, bs = 512, 2, 64, 16
@@ -232,6 +234,6 @@ def test_reshape_and_cache_int8_exact_over_magnitudes():
     sc = [torch.zeros(n // bs, bs, heads, dtype=torch.float16) for _ in range(4)]
     reshape_and_cache(key, value, out[0], out[1], slots, sc[0], sc[1])
     TorchBackend().reshape_and_cache(key, value, out[2], out[3], slots, sc[2], sc[3])
-    assert int((sc[2] == 0).sum()) > 0 and int((sc[2] > 1).sum()) > 0  # the range is covered
+    assert int((sc[2] == 2 ** -24).sum()) > 0 and int((sc[2] > 1).sum()) > 0  # the range is covered
     for j in (0, 1):
         assert torch.equal(out[j], out[j + 2]) and torch.equal(sc[j], sc[j + 2]), j
