@@ -5,6 +5,7 @@ including one the learner makes. Needs the `lab` extra (ipywidgets 8, plotly, an
 """
 
 from labkit.viz import theme
+from labkit.viz.kv_groups import KVGroupsWidget
 from labkit.viz.kv_tiers import KVTierWidget
 from labkit.viz.latency import LatencyWidget
 from labkit.viz.memory import MemoryWidget
@@ -18,6 +19,7 @@ from labkit.viz.spec import SpecWidget
 theme.install()  # plotly's 100 px top margin put every figure far below its cell
 
 __all__ = [
-    "ExpertLoadWidget", "KVTierWidget", "LatencyWidget", "MemoryWidget", "PageTableWidget",
-    "PrefixTreeWidget", "QuantWidget", "ScheduleWidget", "SpecWidget", "TokenRoutingWidget",
+    "ExpertLoadWidget", "KVGroupsWidget", "KVTierWidget", "LatencyWidget", "MemoryWidget",
+    "PageTableWidget", "PrefixTreeWidget", "QuantWidget", "ScheduleWidget", "SpecWidget",
+    "TokenRoutingWidget",
 ]
