@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-# async_compile.cpp_pybinding([arg types], r'''<C++>''')  /  async_compile.triton('name', '''<py>''')
+# name = async_compile.cpp_pybinding([types], r'''<C++>''') or .triton('name', '''<py>''')
 _KERNEL = re.compile(r"^(?P<name>\w+) = async_compile\.(?P<kind>cpp_pybinding|triton)\("
                      r"[^\n]*?'''\n(?P<source>.*?)'''", re.S | re.M)
 _LIBRARY_CALL = re.compile(r"\bextern_kernels\.(\w+)\(")
