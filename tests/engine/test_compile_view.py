@@ -109,7 +109,6 @@ def test_a_real_compile_shows_the_fused_pointwise_kernel_and_the_library_gemm():
 
     x, w, b = torch.randn(4, 8), torch.randn(8, 16), torch.randn(16)
     compiled = torch.compile(f, backend="inductor", dynamic=False)
-    torch._dynamo.reset()
     with capture_output_code() as codes:
         got = compiled(x, w, b)
     torch.testing.assert_close(got, f(x, w, b), rtol=1e-5, atol=1e-6)
