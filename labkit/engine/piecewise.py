@@ -17,7 +17,7 @@ Every layer runs the same two compiled functions: a weightless copy of layer 0 i
 and ``torch.func.functional_call`` runs it with each layer's weights as graph inputs, so one
 graph per piece and size serves all layers and dynamo's guards check tensor shapes only (passing
 the layer module itself made one cache entry per layer, and every call walked those entries'
-guards on module state: ~2 ms of a 6 ms step on labkit-tiny). ``dynamic=False`` with the token
+guards on module state). ``dynamic=False`` with the token
 count *padded up to a capture size* (vLLM's ``cudagraph_capture_sizes``, 1, 2, 4, ..., 512): one
 graph per size, never a recompile per new batch size, and the pad sliced off before attention
 and at the end. A larger step (a long prefill chunk), a batch of rows (``generate`` with B > 1),
