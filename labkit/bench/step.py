@@ -25,7 +25,12 @@ runs eager); their compile seconds are in ``compile``. Beside them:
 * **llama.cpp** f32 on the same model exported to GGUF, batch 1, the same thread count (its
   own process, :mod:`labkit.bench.llamacpp`), or "llama.cpp: not installed".
 * **start-up**: a fresh interpreter's time to its first generated token through ``labkit.LLM``
-  against a fresh interpreter that only runs ``import torch``.
+  against a fresh interpreter that only runs ``import torch``, and where it went (interpreter,
+  import torch, import labkit, the engine's imports, model load, engine build, first step).
+
+The top-level keys ``batch1_vs_llamacpp``, ``batch32_vs_eager`` (``batch32_vs_eager_batch``:
+the batch actually used, the largest run when 32 is not), ``startup_over_torch_import_s`` and
+``outputs_match`` are the step's headline (:func:`headline`).
 
 Numbers are the machine's: the JSON keeps the load average at the start (a busy machine's
 ratios are not the lab's), and nothing here is asserted in a test but the shape of the result.
@@ -33,6 +38,7 @@ ratios are not the lab's), and nothing here is asserted in a test but the shape 
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -61,7 +67,7 @@ VARIANTS = {"eager": {}, "fused": {"fused": True}, "compiled": {"compile": True}
             "all": {"fused": True, "compile": True, "async_scheduling": True}}
 FULL = {"batches": [1, 8, 32], "prompt_len": 16, "new_tokens": 64, "rounds": 5,
         "startup_repeats": 3}
-QUICK = {"batches": [2], "prompt_len": 8, "new_tokens": 8, "rounds": 2, "startup_repeats": 1}
+QUICK = {"batches": [1, 4], "prompt_len": 8, "new_tokens": 8, "rounds": 2, "startup_repeats": 1}
 
 
 def _prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
@@ -156,25 +162,85 @@ def llamacpp_decode(llm: Any, cfg: dict[str, Any], threads: int, workdir: Path
             "ttft_ms": 1e3 * statistics.median(s["ttft_s"])}
 
 
+# A fresh interpreter's way to its first token, with a wall-clock mark after each stage
+# (time.time(): the parent's spawn time is on the same clock). The engine's modules and the
+# loader are imported on their own so that LLM() splits into model load and engine build.
+_CHILD = """import time; t0 = time.time()
+import json, torch; torch.set_num_threads({threads}); t_torch = time.time()
+import labkit; t_labkit = time.time()
+import labkit.engine.llm, labkit.model.loader as loader; t_imports = time.time()
+load, spent = loader.load_pretrained, []
+def timed(*a, **k):
+    t = time.time(); out = load(*a, **k); spent.append(time.time() - t); return out
+loader.load_pretrained = timed
+llm = labkit.LLM({model!r}, dtype='float32'); t_llm = time.time()
+llm.generate(prompt_token_ids=[[1, 2, 3, 4]], sampling_params=labkit.SamplingParams(
+    temperature=0, max_tokens=1, ignore_eos=True)); t_first = time.time()
+print(json.dumps({{"marks": [t0, t_torch, t_labkit, t_imports, t_llm, t_first],
+                  "load_s": sum(spent)}}))
+"""
+_BARE = "import json, time, torch; print(json.dumps({'marks': [time.time()]}))"
+STAGES = ("interpreter", "import torch", "import labkit", "engine imports", "model load",
+          "engine build", "first step")
+
+
+def _spawn(code: str, env: dict[str, str]) -> list[float]:
+    """Seconds from spawning ``code`` to each mark it prints (its last stdout line, JSON), then
+    its ``load_s`` if it has one."""
+    t = time.time()
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"start-up child failed ({r.returncode}): {r.stderr[-2000:]}")
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    return [m - t for m in d["marks"]] + ([d["load_s"]] if "load_s" in d else [])
+
+
+def _stages(m: list[float]) -> dict[str, float]:
+    """The child's marks as the time each stage took; they add up to the first token."""
+    t0, torch_, labkit_, imports, llm, first, load = m  # load: a duration, not a mark
+    return dict(zip(STAGES, (t0, torch_ - t0, labkit_ - torch_, imports - labkit_, load,
+                             (llm - imports) - load, first - llm)))
+
+
 def startup(model: str, threads: int, repeats: int) -> dict[str, Any]:
-    """Wall seconds from spawning a fresh interpreter to (a) ``import torch`` done and (b) the
-    first token of ``labkit.LLM(model).generate``; medians over ``repeats``."""
-    first = (f"import torch; torch.set_num_threads({threads}); import labkit; "
-             f"llm = labkit.LLM({model!r}, dtype='float32'); "
-             "llm.generate(prompt_token_ids=[[1, 2, 3, 4]], sampling_params="
-             "labkit.SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))")
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    """Seconds from spawning a fresh interpreter to (a) ``import torch`` done and (b) the first
+    token of ``labkit.LLM(model).generate``, alternating, medians over ``repeats``; and where
+    (b)'s time went, stage by stage (``STAGES``), in the run with the median first token.
 
-    def spawn(code: str) -> float:
-        t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-c", code], check=True, env=env,
-                       stdout=subprocess.DEVNULL)
-        return time.perf_counter() - t0
+    Bytecode is cached as in any lab venv (``PYTHONDONTWRITEBYTECODE`` is dropped for the
+    children: torch ships its ``.pyc`` files, labkit's would otherwise be compiled afresh in
+    every process), and one unmeasured spawn first writes them and warms the page cache."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["OMP_NUM_THREADS"] = str(threads)
+    child = _CHILD.format(threads=threads, model=model)
+    _spawn(child, env)
+    bare, full = [], []
+    for r in range(repeats):
+        for code in ((_BARE, child) if r % 2 == 0 else (child, _BARE)):
+            (bare if code == _BARE else full).append(_spawn(code, env))
+    bare_s = statistics.median(m[0] for m in bare)
+    mid = sorted(full, key=lambda m: m[5])[len(full) // 2]
+    ttft = statistics.median(m[5] for m in full)
+    return {"import_torch_s": bare_s, "first_token_s": ttft,
+            "first_token_over_import": ttft / bare_s, "over_torch_import_s": ttft - bare_s,
+            # labkit's own share, free of import torch's swings from process to process
+            "after_import_torch_s": statistics.median(m[5] - m[1] for m in full),
+            "stages_s": _stages(mid), "repeats": repeats, "warmup_spawns": 1}
 
-    bare = statistics.median(spawn("import torch") for _ in range(repeats))
-    ttft = statistics.median(spawn(first) for _ in range(repeats))
-    return {"import_torch_s": bare, "first_token_s": ttft, "first_token_over_import": ttft / bare,
-            "repeats": repeats}
+
+def headline(rows: list[dict], llama: dict[str, Any], start: dict[str, Any]
+             ) -> dict[str, Any]:
+    """The four numbers quoted for the step: every cure on ("all") over llama.cpp f32 at batch 1
+    (None when llama.cpp or batch 1 is absent), "all" over eager at batch 32 (or, when 32 was
+    not run, the largest batch that was: ``batch32_vs_eager_batch`` says which), and the first
+    token's seconds above a bare ``import torch``."""
+    tok = {(r["variant"], r["batch"]): r["decode_tok_s"] for r in rows}
+    top = 32 if ("all", 32) in tok else max(b for _, b in tok)
+    ll = llama.get("decode_tok_s")
+    return {"batch1_vs_llamacpp": tok["all", 1] / ll if ll and ("all", 1) in tok else None,
+            "batch32_vs_eager": tok["all", top] / tok["eager", top],
+            "batch32_vs_eager_batch": top,
+            "startup_over_torch_import_s": start["first_token_s"] - start["import_torch_s"]}
 
 
 def run(model: str, cfg: dict[str, Any], threads: int) -> dict[str, Any]:
@@ -187,11 +253,12 @@ def run(model: str, cfg: dict[str, Any], threads: int) -> dict[str, Any]:
             llama = llamacpp_decode(engines["eager"], cfg, threads, Path(d))
     compiled = {n: _compile_record(engines[n].compile_report) for n in engines
                 if engines[n].compile_report is not None}
-    return {"config": {**cfg, "model": model, "threads": threads, "variants": list(VARIANTS)},
+    start = startup(model, threads, cfg["startup_repeats"])
+    return {**headline(rows, llama, start),
+            "config": {**cfg, "model": model, "threads": threads, "variants": list(VARIANTS)},
             "loadavg_at_start": load_at_start, "rows": rows, "ratios": ratios(rows),
             "outputs_match": not mismatches, "mismatches": mismatches, "compile": compiled,
-            "llama_cpp": llama, "startup": startup(model, threads, cfg["startup_repeats"]),
-            "environment": environment()}
+            "llama_cpp": llama, "startup": start, "environment": environment()}
 
 
 def _compile_record(rep: Any) -> dict[str, Any]:
@@ -239,7 +306,15 @@ def report(payload: dict[str, Any]) -> None:
     print(ll.get("note") or f"llama.cpp f32 batch 1: {ll['decode_tok_s']:.1f} tok/s")
     s = payload["startup"]
     print(f"start-up: first token {s['first_token_s']:.2f} s from a fresh process, "
-          f"{s['first_token_over_import']:.1f}x a bare import torch ({s['import_torch_s']:.2f} s)")
+          f"{s['over_torch_import_s']:+.2f} s over a bare import torch "
+          f"({s['import_torch_s']:.2f} s), {s['after_import_torch_s']:.2f} s after its own "
+          "import torch; where it went: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in s["stages_s"].items()))
+    b1 = payload["batch1_vs_llamacpp"]
+    print(f"every cure on: {payload['batch32_vs_eager']:.2f}x eager at batch "
+          f"{payload['batch32_vs_eager_batch']}, "
+          + (f"{b1:.2f}x llama.cpp f32 at batch 1" if b1 is not None else
+             "llama.cpp at batch 1 not measured"))
 
 
 def main(argv: list[str] | None = None) -> int:

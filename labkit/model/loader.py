@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from labkit.errors import CheckpointError
 from labkit.model.config import ConfigError, ModelConfig
 from labkit.model.llama import LlamaForCausalLM, causal_lm_class
-from labkit.model.meta import empty_model
+from labkit.model.meta import empty_model, materialize
 from labkit.model.tokenizer import Tokenizer
 from labkit.paths import DATASETS_DIR
 
@@ -183,7 +183,7 @@ def load_model(path_or_name: str | os.PathLike, dtype: torch.dtype | str | None 
     dtype = dtype or torch.float32
     with empty_model():
         model = causal_lm_class(config)(config)
-    model = model.to_empty(device=device or "cpu").to(dtype)
+    model = materialize(model, device or "cpu").to(dtype)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     load_weights(model, path)

@@ -23,7 +23,7 @@ import torch
 
 from labkit.errors import CheckpointError
 from labkit.model.loader import _checkpoint_views, load_config
-from labkit.model.meta import empty_model
+from labkit.model.meta import empty_model, materialize
 from labkit.model.objstore import S3Source, _parts, download_objects, get_range, list_checkpoint
 
 ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -144,7 +144,7 @@ def load_streaming(src: S3Source | str, dtype: torch.dtype = torch.float32,
         config = load_config(folder)
         with empty_model():
             model = causal_lm_class(config)(config)
-        model = model.to_empty(device="cpu").to(dtype)
+        model = materialize(model, "cpu").to(dtype)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         params = dict(model.named_parameters())

@@ -1,6 +1,8 @@
 """``labkit bench step --quick --json F``: every variant at every batch, the profiler's phases,
 greedy tokens equal to eager's, positive ratios, the compile record, llama.cpp or its note, and
-the start-up pair (the shape of the result: no timing is asserted)."""
+the start-up pair and its stages, and the four headline keys (the shape of the result: no
+timing is asserted). :func:`step.headline` and the stages are also checked on hand-made
+numbers, without running anything."""
 
 from __future__ import annotations
 
@@ -11,9 +13,8 @@ import pytest
 from labkit.bench import BENCHMARKS, step
 from labkit.engine.profiler import PHASES
 
-pytestmark = pytest.mark.slow  # three inductor compiles and two fresh interpreters: ~90 s
 
-
+@pytest.mark.slow  # three inductor compiles and five fresh interpreters: a few minutes
 def test_quick_run_writes_every_variant_side_by_side(tmp_path, tiny_ckpt):
     assert BENCHMARKS["step"] == "labkit.bench.step"
     out = tmp_path / "step.json"
@@ -46,5 +47,42 @@ def test_quick_run_writes_every_variant_side_by_side(tmp_path, tiny_ckpt):
     s = d["startup"]
     assert s["import_torch_s"] > 0 and s["first_token_s"] > 0
     assert s["first_token_over_import"] == pytest.approx(s["first_token_s"] / s["import_torch_s"])
+    assert list(s["stages_s"]) == list(step.STAGES) and s["after_import_torch_s"] > 0
+    assert all(isinstance(v, float) and v > -0.01 for v in s["stages_s"].values())
+    # the headline: every cure on over llama.cpp at batch 1, over eager at the largest batch
+    assert isinstance(d["outputs_match"], bool)
+    assert d["batch32_vs_eager_batch"] == max(batches) and d["batch32_vs_eager"] > 0
+    assert (d["batch1_vs_llamacpp"] is None) == ("note" in ll)
+    assert d["batch1_vs_llamacpp"] is None or d["batch1_vs_llamacpp"] > 0
+    assert d["startup_over_torch_import_s"] == \
+        pytest.approx(s["first_token_s"] - s["import_torch_s"])
     pytest.importorskip("plotly")
     assert out.with_suffix(".html").is_file()
+
+
+def _rows(tok_s: dict) -> list[dict]:
+    return [{"variant": v, "batch": b, "decode_tok_s": x} for (v, b), x in tok_s.items()]
+
+
+def test_headline_picks_batch_32_or_says_which_batch_it_used():
+    start = {"first_token_s": 1.75, "import_torch_s": 1.5}
+    rows = _rows({("eager", 1): 10.0, ("all", 1): 30.0, ("eager", 4): 20.0, ("all", 4): 50.0})
+    h = step.headline(rows, {"decode_tok_s": 40.0}, start)
+    assert h == {"batch1_vs_llamacpp": 0.75, "batch32_vs_eager": 2.5,
+                 "batch32_vs_eager_batch": 4, "startup_over_torch_import_s": 0.25}
+    rows += _rows({("eager", 32): 100.0, ("all", 32): 300.0})
+    h = step.headline(rows, {"note": "llama.cpp: not installed"}, start)
+    assert (h["batch32_vs_eager"], h["batch32_vs_eager_batch"]) == (3.0, 32)
+    assert h["batch1_vs_llamacpp"] is None  # no llama.cpp: no ratio, the note says why
+    no_batch1 = [r for r in rows if r["batch"] != 1]
+    assert step.headline(no_batch1, {"decode_tok_s": 40.0}, start)["batch1_vs_llamacpp"] is None
+
+
+def test_stages_add_up_to_the_first_token():
+    # marks (seconds after the spawn) and the model load's duration, as a child reports them
+    marks = [0.02, 1.40, 1.41, 1.46, 1.60, 1.62, 0.05]
+    st = step._stages(marks)
+    assert list(st) == list(step.STAGES)
+    assert st["import torch"] == pytest.approx(1.38) and st["model load"] == 0.05
+    assert st["engine build"] == pytest.approx(1.60 - 1.46 - 0.05)
+    assert sum(st.values()) == pytest.approx(1.62)
