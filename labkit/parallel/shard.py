@@ -19,6 +19,7 @@ from torch import nn
 
 from labkit.model.config import ModelConfig
 from labkit.model.llama import LlamaForCausalLM
+from labkit.model.meta import materialize
 from labkit.parallel.comm import TPGroup
 from labkit.parallel.expert import ExpertParallelMoE
 from labkit.parallel.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
@@ -128,7 +129,7 @@ def build_shard(config: ModelConfig, plan: ShardPlan, source: TensorSource, grou
     with torch.device("meta"):
         model = LlamaForCausalLM(shard_config(config, plan))
         _swap_parallel_layers(model, config, plan, group)
-    model = model.to_empty(device=device).to(dtype)
+    model = materialize(model, device).to(dtype)  # to_empty imports sympy (model/meta.py)
     params = dict(model.named_parameters())
     views, parts, foreign = _expert_views(model)
     names = source.names() - {n for n in source.names() if n.endswith("rotary_emb.inv_freq")}
