@@ -87,6 +87,29 @@ def cxx_compiler() -> str | None:
     return next((p for n in names if n and (p := shutil.which(n))), None)
 
 
+_SIMDLEN = {"default": 0, "avx2": 256, "avx512": 512}  # ATEN_CPU_CAPABILITY -> vector bits
+
+
+def match_aten_vector_width() -> int | None:
+    """Pin inductor's CPU vector width to ``$ATEN_CPU_CAPABILITY`` when that is set (how the
+    lab's CI runs another CPU's kernels); returns the width set, or None.
+
+    Why: with the variable set and ``cpp.simdlen`` unset, torch 2.13's inductor takes its
+    vector ISA from the variable but other parts of its code generation from the CPU, and
+    the kernels it builds are wrong (``avx2`` on an AVX-512 machine: an add + RMSNorm off
+    by 1e29) or do not compile (``default``). The same width given as ``cpp.simdlen`` is
+    consistent, and correct."""
+    import os
+
+    from torch._inductor import config
+
+    width = _SIMDLEN.get(os.environ.get("ATEN_CPU_CAPABILITY", ""))
+    if width is None or config.cpp.simdlen is not None:
+        return None
+    config.cpp.simdlen = width
+    return width
+
+
 def cannot_compile(model: nn.Module) -> str | None:
     """Why inductor cannot compile this model here (None: it can try)."""
     specs = [model.config.layer_spec(i).mlp for i in range(model.config.num_hidden_layers)]
@@ -242,7 +265,9 @@ def compile_model(model: nn.Module, capture_sizes: tuple[int, ...] = CAPTURE_SIZ
         report.compiled, report.reason = False, reason
         warnings.warn(f"compile=True: {reason}; running eager", RuntimeWarning, stacklevel=2)
         return report
-    # every layer and size is a cache entry of the same two functions: room for all of them
+    if backend == "inductor":
+        match_aten_vector_width()
+    # a cache entry per capture size (and per grad mode) of each piece: room for all of them
     limit = len(capture_sizes) * (model.config.num_hidden_layers + 1) * 2
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
     model.forward = PiecewiseForward(model, tuple(capture_sizes), backend, report)

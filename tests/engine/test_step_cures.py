@@ -180,3 +180,44 @@ def test_fused_norms_run_the_triton_kernel_with_the_triton_backend(monkeypatch):
     assert calls and calls[:5] == [False, True, True, True, False]
     labkit.LLM.from_model(model, None, fused=True, **CHUNKED)
     assert "forward" not in vars(model.model.norm)
+
+
+_ISA_CHECK = """
+import torch
+from labkit.engine.piecewise import match_aten_vector_width
+print(match_aten_vector_width())
+f = torch.compile(lambda x, w: torch.nn.functional.rms_norm(x + 1, (64,), w) * 2)
+x, w = torch.randn(4, 64), torch.randn(64)
+torch.testing.assert_close(f(x, w), torch.nn.functional.rms_norm(x + 1, (64,), w) * 2)
+print("ok")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capability,width", [("avx2", "256"), ("default", "0")])
+def test_inductor_matches_the_aten_capability_it_runs_beside(capability, width):
+    """Under ``ATEN_CPU_CAPABILITY`` (how CI runs another CPU's kernels) inductor alone built
+    wrong kernels (avx2 on an AVX-512 machine: off by 1e29) or none (default); with its vector
+    width pinned to the same capability its add + RMSNorm equals eager."""
+    import os
+    import subprocess
+    import sys
+
+    if piecewise.cxx_compiler() is None:
+        pytest.skip("no C++ compiler: inductor cannot build CPU kernels here")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    run = subprocess.run([sys.executable, "-c", _ISA_CHECK], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == [width, "ok"]
+
+
+def test_the_vector_width_is_left_alone_when_set_or_not_asked(monkeypatch):
+    from torch._inductor import config
+
+    monkeypatch.setattr(config.cpp, "simdlen", None)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    assert piecewise.match_aten_vector_width() is None and config.cpp.simdlen is None
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")
+    monkeypatch.setattr(config.cpp, "simdlen", 256)  # the user's own choice stands
+    assert piecewise.match_aten_vector_width() is None and config.cpp.simdlen == 256

@@ -36,6 +36,11 @@ def _soak(labkit_tiny, n, seed, forget=True):
     cases = make_cases(n, NAME, seed=seed)
     eng = LLMEngine.from_model(m, tok, block_size=16, num_blocks=256, max_num_seqs=16)
     eng.record_trace = False  # as `labkit serve` (a trace grows by design)
+    # the KV pool is committed page by page on first write (labkit.kv.cache.pool_zeros): write
+    # it whole first, so that RSS growth counts what requests leave behind, not blocks first used
+    kv = eng.executor.runner.kv_cache
+    for t in kv.k_caches + kv.v_caches:
+        t.zero_()
     with ServerThread(eng, tok, ServeConfig(model_name=NAME)) as srv:
         srv.llm.forget_finished = forget
 
