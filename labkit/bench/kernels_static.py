@@ -142,11 +142,12 @@ def cases():
                {**extra, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": True}, w, bn * bk // (32 * w))
     attn = {"out_ptr": "*bf16", "q_ptr": "*bf16", "k_cache_ptr": "*bf16",
             "v_cache_ptr": "*bf16", "block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
-            "lse_ptr": "*fp32"}
+            "lse_ptr": "*fp32", "k_scale_ptr": "*fp16", "v_scale_ptr": "*fp16",
+            "sinks_ptr": "*fp32"}  # typed even when unused: their branches are compiled out
     yield ("paged_attention_decode Hq/Hkv=4 D=128 bs=16 BLOCK_N=64", pa._paged_decode_kernel,
            attn, {"QUERY_GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128,
                   "BLOCK_SIZE": 16, "BLOCK_N": 64, "SPLIT": False, "DOT_FP32": False,
-                  "PRECISION": "tf32"}, 4, None)
+                  "PRECISION": "tf32", "WINDOWED": False, "HAS_SINKS": False}, 4, None)
 
 
 def main(argv: list[str] | None = None) -> int:
