@@ -147,14 +147,16 @@ def test_compiled_fused_engine_equals_generate_with_padding_and_eager_steps():
         llm = labkit.LLM.from_model(model, None, fused=True, compile=True, compile_sizes=(4,),
                                     profile=True, **CHUNKED)
         got = _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=SP))
+        first = counters["stats"]["unique_graphs"]
         again = _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=SP))
     rep = llm.compile_report
     assert rep.compiled and rep.reason is None, rep
     assert list(rep.compile_s) == [4] and rep.compile_s[4] > 0
     assert rep.eager_forwards > 0  # the 8-token prefill chunks
     assert got == again == want
-    # one pre- and one post-attention graph serve every layer and every step: no recompiles
-    assert counters["stats"]["unique_graphs"] - graphs == 2
+    # one pre- and one post-attention graph serve every layer and every step (at most two new
+    # ones: an earlier compile in this process may have built them), then no recompiles
+    assert first - graphs <= 2 and counters["stats"]["unique_graphs"] == first
     assert llm.profiler.summary()["phases_s"]["forward"] > 0
     # the compiled model object also runs labkit.model.generate (its contiguous cache)
     assert [generate(model, p, 10, ignore_eos=True) for p in prompts] == want
