@@ -24,6 +24,8 @@ runs eager); their compile seconds are in ``compile``. Beside them:
 
 * **llama.cpp** f32 on the same model exported to GGUF, batch 1, the same thread count (its
   own process, :mod:`labkit.bench.llamacpp`), or "llama.cpp: not installed".
+* **weight reading at batch 1** (``gemv``, :mod:`labkit.bench.step_gemv`): GB/s of one pass
+  over the model's linear weights as library matmuls and as the compiled pieces' dot products.
 * **start-up**: a fresh interpreter's time to its first generated token through ``labkit.LLM``
   against a fresh interpreter that only runs ``import torch``, and where it went (interpreter,
   import torch, import labkit, the engine's imports, model load, engine build, first step).
@@ -59,6 +61,7 @@ from labkit.bench.common import (
     torch_threads,
     write_results,
 )
+from labkit.bench.step_gemv import weight_streaming
 from labkit.engine.profiler import PHASES, StepProfiler
 
 VARIANTS = {"eager": {}, "fused": {"fused": True}, "compiled": {"compile": True},
@@ -251,6 +254,8 @@ def run(model: str, cfg: dict[str, Any], threads: int) -> dict[str, Any]:
         rows, mismatches = measure(engines, cfg, vocab)
         with tempfile.TemporaryDirectory(prefix="labkit-step-") as d:
             llama = llamacpp_decode(engines["eager"], cfg, threads, Path(d))
+        gemv = weight_streaming(engines["eager"].model, rounds=cfg["rounds"] + 2,
+                                passes=cfg["new_tokens"] // 4)
     compiled = {n: _compile_record(engines[n].compile_report) for n in engines
                 if engines[n].compile_report is not None}
     start = startup(model, threads, cfg["startup_repeats"])
@@ -258,13 +263,14 @@ def run(model: str, cfg: dict[str, Any], threads: int) -> dict[str, Any]:
             "config": {**cfg, "model": model, "threads": threads, "variants": list(VARIANTS)},
             "loadavg_at_start": load_at_start, "rows": rows, "ratios": ratios(rows),
             "outputs_match": not mismatches, "mismatches": mismatches, "compile": compiled,
-            "llama_cpp": llama, "startup": start, "environment": environment()}
+            "llama_cpp": llama, "gemv": gemv, "startup": start, "environment": environment()}
 
 
 def _compile_record(rep: Any) -> dict[str, Any]:
     return {"compiled": rep.compiled, "reason": rep.reason, "backend": rep.backend,
             "compile_s": {str(k): v for k, v in rep.compile_s.items()},
-            "total_s": rep.total_s, "eager_forwards": rep.eager_forwards}
+            "total_s": rep.total_s, "eager_forwards": rep.eager_forwards,
+            "graphs": rep.graphs}
 
 
 def write_chart(payload: dict[str, Any], path: Path) -> None:
@@ -304,6 +310,10 @@ def report(payload: dict[str, Any]) -> None:
                                      f"NO ({', '.join(payload['mismatches'])})"))
     ll = payload["llama_cpp"]
     print(ll.get("note") or f"llama.cpp f32 batch 1: {ll['decode_tok_s']:.1f} tok/s")
+    g = payload["gemv"]
+    print(f"reading the weights at batch 1 ({g['bytes'] / 2**20:.1f} MiB): library matmul "
+          f"{g['linear_gb_s']:.1f} GB/s, compiled dot products {g['dot_gb_s']:.1f} GB/s "
+          f"({g['dot_over_linear']:.2f}x)")
     s = payload["startup"]
     print(f"start-up: first token {s['first_token_s']:.2f} s from a fresh process, "
           f"{s['over_torch_import_s']:+.2f} s over a bare import torch "

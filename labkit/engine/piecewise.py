@@ -1,29 +1,34 @@
-"""Piecewise compilation: ``torch.compile`` (inductor) of everything in a forward but attention.
+"""Piecewise compilation: inductor compiles everything in a forward but attention.
 
 A decode step of a small model is mostly Python and dispatch: each layer runs ~20 small PyTorch
 ops, each a call through the dispatcher and a kernel launch. A compiler fuses them into a few
 generated kernels per piece. What it should not touch is the paged-attention call: its inputs
 (block tables, slot mapping, the step's metadata on ``kv_cache``) change every step, and its
 backends (PyTorch or Triton) are already written for the job. So, as vLLM does with its
-piecewise CUDA graphs, the forward is cut at every ``kv_cache.attend``::
+piecewise CUDA graphs, the forward is cut at every ``kv_cache.attend``; all the work between
+two attention calls is one piece (L + 1 piece calls per step for L layers, plus the LM head)::
 
     embed, rope lookup           eager
-    layer i:  pre_attention      compiled  residual add + input norm, q|k|v, q/k norm, rotary
-              kv_cache.attend    eager     writes K/V into their slots, attends over the blocks
-              post_attention     compiled  o_proj, residual add + post norm, MLP
-    final add + norm, LM head    eager     (hooks on model.norm keep working: EAGLE, profiler)
+    pre_attention                compiled  residual add + input norm, q|k|v, q/k norm, rotary
+    layer i:  kv_cache.attend    eager     writes K/V into their slots, attends over the blocks
+              between_attention  compiled  layer i's o_proj, add + norm, MLP; then layer i+1's
+                                           pre_attention (the last layer: last_attention, its
+                                           post-attention work and the final residual add)
+    final norm                   eager     (hooks on model.norm keep working: EAGLE, profiler)
+    LM head                      compiled  at 1 row (a dot-product loop); a matmul above
 
-Every layer runs the same two compiled functions: a weightless copy of layer 0 is the template,
-and ``torch.func.functional_call`` runs it with each layer's weights as graph inputs, so one
-graph per piece and size serves all layers and dynamo's guards check tensor shapes only (passing
-the layer module itself made one cache entry per layer, and every call walked those entries'
-guards on module state). ``dynamic=False`` with the token
-count *padded up to a capture size* (vLLM's ``cudagraph_capture_sizes``, 1, 2, 4, ..., 512): one
-graph per size, never a recompile per new batch size, and the pad sliced off before attention
-and at the end. A larger step (a long prefill chunk), a batch of rows (``generate`` with B > 1),
-a forward without a cache or with extra inputs run eager. Sizes compile lazily, on first use;
-:class:`CompileReport` counts the seconds each took (and a log line, ``labkit.engine.piecewise``
-at INFO, says each).
+Every layer runs the same compiled graphs: a weightless copy of layer 0 is the template, and
+``torch.func.functional_call`` runs it with each layer's weights as graph inputs, so one graph
+per piece and size serves all layers. Shapes are fixed by *padding the token count up to a
+capture size* (vLLM's ``cudagraph_capture_sizes``, 1, 2, 4, ..., 512): one graph per size,
+never a recompile per new batch size, and the pad sliced off before attention and at the end.
+Each graph is traced once to ATen ops (``make_fx``), compiled once (inductor's ``compile_fx``)
+and then called directly, without ``torch.compile``'s guards (:class:`_Graph` says why). At one
+token the pieces' linear layers are dot-product loops (:mod:`labkit.engine.dot_linear`: a
+decode step's matmuls are bound by reading the weights). A larger step (a long prefill chunk),
+a batch of rows (``generate`` with B > 1), a forward without a cache or with extra inputs run
+eager. Sizes compile lazily, on first use; :class:`CompileReport` counts the seconds each took
+(and a log line, ``labkit.engine.piecewise`` at INFO, says each).
 
 If inductor cannot run (no C++ compiler on a CPU machine; a compile that fails on the first
 size), the model stays eager and the report says why (``reason``), with a warning: never a
@@ -48,8 +53,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from labkit.engine.dot_linear import use_dot_products
+
 logger = logging.getLogger(__name__)
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # vLLM's default capture sizes
+DOT_MAX_TOKENS = 1  # pieces of up to this many tokens compute linears as dot_linear (measured:
+# at 2 and 4 tokens inductor's loop re-reads each weight per token and the matmul wins)
 
 
 @dataclass
@@ -63,6 +72,7 @@ class CompileReport:
     capture_sizes: list[int]
     compile_s: dict[int, float] = field(default_factory=dict)
     eager_forwards: int = 0  # forwards too large (or shaped otherwise) for a compiled piece
+    graphs: int = 0  # graphs built: one per piece kind and capture size, never one per layer
 
     @property
     def total_s(self) -> float:
@@ -119,7 +129,7 @@ def cannot_compile(model: nn.Module) -> str | None:
     if getattr(model.config, "gemma3", None) is not None:
         return ("Gemma 3's sandwich norms are not the fused add + norm the pieces are cut at: "
                 "it runs eager")
-    kinds = {(tuple((n, t.shape, t.dtype) for n, t in _layer_weights(layer).items()),
+    kinds = {(tuple((n, t.shape, t.dtype) for n, t in _weights(layer).items()),
               tuple(type(m) for m in layer.modules())) for layer in model.model.layers}
     loose = [f"{type(m).__name__}.{k}" for layer in model.model.layers[:1] for m in
              layer.modules() for k, v in vars(m).items() if isinstance(v, torch.Tensor)]
@@ -154,48 +164,96 @@ def post_attention(layer: nn.Module, out: torch.Tensor, residual: torch.Tensor
     return layer.mlp.forward(h), residual
 
 
-class _LayerPiece(nn.Module):
-    """``fn(layer, *args)`` as a module around one layer: the template that
-    :func:`torch.func.functional_call` runs with any layer's weights, so one graph per capture
-    size serves every layer (the weights are graph inputs; the guards check tensor shapes, not
-    which layer: a module argument made one cache entry per layer and a guard walk across them
-    on every call)."""
+def between_attention(layer: nn.Module, nxt: nn.Module, out: torch.Tensor,
+                      residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                      ) -> tuple[torch.Tensor, ...]:
+    """post_attention of one layer and pre_attention of the next: all the work between two
+    attention calls is one piece (L + 1 calls per step, not 2L)."""
+    x, residual = post_attention(layer, out, residual)
+    return pre_attention(nxt, x, residual, cos, sin)
 
-    def __init__(self, layer: nn.Module, fn: Any) -> None:
+
+def last_attention(layer: nn.Module, out: torch.Tensor, residual: torch.Tensor
+                   ) -> torch.Tensor:
+    """The last layer's post_attention and the final residual add (the final norm stays eager:
+    hooks on ``model.norm`` read its input)."""
+    x, residual = post_attention(layer, out, residual)
+    return x + residual
+
+
+def lm_head(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return head.forward(x)
+
+
+class _Piece(nn.Module):
+    """``fn(*templates, *args)`` around weightless template layers (``t0``, ``t1``): what
+    :func:`torch.func.functional_call` runs with any layer's weights, so one graph per capture
+    size serves every layer (the weights are graph inputs)."""
+
+    def __init__(self, fn: Any, *templates: nn.Module) -> None:
         super().__init__()
-        self.layer, self.fn = layer, fn
+        self.fn = fn
+        self.templates = nn.ModuleList(templates)
 
     def forward(self, *args: torch.Tensor) -> Any:
-        return self.fn(self.layer, *args)
+        return self.fn(*self.templates, *args)
 
 
-def _layer_weights(layer: nn.Module) -> dict[str, torch.Tensor]:
-    """A layer's parameters and buffers under the template's names (``layer.<name>``): the
-    tensors themselves, so an in-place update (``copy_weights``) reaches the compiled graphs."""
-    named = list(layer.named_parameters(prefix="layer")) + list(layer.named_buffers(
-        prefix="layer"))
-    return dict(named)
+def _weights(*modules: nn.Module) -> dict[str, torch.Tensor]:
+    """The modules' parameters and buffers under a piece's names (``templates.<i>.<name>``):
+    the tensors themselves, so an in-place update (``copy_weights``) reaches the graphs."""
+    out: dict[str, torch.Tensor] = {}
+    for i, m in enumerate(modules):
+        out.update(m.named_parameters(prefix=f"templates.{i}"))
+        out.update(m.named_buffers(prefix=f"templates.{i}"))
+    return out
+
+
+class _Graph:
+    """One piece compiled at one size: traced to ATen ops with the weights and activations as
+    flat inputs (``make_fx``), handed to the backend once, then called directly. Why not
+    ``torch.compile`` per call: its guards check every input, weights included, before each
+    call (tens of microseconds, 7 calls a step); vLLM also drops dynamo's guards once a graph is
+    captured (vllm/compilation/wrapper.py). The shapes are fixed by the capture size, so the
+    guards have nothing to decide."""
+
+    def __init__(self, piece: _Piece, weights: dict[str, torch.Tensor], args: tuple,
+                 backend: Any) -> None:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        self.names = list(weights)
+        n = len(self.names)
+
+        def flat(*tensors: torch.Tensor) -> Any:
+            out = torch.func.functional_call(piece, dict(zip(self.names, tensors[:n])),
+                                             tensors[n:], tie_weights=False)
+            return out if isinstance(out, tuple) else (out,)
+
+        with torch.inference_mode(False), torch.no_grad():
+            example = [t.clone() if t.is_inference() else t
+                       for t in (*weights.values(), *args)]
+            gm = make_fx(flat)(*example)
+            self.compiled = backend(gm, example)
+
+    def __call__(self, weights: list[torch.Tensor], *args: torch.Tensor) -> Any:
+        return self.compiled(*weights, *args)
 
 
 class PiecewiseForward:
     """The model's forward with compiled pieces; installed on the instance by
     :func:`compile_model` (``model.forward``), ``model.forward.report`` its report."""
 
-    def __init__(self, model: nn.Module, capture_sizes: tuple[int, ...], backend: str,
-                 report: CompileReport) -> None:
+    def __init__(self, model: nn.Module, capture_sizes: tuple[int, ...], backend: Any,
+                 report: CompileReport, dot_max_tokens: int = DOT_MAX_TOKENS) -> None:
         self.model = model
         self.eager = types.MethodType(type(model).forward, model)
         self.sizes = sorted(capture_sizes)
         self.report = report
-        # a copy of layer 0 on the meta device: every tensor it runs with is a graph input (a
-        # real layer as template made dynamo guard "this weight *is* layer 0's": a recompile)
-        layer0 = copy.deepcopy(model.model.layers[0]).to("meta")
-        templates = _LayerPiece(layer0, pre_attention), _LayerPiece(layer0, post_attention)
-        self.pre = torch.compile(lambda w, *a: torch.func.functional_call(templates[0], w, a),
-                                 dynamic=False, backend=backend)
-        self.post = torch.compile(lambda w, *a: torch.func.functional_call(templates[1], w, a),
-                                  dynamic=False, backend=backend)
-        self.weights: list[dict[str, torch.Tensor]] | None = None  # per layer, at first use
+        self.backend = _backend(backend)
+        self.dot_max_tokens = dot_max_tokens
+        self.graphs: dict[tuple[str, int], _Graph] = {}
+        self.flat: dict[str, list[list[torch.Tensor]]] | None = None  # per call site
+        self.step_size = 0  # the capture size of the forward running now
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                  kv_cache: Any = None, logits_indices: torch.Tensor | None = None,
@@ -206,7 +264,7 @@ class PiecewiseForward:
             if self.report.compiled:
                 self.report.eager_forwards += 1
             return self.eager(input_ids, positions, kv_cache, logits_indices, **model_inputs)
-        size = self.sizes[bisect.bisect_left(self.sizes, T)]
+        size = self.step_size = self.sizes[bisect.bisect_left(self.sizes, T)]
         if size in self.report.compile_s:
             return self._forward(input_ids, positions, kv_cache, logits_indices, size)
         t0 = time.perf_counter()
@@ -226,34 +284,94 @@ class PiecewiseForward:
         self.report.compiled, self.report.reason = False, reason
         warnings.warn(f"compile=True: {reason}; running eager", RuntimeWarning, stacklevel=3)
 
+    def _call_sites(self) -> dict[str, list[list[torch.Tensor]]]:
+        """Each call's flat weights, in its graph's input order (built at first use: after
+        ``fuse_model``, which makes the fused tensors)."""
+        m = self.model
+        layers, head = list(m.model.layers), m.lm_head
+        return {"pre": [list(_weights(layers[0]).values())],
+                "between": [list(_weights(a, b).values()) for a, b in zip(layers, layers[1:])],
+                "last": [list(_weights(layers[-1]).values())],
+                "head": [list(_weights(head).values())]}
+
+    def _graph(self, kind: str, size: int, weights: list[torch.Tensor], *args: torch.Tensor
+               ) -> Any:
+        """Run piece ``kind`` at ``size``, compiling it on first use."""
+        graph = self.graphs.get((kind, size))
+        if graph is None:
+            m = self.model
+            source = m.lm_head if kind == "head" else m.model.layers[0]
+            # weightless copies (every tensor is a graph input), two for the piece between
+            templates = tuple(copy.deepcopy(source).to("meta")
+                              for _ in range(2 if kind == "between" else 1))
+            for t in templates if size <= self.dot_max_tokens else ():
+                use_dot_products(t)
+            fn = {"pre": pre_attention, "between": between_attention,
+                  "last": last_attention, "head": lm_head}[kind]
+            piece = _Piece(fn, *templates)
+            named = dict(zip(_weights(*templates), weights))
+            t0 = time.perf_counter()
+            graph = self.graphs[kind, size] = _Graph(piece, named, args, self.backend)
+            self.report.graphs += 1
+            if self.step_size in self.report.compile_s:  # built in a step of a compiled size
+                self.report.compile_s[self.step_size] += time.perf_counter() - t0
+        return graph(weights, *args)
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: Any,
                  logits_indices: torch.Tensor | None, size: int) -> torch.Tensor:
         m, T = self.model, input_ids.shape[1]
         if int(positions.max()) >= m.config.max_position_embeddings:
             return self.eager(input_ids, positions, kv_cache, logits_indices)  # its error
+        if self.flat is None:
+            self.flat = self._call_sites()
         pad = size - T
         x = m.model.embed_tokens(F.pad(input_ids, (0, pad)))
         pos = F.pad(positions, (0, pad))  # position 0 for the pad rows: any valid one
         cos, sin = m.rope(pos, x.dtype)
         residual = torch.zeros_like(x)  # layer 0's add is x + 0 = x, exactly
-        if self.weights is None:  # after fuse_model, which makes the fused tensors
-            self.weights = [_layer_weights(layer) for layer in m.model.layers]
-        for layer, w in zip(m.model.layers, self.weights):
-            q, k, v, residual = self.pre(w, x, residual, cos, sin)
+        q, k, v, residual = self._graph("pre", size, self.flat["pre"][0], x, residual, cos, sin)
+        layers = m.model.layers
+        for i, layer in enumerate(layers):
             out = kv_cache.attend(layer.self_attn.layer_idx, q[:, :T], k[:, :T], v[:, :T],
                                   positions)
-            x, residual = self.post(w, F.pad(out, (0, 0, 0, 0, 0, pad)), residual)
-        x = m.model.norm((x + residual)[:, :T])
+            out = F.pad(out, (0, 0, 0, 0, 0, pad))
+            if i + 1 < len(layers):
+                q, k, v, residual = self._graph("between", size, self.flat["between"][i], out,
+                                                residual, cos, sin)
+            else:
+                hidden = self._graph("last", size, self.flat["last"][0], out, residual)
+        x = m.model.norm(hidden[0][:, :T]).reshape(T, -1)
         if logits_indices is not None:
-            x = x.reshape(T, -1)[logits_indices]
-        return m.lm_head(x)
+            return self._head(x[logits_indices])
+        return self._head(x).unsqueeze(0)  # [1, T, V], the model's shape
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head (the largest weight of a small model): a compiled dot-product piece for
+        up to ``dot_max_tokens`` rows (one graph per row count), the model's matmul above."""
+        if x.shape[0] > self.dot_max_tokens:
+            return self.model.lm_head(x)
+        return self._graph("head", x.shape[0], self.flat["head"][0], x)[0]
+
+
+def _backend(backend: Any) -> Any:
+    """``"inductor"``: inductor's ``compile_fx``; else a callable ``(gm, example_inputs) ->
+    callable`` (the contract of torch.compile's backends)."""
+    if backend == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx
+    if not callable(backend):
+        raise ValueError(f"backend must be 'inductor' or a callable, got {backend!r}")
+    return backend
 
 
 def compile_model(model: nn.Module, capture_sizes: tuple[int, ...] = CAPTURE_SIZES,
-                  backend: str = "inductor") -> CompileReport:
+                  backend: Any = "inductor", dot_max_tokens: int = DOT_MAX_TOKENS
+                  ) -> CompileReport:
     """Install :class:`PiecewiseForward` as ``model.forward`` (in place) and return its report;
     a model that cannot be compiled here keeps its forward, and the report (and a warning)
-    say why. A model already compiled returns its existing report."""
+    say why. A model already compiled returns its existing report. Pieces of up to
+    ``dot_max_tokens`` tokens compute their linears as :func:`dot_linear` (0: never)."""
     current = vars(model).get("forward")
     if isinstance(current, PiecewiseForward):
         return current.report
@@ -267,8 +385,6 @@ def compile_model(model: nn.Module, capture_sizes: tuple[int, ...] = CAPTURE_SIZ
         return report
     if backend == "inductor":
         match_aten_vector_width()
-    # a cache entry per capture size (and per grad mode) of each piece: room for all of them
-    limit = len(capture_sizes) * (model.config.num_hidden_layers + 1) * 2
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-    model.forward = PiecewiseForward(model, tuple(capture_sizes), backend, report)
+    model.forward = PiecewiseForward(model, tuple(capture_sizes), backend, report,
+                                     dot_max_tokens)
     return report

@@ -62,7 +62,8 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor,
     [M*bs, H, D]): each sequence's K or V in position order. With an INT8 cache's per-(slot, head)
     ``scale`` [num_blocks, bs, H] the gathered blocks are dequantized to ``dtype``."""
     bt = block_tables.long()
-    g = cache[bt]
+    flat = bt.reshape(-1)  # index_select copies whole blocks; cache[bt] copies element-wise,
+    g = cache.index_select(0, flat)  # about 4x slower at a decode batch's gather
     if scale is not None:
-        g = dequantize_kv_per_head(g, scale[bt], dtype)
+        g = dequantize_kv_per_head(g, scale.index_select(0, flat), dtype)
     return g.reshape(*bt.shape[:-1], bt.shape[-1] * cache.shape[1], *cache.shape[2:])

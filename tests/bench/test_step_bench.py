@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from labkit.bench import BENCHMARKS, step
+from labkit.bench import BENCHMARKS, step, step_gemv
 from labkit.engine.profiler import PHASES
 
 
@@ -21,7 +21,7 @@ def test_quick_run_writes_every_variant_side_by_side(tmp_path, tiny_ckpt):
     assert step.main(["--quick", "--json", str(out), "--model", str(tiny_ckpt)]) == 0
     d = json.loads(out.read_text())
     assert {"config", "loadavg_at_start", "rows", "ratios", "outputs_match", "compile",
-            "llama_cpp", "startup", "environment"} <= set(d)
+            "llama_cpp", "gemv", "startup", "environment"} <= set(d)
     assert len(d["loadavg_at_start"]) == 3 and "load_average_at_start" in d["environment"]
     assert d["outputs_match"] is True and d["mismatches"] == []
     # the overlap variants (async scheduling) are measured and checked against eager too
@@ -44,6 +44,9 @@ def test_quick_run_writes_every_variant_side_by_side(tmp_path, tiny_ckpt):
             (not c["compiled"] and c["reason"])
     ll = d["llama_cpp"]
     assert ll == {"note": "llama.cpp: not installed"} or ll["decode_tok_s"] > 0
+    g = d["gemv"]
+    assert g["bytes"] > 0 and g["linear_gb_s"] > 0 and g["dot_gb_s"] > 0
+    assert g["max_abs_diff"] < 1e-3  # the compiled dot products are the same products
     s = d["startup"]
     assert s["import_torch_s"] > 0 and s["first_token_s"] > 0
     assert s["first_token_over_import"] == pytest.approx(s["first_token_s"] / s["import_torch_s"])
@@ -86,3 +89,23 @@ def test_stages_add_up_to_the_first_token():
     assert st["import torch"] == pytest.approx(1.38) and st["model load"] == 0.05
     assert st["engine build"] == pytest.approx(1.60 - 1.46 - 0.05)
     assert sum(st.values()) == pytest.approx(1.62)
+
+
+def test_weight_streaming_reads_every_linear_weight_once_per_pass():
+    """``gemv``: the bytes are the model's linear weights (a tied LM head counted as read),
+    both ways give the same products; the speeds are reported, never asserted."""
+    from labkit.engine.piecewise import cxx_compiler
+    from labkit.model import testing
+
+    if cxx_compiler() is None:
+        pytest.skip("no C++ compiler: inductor cannot build the dot-product graphs here")
+    model = testing.tiny_model(seed=1)
+    c = model.config
+    per_layer = c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * \
+        c.head_dim + c.num_attention_heads * c.head_dim * c.hidden_size + \
+        3 * c.hidden_size * c.intermediate_size
+    want = 4 * (c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size)
+    g = step_gemv.weight_streaming(model, rounds=1, passes=1)
+    assert g["bytes"] == want and g["weights"] == 7 * c.num_hidden_layers + 1
+    assert g["max_abs_diff"] < 1e-5 and g["linear_gb_s"] > 0 and g["dot_gb_s"] > 0
+    assert g["dot_over_linear"] == pytest.approx(g["dot_gb_s"] / g["linear_gb_s"])

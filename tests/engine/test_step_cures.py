@@ -9,10 +9,12 @@ import warnings
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
+import torch.nn.functional as F
 
 import labkit
 from labkit.engine import piecewise
+from labkit.engine.compile_view import capture_output_code
+from labkit.engine.dot_linear import dot_linear, use_dot_products
 from labkit.errors import EngineConfigError
 from labkit.model import testing
 from labkit.model.fuse import fuse_model, is_fused
@@ -132,34 +134,59 @@ def test_bad_capture_sizes_are_refused():
 
 @pytest.mark.slow
 def test_compiled_fused_engine_equals_generate_with_padding_and_eager_steps():
-    """One capture size (4): decode steps of 1 to 4 sequences are padded up to it, prefill
-    chunks of 8 tokens run eager; greedy tokens equal generate's either way. (~30 s: inductor
-    builds one size's two graphs with the machine's C++ compiler.)"""
+    """Two capture sizes (1, 4): a decode step of one sequence runs the 1-token graphs (whose
+    linears are dot-product loops), steps of 2 to 4 sequences are padded up to 4, prefill
+    chunks of 8 tokens run eager; greedy tokens equal generate's either way. (~40 s: inductor
+    builds the graphs with the machine's C++ compiler.)"""
     if piecewise.cxx_compiler() is None:
         pytest.skip("no C++ compiler: the fallback test above covers this machine")
     model = testing.tiny_model(seed=9)
     prompts = _prompts()
     want = [generate(model, p, 10, ignore_eos=True) for p in prompts]
-    graphs = counters["stats"]["unique_graphs"]
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), capture_output_code() as codes:
         warnings.simplefilter("error", RuntimeWarning)  # no fallback may happen here
         # the step profiler's module hooks come and go every step: no graph may depend on them
-        llm = labkit.LLM.from_model(model, None, fused=True, compile=True, compile_sizes=(4,),
-                                    profile=True, **CHUNKED)
+        llm = labkit.LLM.from_model(model, None, fused=True, compile=True,
+                                    compile_sizes=(1, 4), profile=True, **CHUNKED)
         got = _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=SP))
-        first = counters["stats"]["unique_graphs"]
+        first = llm.compile_report.graphs
         again = _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=SP))
     rep = llm.compile_report
     assert rep.compiled and rep.reason is None, rep
-    assert list(rep.compile_s) == [4] and rep.compile_s[4] > 0
+    assert sorted(rep.compile_s) == [1, 4] and min(rep.compile_s.values()) > 0
     assert rep.eager_forwards > 0  # the 8-token prefill chunks
     assert got == again == want
-    # one pre- and one post-attention graph serve every layer and every step (at most two new
-    # ones: an earlier compile in this process may have built them), then no recompiles
-    assert first - graphs <= 2 and counters["stats"]["unique_graphs"] == first
+    # one graph per piece and size serves every layer and every step (the pieces before,
+    # between and after the attention calls, the dot-product LM head of a 1-row step)
+    pieces = {(k, n) for k in ("pre", "between", "last") for n in (1, 4)} | {("head", 1)}
+    assert set(model.forward.graphs) == pieces and rep.graphs == first == len(pieces)
+    # inductor's code: library matmuls at 4 tokens, none at 1 (the dot-product loops)
+    assert any("mm" in c.library_calls for c in codes)
+    assert sum(not c.library_calls for c in codes) >= 4  # pre, between, last, head at 1
     assert llm.profiler.summary()["phases_s"]["forward"] > 0
     # the compiled model object also runs labkit.model.generate (its contiguous cache)
     assert [generate(model, p, 10, ignore_eos=True) for p in prompts] == want
+
+
+def test_dot_linear_is_the_linear_layer_and_templates_swap_only_plain_linears():
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*s, generator=g) for s in ((2, 3, 16), (8, 16), (8,)))
+    torch.testing.assert_close(dot_linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dot_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-6)
+    model = testing.tiny_model(seed=11)
+    fuse_model(model)
+    layer = copy.deepcopy(model.model.layers[0])
+    h = torch.randn(1, 1, model.config.hidden_size, generator=g)
+    want = layer.mlp(h), layer.self_attn.project_qkv(h)
+    use_dot_products(layer)
+    assert type(layer.mlp.down_proj).__name__ == "_DotLinear"
+    assert type(layer.mlp.gate_up_proj).__name__ == "_DotFusedProjection"
+    assert type(layer.input_layernorm) is type(model.model.layers[0].input_layernorm)
+    got = layer.mlp(h), layer.self_attn.project_qkv(h)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(got[1], want[1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear  # the model untouched
 
 
 def test_fused_norms_run_the_triton_kernel_with_the_triton_backend(monkeypatch):
