@@ -31,7 +31,9 @@ import torch
 # name = async_compile.cpp_pybinding([types], r'''<C++>''') or .triton('name', '''<py>''')
 _KERNEL = re.compile(r"^(?P<name>\w+) = async_compile\.(?P<kind>cpp_pybinding|triton)\("
                      r"[^\n]*?'''\n(?P<source>.*?)'''", re.S | re.M)
-_LIBRARY_CALL = re.compile(r"\bextern_kernels\.(\w+)\(")
+# a library GEMM (extern_kernels.mm) or an op inductor calls as it is (an ATen fallback such as
+# oneDNN's packed linear, labkit.engine.packed_linear): "mm", "mkldnn._linear_pointwise"
+_LIBRARY_CALL = re.compile(r"\bextern_kernels\.(\w+)\(|= torch\.ops\.(\w+\.\w+)\.\w+\(")
 _PREFIX = re.compile(r"^(cpp|triton_(poi|red|per|tem|mix_order_red))_fused_")
 _HEADER = "Output code: \n"
 
@@ -81,7 +83,7 @@ def parse_output_code(text: str) -> OutputCode:
                          f"(starts {text[:60]!r})")
     kernels = [GeneratedKernel(m["name"], "C++" if m["kind"] == "cpp_pybinding" else "Triton",
                                m["source"]) for m in _KERNEL.finditer(text)]
-    return OutputCode(text, kernels, _LIBRARY_CALL.findall(text))
+    return OutputCode(text, kernels, [a or b for a, b in _LIBRARY_CALL.findall(text)])
 
 
 class _Keep(logging.Handler):

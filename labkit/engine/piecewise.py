@@ -25,7 +25,9 @@ never a recompile per new batch size, and the pad sliced off before attention an
 Each graph is traced once to ATen ops (``make_fx``), compiled once (inductor's ``compile_fx``)
 and then called directly, without ``torch.compile``'s guards (:class:`_Graph` says why). At one
 token the pieces' linear layers are dot-product loops (:mod:`labkit.engine.dot_linear`: a
-decode step's matmuls are bound by reading the weights). A larger step (a long prefill chunk),
+decode step's matmuls are bound by reading the weights); above one token, on a CPU, they are
+oneDNN matmuls over weights packed once into its blocked layout
+(:mod:`labkit.engine.packed_linear`, a packed copy of each weight beside it). A larger step (a long prefill chunk),
 a batch of rows (``generate`` with B > 1), a forward without a cache or with extra inputs run
 eager. Sizes compile lazily, on first use; :class:`CompileReport` counts the seconds each took
 (and a log line, ``labkit.engine.piecewise`` at INFO, says each).
@@ -40,6 +42,7 @@ phases still time the whole forward.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import copy
 import logging
 import shutil
@@ -54,6 +57,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.engine.dot_linear import use_dot_products
+from labkit.engine.graph_capture import _Graph, _Piece, _weights, backend_compiler
+from labkit.engine.packed_linear import (
+    PackedWeights,
+    cannot_pack,
+    packed_linear,
+    packed_op_as_library_call,
+    use_packed_weights,
+)
 
 logger = logging.getLogger(__name__)
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # vLLM's default capture sizes
@@ -73,6 +84,7 @@ class CompileReport:
     compile_s: dict[int, float] = field(default_factory=dict)
     eager_forwards: int = 0  # forwards too large (or shaped otherwise) for a compiled piece
     graphs: int = 0  # graphs built: one per piece kind and capture size, never one per layer
+    packed_bytes: int = 0  # the oneDNN-packed copies of the linear weights (0: not packed)
 
     @property
     def total_s(self) -> float:
@@ -82,8 +94,10 @@ class CompileReport:
         if not self.compiled:
             return f"not compiled ({self.reason}); the model runs eager"
         done = ", ".join(f"{n}: {s:.1f} s" for n, s in sorted(self.compile_s.items()))
+        packed = (f"; linear weights packed for oneDNN (+{self.packed_bytes / 2**20:.1f} MiB)"
+                  if self.packed_bytes else "")
         return (f"piecewise {self.backend}: {len(self.compile_s)} of {len(self.capture_sizes)} "
-                f"sizes compiled in {self.total_s:.1f} s ({done or 'none yet'})")
+                f"sizes compiled in {self.total_s:.1f} s ({done or 'none yet'}){packed}")
 
 
 def cxx_compiler() -> str | None:
@@ -185,74 +199,26 @@ def lm_head(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return head.forward(x)
 
 
-class _Piece(nn.Module):
-    """``fn(*templates, *args)`` around weightless template layers (``t0``, ``t1``): what
-    :func:`torch.func.functional_call` runs with any layer's weights, so one graph per capture
-    size serves every layer (the weights are graph inputs)."""
-
-    def __init__(self, fn: Any, *templates: nn.Module) -> None:
-        super().__init__()
-        self.fn = fn
-        self.templates = nn.ModuleList(templates)
-
-    def forward(self, *args: torch.Tensor) -> Any:
-        return self.fn(*self.templates, *args)
-
-
-def _weights(*modules: nn.Module) -> dict[str, torch.Tensor]:
-    """The modules' parameters and buffers under a piece's names (``templates.<i>.<name>``):
-    the tensors themselves, so an in-place update (``copy_weights``) reaches the graphs."""
-    out: dict[str, torch.Tensor] = {}
-    for i, m in enumerate(modules):
-        out.update(m.named_parameters(prefix=f"templates.{i}"))
-        out.update(m.named_buffers(prefix=f"templates.{i}"))
-    return out
-
-
-class _Graph:
-    """One piece compiled at one size: traced to ATen ops with the weights and activations as
-    flat inputs (``make_fx``), handed to the backend once, then called directly. Why not
-    ``torch.compile`` per call: its guards check every input, weights included, before each
-    call (tens of microseconds, 7 calls a step); vLLM also drops dynamo's guards once a graph is
-    captured (vllm/compilation/wrapper.py). The shapes are fixed by the capture size, so the
-    guards have nothing to decide."""
-
-    def __init__(self, piece: _Piece, weights: dict[str, torch.Tensor], args: tuple,
-                 backend: Any) -> None:
-        from torch.fx.experimental.proxy_tensor import make_fx
-
-        self.names = list(weights)
-        n = len(self.names)
-
-        def flat(*tensors: torch.Tensor) -> Any:
-            out = torch.func.functional_call(piece, dict(zip(self.names, tensors[:n])),
-                                             tensors[n:], tie_weights=False)
-            return out if isinstance(out, tuple) else (out,)
-
-        with torch.inference_mode(False), torch.no_grad():
-            example = [t.clone() if t.is_inference() else t
-                       for t in (*weights.values(), *args)]
-            gm = make_fx(flat)(*example)
-            self.compiled = backend(gm, example)
-
-    def __call__(self, weights: list[torch.Tensor], *args: torch.Tensor) -> Any:
-        return self.compiled(*weights, *args)
-
-
 class PiecewiseForward:
     """The model's forward with compiled pieces; installed on the instance by
     :func:`compile_model` (``model.forward``), ``model.forward.report`` its report."""
 
     def __init__(self, model: nn.Module, capture_sizes: tuple[int, ...], backend: Any,
-                 report: CompileReport, dot_max_tokens: int = DOT_MAX_TOKENS) -> None:
+                 report: CompileReport, dot_max_tokens: int = DOT_MAX_TOKENS,
+                 pack_weights: bool = True) -> None:
         self.model = model
         self.eager = types.MethodType(type(model).forward, model)
         self.sizes = sorted(capture_sizes)
         self.report = report
-        self.backend = _backend(backend)
+        self.backend = backend_compiler(backend)
         self.dot_max_tokens = dot_max_tokens
         self.graphs: dict[tuple[str, int], _Graph] = {}
-        self.flat: dict[str, list[list[torch.Tensor]]] | None = None  # per call site
+        self.flat: dict[tuple[str, str], list[list[torch.Tensor]]] = {}  # per call site
+        # oneDNN-packed copies of each layer's linear weights, for the pieces above dot size
+        self.packs: dict[nn.Module, PackedWeights] | None = None
+        if pack_weights and cannot_pack(model) is None:
+            self.packs = {m: PackedWeights(m) for m in (*model.model.layers, model.lm_head)}
+            report.packed_bytes = sum(p.nbytes for p in self.packs.values())
         self.step_size = 0  # the capture size of the forward running now
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
@@ -284,62 +250,89 @@ class PiecewiseForward:
         self.report.compiled, self.report.reason = False, reason
         warnings.warn(f"compile=True: {reason}; running eager", RuntimeWarning, stacklevel=3)
 
-    def _call_sites(self) -> dict[str, list[list[torch.Tensor]]]:
-        """Each call's flat weights, in its graph's input order (built at first use: after
-        ``fuse_model``, which makes the fused tensors)."""
-        m = self.model
-        layers, head = list(m.model.layers), m.lm_head
-        return {"pre": [list(_weights(layers[0]).values())],
-                "between": [list(_weights(a, b).values()) for a, b in zip(layers, layers[1:])],
-                "last": [list(_weights(layers[-1]).values())],
-                "head": [list(_weights(head).values())]}
+    def _variant(self, size: int) -> str:
+        """How a piece of ``size`` tokens computes its linear layers."""
+        if size <= self.dot_max_tokens:
+            return "dot"  # a batch-1 step reads the weights: dot-product loops
+        return "packed" if self.packs is not None else "plain"
 
-    def _graph(self, kind: str, size: int, weights: list[torch.Tensor], *args: torch.Tensor
-               ) -> Any:
-        """Run piece ``kind`` at ``size``, compiling it on first use."""
-        graph = self.graphs.get((kind, size))
-        if graph is None:
-            m = self.model
-            source = m.lm_head if kind == "head" else m.model.layers[0]
-            # weightless copies (every tensor is a graph input), two for the piece between
-            templates = tuple(copy.deepcopy(source).to("meta")
-                              for _ in range(2 if kind == "between" else 1))
-            for t in templates if size <= self.dot_max_tokens else ():
-                use_dot_products(t)
-            fn = {"pre": pre_attention, "between": between_attention,
-                  "last": last_attention, "head": lm_head}[kind]
-            piece = _Piece(fn, *templates)
-            named = dict(zip(_weights(*templates), weights))
-            t0 = time.perf_counter()
-            graph = self.graphs[kind, size] = _Graph(piece, named, args, self.backend)
-            self.report.graphs += 1
-            if self.step_size in self.report.compile_s:  # built in a step of a compiled size
-                self.report.compile_s[self.step_size] += time.perf_counter() - t0
-        return graph(weights, *args)
+    def _sites(self, kind: str) -> list[tuple[nn.Module, ...]]:
+        """The modules each call of piece ``kind`` takes its weights from, in call order."""
+        layers = list(self.model.model.layers)
+        return {"pre": [(layers[0],)], "between": list(zip(layers, layers[1:])),
+                "last": [(layers[-1],)], "head": [(self.model.lm_head,)]}[kind]
+
+    def site_weights(self, kind: str, size: int, i: int = 0) -> list[torch.Tensor]:
+        """Call ``i`` of piece ``kind``'s flat weights, in its ``size`` graph's input order
+        (built at first use: after ``fuse_model``, which makes the fused tensors)."""
+        variant, names = self._variant(size), self.graphs[kind, size].names
+        key = kind, variant
+        if key not in self.flat:
+            sites = []
+            for modules in self._sites(kind):
+                named = _weights(*modules)
+                for j, m in enumerate(modules if variant == "packed" else ()):
+                    named.update({f"templates.{j}.{n}": t
+                                  for n, t in self.packs[m].packed.items()})
+                sites.append([named[n] for n in names])
+            self.flat[key] = sites
+        return self.flat[key][i]
+
+    def _graph(self, kind: str, size: int, i: int, *args: torch.Tensor) -> Any:
+        """Run call ``i`` of piece ``kind`` at ``size``, compiling the piece on first use."""
+        if (kind, size) not in self.graphs:
+            self._build(kind, size, args)
+        return self.graphs[kind, size](self.site_weights(kind, size, i), *args)
+
+    def _build(self, kind: str, size: int, args: tuple) -> None:
+        m, variant = self.model, self._variant(size)
+        source = m.lm_head if kind == "head" else m.model.layers[0]
+        # weightless copies (every tensor is a graph input), two for the piece between
+        templates = tuple(copy.deepcopy(source).to("meta")
+                          for _ in range(2 if kind == "between" else 1))
+        for t in templates:
+            {"dot": use_dot_products, "packed": use_packed_weights}.get(variant, id)(t)
+        fn = {"pre": pre_attention, "between": between_attention,
+              "last": last_attention, "head": lm_head}[kind]
+        piece = _Piece(fn, *templates)
+        named = _weights(*templates)
+        example = {n: t for n, t in _weights(*self._sites(kind)[0]).items()}
+        if variant == "packed":
+            for j, mod in enumerate(self._sites(kind)[0]):
+                example.update({f"templates.{j}.{n}": t
+                                for n, t in self.packs[mod].packed.items()})
+        weights = {n: example[n] for n in named}
+        t0 = time.perf_counter()
+        with packed_op_as_library_call() if variant == "packed" else contextlib.nullcontext():
+            self.graphs[kind, size] = _Graph(piece, weights, args, self.backend)
+        self.report.graphs += 1
+        if self.step_size in self.report.compile_s:  # built in a step of a compiled size
+            self.report.compile_s[self.step_size] += time.perf_counter() - t0
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: Any,
                  logits_indices: torch.Tensor | None, size: int) -> torch.Tensor:
         m, T = self.model, input_ids.shape[1]
         if int(positions.max()) >= m.config.max_position_embeddings:
             return self.eager(input_ids, positions, kv_cache, logits_indices)  # its error
-        if self.flat is None:
-            self.flat = self._call_sites()
+        if self.packs is not None and size > self.dot_max_tokens and \
+                any([p.refresh() for p in self.packs.values()]):  # an in-place update
+            self.flat = {k: v for k, v in self.flat.items() if k[1] != "packed"}
         pad = size - T
         x = m.model.embed_tokens(F.pad(input_ids, (0, pad)))
         pos = F.pad(positions, (0, pad))  # position 0 for the pad rows: any valid one
         cos, sin = m.rope(pos, x.dtype)
         residual = torch.zeros_like(x)  # layer 0's add is x + 0 = x, exactly
-        q, k, v, residual = self._graph("pre", size, self.flat["pre"][0], x, residual, cos, sin)
+        q, k, v, residual = self._graph("pre", size, 0, x, residual, cos, sin)
         layers = m.model.layers
         for i, layer in enumerate(layers):
             out = kv_cache.attend(layer.self_attn.layer_idx, q[:, :T], k[:, :T], v[:, :T],
                                   positions)
             out = F.pad(out, (0, 0, 0, 0, 0, pad))
             if i + 1 < len(layers):
-                q, k, v, residual = self._graph("between", size, self.flat["between"][i], out,
+                q, k, v, residual = self._graph("between", size, i, out,
                                                 residual, cos, sin)
             else:
-                hidden = self._graph("last", size, self.flat["last"][0], out, residual)
+                hidden = self._graph("last", size, 0, out, residual)
         x = m.model.norm(hidden[0][:, :T]).reshape(T, -1)
         if logits_indices is not None:
             return self._head(x[logits_indices])
@@ -347,31 +340,25 @@ class PiecewiseForward:
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """The LM head (the largest weight of a small model): a compiled dot-product piece for
-        up to ``dot_max_tokens`` rows (one graph per row count), the model's matmul above."""
+        up to ``dot_max_tokens`` rows (one graph per row count), a matmul above (over the
+        packed weight when there is one)."""
         if x.shape[0] > self.dot_max_tokens:
-            return self.model.lm_head(x)
-        return self._graph("head", x.shape[0], self.flat["head"][0], x)[0]
-
-
-def _backend(backend: Any) -> Any:
-    """``"inductor"``: inductor's ``compile_fx``; else a callable ``(gm, example_inputs) ->
-    callable`` (the contract of torch.compile's backends)."""
-    if backend == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-
-        return compile_fx
-    if not callable(backend):
-        raise ValueError(f"backend must be 'inductor' or a callable, got {backend!r}")
-    return backend
+            head = self.model.lm_head
+            if self.packs is None:
+                return head(x)
+            return packed_linear(x, self.packs[head].packed["packed"], head.bias)
+        return self._graph("head", x.shape[0], 0, x)[0]
 
 
 def compile_model(model: nn.Module, capture_sizes: tuple[int, ...] = CAPTURE_SIZES,
-                  backend: Any = "inductor", dot_max_tokens: int = DOT_MAX_TOKENS
-                  ) -> CompileReport:
+                  backend: Any = "inductor", dot_max_tokens: int = DOT_MAX_TOKENS,
+                  pack_weights: bool = True) -> CompileReport:
     """Install :class:`PiecewiseForward` as ``model.forward`` (in place) and return its report;
     a model that cannot be compiled here keeps its forward, and the report (and a warning)
     say why. A model already compiled returns its existing report. Pieces of up to
-    ``dot_max_tokens`` tokens compute their linears as :func:`dot_linear` (0: never)."""
+    ``dot_max_tokens`` tokens compute their linears as :func:`dot_linear` (0: never); larger
+    ones, with ``pack_weights`` on a CPU, as oneDNN matmuls over weights packed once
+    (:mod:`labkit.engine.packed_linear`)."""
     current = vars(model).get("forward")
     if isinstance(current, PiecewiseForward):
         return current.report
@@ -386,5 +373,5 @@ def compile_model(model: nn.Module, capture_sizes: tuple[int, ...] = CAPTURE_SIZ
     if backend == "inductor":
         match_aten_vector_width()
     model.forward = PiecewiseForward(model, tuple(capture_sizes), backend, report,
-                                     dot_max_tokens)
+                                     dot_max_tokens, pack_weights)
     return report

@@ -33,6 +33,8 @@ def call(args):
     extern_kernels.mm(buf0, arg1_1, out=buf1)
     cpp_fused_add_mean_mul_pow_rsqrt_0(buf1, buf2)
     extern_kernels.addmm(arg2_1, buf2, arg3_1, alpha=1, beta=1, out=buf3)
+    buf4 = torch.ops.mkldnn._linear_pointwise.default(buf3, arg4_1, None, 'none', [], '')
+    assert_size_stride(buf4, (8, 384), (384, 1), 'torch.ops.mkldnn._linear_pointwise.default')
 '''
 
 GPU_MODULE = '''# AOT ID: ['1_inference']
@@ -58,7 +60,8 @@ def test_a_cpu_module_splits_into_its_kernels_and_library_calls():
     assert "out_ptr0[0] = in_ptr0[0];" in first.source and "mul_silu" not in first.source
     assert first.fused_ops == ["add", "mean", "mul", "pow", "rsqrt"]
     assert second.fused_ops == ["unsafe", "view", "mul", "silu"]  # the documented split
-    assert code.library_calls == ["mm", "addmm"]
+    # library GEMMs and an op called as it is (oneDNN's packed linear), not the assert's text
+    assert code.library_calls == ["mm", "addmm", "mkldnn._linear_pointwise"]
     assert code.source.startswith("# AOT ID")
 
 
@@ -115,6 +118,6 @@ def test_a_real_compile_shows_the_fused_pointwise_kernel_and_the_library_gemm():
     assert len(codes) == 1
     (code,) = codes
     # the add, relu and mul after the GEMM are one generated loop; the GEMM is a library call
-    assert {"mm", "addmm"} & set(code.library_calls)
+    assert {"mm", "addmm", "mkldnn._linear_pointwise"} & set(code.library_calls)
     fused = [k for k in code.kernels if "relu" in k.fused_ops]
     assert fused and fused[0].language == "C++" and 'extern "C"' in fused[0].source

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import labkit
-from labkit.engine import piecewise
+from labkit.engine import packed_linear, piecewise
 from labkit.engine.compile_view import capture_output_code
 from labkit.engine.dot_linear import dot_linear, use_dot_products
 from labkit.errors import EngineConfigError
@@ -160,8 +160,10 @@ def test_compiled_fused_engine_equals_generate_with_padding_and_eager_steps():
     # between and after the attention calls, the dot-product LM head of a 1-row step)
     pieces = {(k, n) for k in ("pre", "between", "last") for n in (1, 4)} | {("head", 1)}
     assert set(model.forward.graphs) == pieces and rep.graphs == first == len(pieces)
-    # inductor's code: library matmuls at 4 tokens, none at 1 (the dot-product loops)
-    assert any("mm" in c.library_calls for c in codes)
+    # inductor's code: library matmuls at 4 tokens (oneDNN's, over the packed weights, where
+    # torch has oneDNN), none at 1 (the dot-product loops)
+    gemm = "mkldnn._linear_pointwise" if rep.packed_bytes else "mm"
+    assert any(gemm in c.library_calls for c in codes)
     assert sum(not c.library_calls for c in codes) >= 4  # pre, between, last, head at 1
     assert llm.profiler.summary()["phases_s"]["forward"] > 0
     # the compiled model object also runs labkit.model.generate (its contiguous cache)
@@ -244,9 +246,55 @@ def test_inductor_matches_the_aten_capability_it_runs_beside(capability, width):
 def test_the_vector_width_is_left_alone_when_set_or_not_asked(monkeypatch):
     from torch._inductor import config
 
-    monkeypatch.setattr(config.cpp, "simdlen", None)
+    # config.patch, not monkeypatch: monkeypatch's undo deletes an inductor config entry, and
+    # every later compile in the process then fails ("cpp.simdlen does not exist")
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
-    assert piecewise.match_aten_vector_width() is None and config.cpp.simdlen is None
+    with config.patch({"cpp.simdlen": None}):
+        assert piecewise.match_aten_vector_width() is None and config.cpp.simdlen is None
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")
-    monkeypatch.setattr(config.cpp, "simdlen", 256)  # the user's own choice stands
-    assert piecewise.match_aten_vector_width() is None and config.cpp.simdlen == 256
+    with config.patch({"cpp.simdlen": 256}):  # the user's own choice stands
+        assert piecewise.match_aten_vector_width() is None and config.cpp.simdlen == 256
+
+
+def test_packed_weights_are_the_linear_layer_and_follow_in_place_updates():
+    model = testing.tiny_model(seed=12)
+    if packed_linear.cannot_pack(model) is not None:
+        pytest.skip(f"no packing here: {packed_linear.cannot_pack(model)}")
+    fuse_model(model)
+    layer = model.model.layers[0]
+    packs = packed_linear.PackedWeights(layer)
+    # one packed copy per plain or fused linear, named as the template's buffers
+    assert set(packs.packed) == {"self_attn.o_proj.packed", "self_attn.qkv_proj.packed",
+                                 "mlp.gate_up_proj.packed", "mlp.down_proj.packed"}
+    x = torch.randn(3, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    w = layer.self_attn.qkv_proj.weight
+    got = packed_linear.packed_linear(x, packs.packed["self_attn.qkv_proj.packed"])
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert not packs.refresh()  # nothing changed: nothing repacked
+    with torch.no_grad():
+        layer.self_attn.q_proj.weight.mul_(2)  # a view of the fused weight, updated in place
+    assert packs.refresh()
+    got = packed_linear.packed_linear(x, packs.packed["self_attn.qkv_proj.packed"])
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    template = packed_linear.use_packed_weights(copy.deepcopy(layer).to("meta"))
+    assert type(template.mlp.down_proj).__name__ == "_PackedLinear"
+    assert template.mlp.down_proj.packed.shape == layer.mlp.down_proj.weight.shape
+    assert packed_linear.cannot_pack(model.to(torch.bfloat16)) is not None
+
+
+def test_a_compiled_engine_sees_weights_updated_in_place():
+    """The packed copies and the dot-product graphs read the weights the engine updates
+    (``LLMEngine.update_weights`` copies in place): after an update, the compiled engine's
+    greedy tokens are the new weights' ``generate`` tokens, not the old ones'."""
+    if piecewise.cxx_compiler() is None:
+        pytest.skip("no C++ compiler: inductor cannot build CPU kernels here")
+    model, new = testing.tiny_model(seed=13), testing.tiny_model(seed=14)
+    prompts = _prompts()[:3]
+    want_new = [generate(new, p, 8, ignore_eos=True) for p in prompts]
+    sp = labkit.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = labkit.LLM.from_model(model, None, fused=True, compile=True, compile_sizes=(1, 4),
+                                **CHUNKED)
+    old = _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=sp))
+    assert old != want_new
+    llm.llm_engine.update_weights(new.state_dict(), version="v2")
+    assert _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=sp)) == want_new

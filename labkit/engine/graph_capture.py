@@ -1,0 +1,81 @@
+"""Trace once, compile once, call directly: the graphs behind ``compile=True``'s pieces.
+
+:mod:`labkit.engine.piecewise` cuts the forward into pieces; this module turns one piece at one
+capture size into a compiled function. The piece is a module around weightless template layers
+(:class:`_Piece`); :class:`_Graph` traces it to ATen operators with every weight and activation
+as a flat input (``make_fx``), hands that graph to the backend once (inductor's ``compile_fx``),
+and from then on calls the result directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class _Piece(nn.Module):
+    """``fn(*templates, *args)`` around weightless template layers (``t0``, ``t1``): what
+    :func:`torch.func.functional_call` runs with any layer's weights, so one graph per capture
+    size serves every layer (the weights are graph inputs)."""
+
+    def __init__(self, fn: Any, *templates: nn.Module) -> None:
+        super().__init__()
+        self.fn = fn
+        self.templates = nn.ModuleList(templates)
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        return self.fn(*self.templates, *args)
+
+
+def _weights(*modules: nn.Module) -> dict[str, torch.Tensor]:
+    """The modules' parameters and buffers under a piece's names (``templates.<i>.<name>``):
+    the tensors themselves, so an in-place update (``copy_weights``) reaches the graphs."""
+    out: dict[str, torch.Tensor] = {}
+    for i, m in enumerate(modules):
+        out.update(m.named_parameters(prefix=f"templates.{i}"))
+        out.update(m.named_buffers(prefix=f"templates.{i}"))
+    return out
+
+
+class _Graph:
+    """One piece compiled at one size: traced to ATen ops with the weights and activations as
+    flat inputs (``make_fx``), handed to the backend once, then called directly. Why not
+    ``torch.compile`` per call: its guards check every input, weights included, before each
+    call (tens of microseconds, 7 calls a step); vLLM also drops dynamo's guards once a graph is
+    captured (vllm/compilation/wrapper.py). The shapes are fixed by the capture size, so the
+    guards have nothing to decide."""
+
+    def __init__(self, piece: _Piece, weights: dict[str, torch.Tensor], args: tuple,
+                 backend: Any) -> None:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        self.names = list(weights)
+        n = len(self.names)
+
+        def flat(*tensors: torch.Tensor) -> Any:
+            out = torch.func.functional_call(piece, dict(zip(self.names, tensors[:n])),
+                                             tensors[n:], tie_weights=False)
+            return out if isinstance(out, tuple) else (out,)
+
+        with torch.inference_mode(False), torch.no_grad():
+            example = [t.clone() if t.is_inference() else t
+                       for t in (*weights.values(), *args)]
+            gm = make_fx(flat)(*example)
+            self.compiled = backend(gm, example)
+
+    def __call__(self, weights: list[torch.Tensor], *args: torch.Tensor) -> Any:
+        return self.compiled(*weights, *args)
+
+
+def backend_compiler(backend: Any) -> Any:
+    """``"inductor"``: inductor's ``compile_fx``; else a callable ``(gm, example_inputs) ->
+    callable`` (the contract of torch.compile's backends)."""
+    if backend == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx
+    if not callable(backend):
+        raise ValueError(f"backend must be 'inductor' or a callable, got {backend!r}")
+    return backend
