@@ -27,9 +27,9 @@ and then called directly, without ``torch.compile``'s guards (:class:`_Graph` sa
 token the pieces' linear layers are dot-product loops (:mod:`labkit.engine.dot_linear`: a
 decode step's matmuls are bound by reading the weights); above one token, on a CPU, they are
 oneDNN matmuls over weights packed once into its blocked layout
-(:mod:`labkit.engine.packed_linear`, a packed copy of each weight beside it). A larger step (a long prefill chunk),
-a batch of rows (``generate`` with B > 1), a forward without a cache or with extra inputs run
-eager. Sizes compile lazily, on first use; :class:`CompileReport` counts the seconds each took
+(:mod:`labkit.engine.packed_linear`, a packed copy of each weight beside it). A larger step
+(a long prefill chunk), a batch of rows (``generate`` with B > 1), a forward without a cache or
+with extra inputs run eager. Sizes compile lazily, on first use; :class:`CompileReport` counts the seconds each took
 (and a log line, ``labkit.engine.piecewise`` at INFO, says each).
 
 If inductor cannot run (no C++ compiler on a CPU machine; a compile that fails on the first
