@@ -29,8 +29,8 @@ decode step's matmuls are bound by reading the weights); above one token, on a C
 oneDNN matmuls over weights packed once into its blocked layout
 (:mod:`labkit.engine.packed_linear`, a packed copy of each weight beside it). A larger step
 (a long prefill chunk), a batch of rows (``generate`` with B > 1), a forward without a cache or
-with extra inputs run eager. Sizes compile lazily, on first use; :class:`CompileReport` counts the seconds each took
-(and a log line, ``labkit.engine.piecewise`` at INFO, says each).
+with extra inputs run eager. Sizes compile lazily, on first use; :class:`CompileReport` counts
+the seconds each took (and a log line, ``labkit.engine.piecewise`` at INFO, says each).
 
 If inductor cannot run (no C++ compiler on a CPU machine; a compile that fails on the first
 size), the model stays eager and the report says why (``reason``), with a warning: never a
