@@ -23,7 +23,8 @@ variants compile exactly the decode sizes measured (``compile_sizes`` = the batc
 runs eager); their compile seconds are in ``compile``. Beside them:
 
 * **llama.cpp** f32 on the same model exported to GGUF, batch 1, the same thread count (its
-  own process, :mod:`labkit.bench.llamacpp`), or "llama.cpp: not installed".
+  own process, :mod:`labkit.bench.llamacpp`), one round after each of labkit's batch-1 rounds
+  (interleaved: a slow phase of the machine hits both), or "llama.cpp: not installed".
 * **weight reading at batch 1** (``gemv``, :mod:`labkit.bench.step_gemv`): GB/s of one pass
   over the model's linear weights as library matmuls and as the compiled pieces' dot products.
 * **start-up**: a fresh interpreter's time to its first generated token through ``labkit.LLM``
@@ -47,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -109,9 +111,11 @@ def _row(name: str, batch: int, runs: list[dict]) -> dict[str, Any]:
             "step_ms_rounds": [r["mean_step_ms"] for r in runs]}
 
 
-def measure(engines: dict[str, Any], cfg: dict[str, Any], vocab: int
-            ) -> tuple[list[dict], list[str]]:
-    """Rows per (variant, batch) and a list of the variants whose tokens differ from eager's."""
+def measure(engines: dict[str, Any], cfg: dict[str, Any], vocab: int,
+            after_round: Callable[[int], None] | None = None) -> tuple[list[dict], list[str]]:
+    """Rows per (variant, batch) and a list of the variants whose tokens differ from eager's.
+    ``after_round(batch)`` runs after each measured round (``run`` measures llama.cpp there,
+    so its rounds meet the machine's slow phases as labkit's do)."""
     rows, mismatches = [], []
     names = list(engines)
     bar = tqdm(total=len(cfg["batches"]) * (cfg["rounds"] + 1), desc="bench step")
@@ -126,6 +130,8 @@ def measure(engines: dict[str, Any], cfg: dict[str, Any], vocab: int
         for r in range(cfg["rounds"]):
             for n in names if r % 2 == 0 else names[::-1]:
                 runs[n].append(_run(engines[n], prompts, cfg["new_tokens"])[0])
+            if after_round is not None:
+                after_round(batch)
             bar.update(1)
         rows += [_row(n, batch, runs[n]) for n in names]
     bar.close()
@@ -143,26 +149,43 @@ def ratios(rows: list[dict]) -> dict[str, dict[str, float]]:
     return out
 
 
-def llamacpp_decode(llm: Any, cfg: dict[str, Any], threads: int, workdir: Path
-                    ) -> dict[str, Any]:
-    """llama.cpp f32 on the model exported to GGUF: decode tokens/s and TTFT at batch 1."""
-    from labkit.bench.llamacpp import cpu_has_amx, find_llamacpp_python, run_llamacpp
+class LlamaCppRounds:
+    """llama.cpp f32 on the model exported to GGUF, batch 1, one speed round per call (its own
+    process each time), so :func:`measure` can interleave them with labkit's rounds."""
 
-    python = find_llamacpp_python()
-    if python is None:
-        return {"note": "llama.cpp: not installed"}
-    from labkit.quant.gguf_export import export_gguf
+    def __init__(self, llm: Any, cfg: dict[str, Any], threads: int, workdir: Path) -> None:
+        from labkit.bench.llamacpp import cpu_has_amx, find_llamacpp_python
 
-    f = workdir / "model-f32.gguf"
-    export_gguf(llm.model, f, type="f32", tokenizer=llm.tokenizer, progress=False)
-    prompt = _prompts(1, cfg["prompt_len"], llm.model.config.vocab_size)[0]
-    req = {"model": str(f), "threads": threads, "n_ctx": 512, "extra_bufts": not cpu_has_amx(),
-           "tasks": [{"kind": "speed", "prompt": prompt, "new_tokens": cfg["new_tokens"],
-                      "repeats": cfg["rounds"]}]}
-    s = run_llamacpp(req, python)["results"][0]
-    return {"format": "f32 gguf", "batch": 1, "threads": threads,
-            "decode_tok_s": statistics.median(s["decode_tok_s"]),
-            "ttft_ms": 1e3 * statistics.median(s["ttft_s"])}
+        self.python, self.decode, self.ttft = find_llamacpp_python(), [], []
+        self.threads = threads
+        if self.python is None:
+            return
+        from labkit.quant.gguf_export import export_gguf
+
+        f = workdir / "model-f32.gguf"
+        export_gguf(llm.model, f, type="f32", tokenizer=llm.tokenizer, progress=False)
+        prompt = _prompts(1, cfg["prompt_len"], llm.model.config.vocab_size)[0]
+        self.request = {"model": str(f), "threads": threads, "n_ctx": 512,
+                        "extra_bufts": not cpu_has_amx(),
+                        "tasks": [{"kind": "speed", "prompt": prompt,
+                                   "new_tokens": cfg["new_tokens"], "repeats": 1}]}
+
+    def __call__(self, batch: int = 1) -> None:
+        from labkit.bench.llamacpp import run_llamacpp
+
+        if self.python is None or batch != 1:
+            return
+        s = run_llamacpp(self.request, self.python)["results"][0]
+        self.decode += s["decode_tok_s"]
+        self.ttft += s["ttft_s"]
+
+    def result(self) -> dict[str, Any]:
+        if self.python is None:
+            return {"note": "llama.cpp: not installed"}
+        return {"format": "f32 gguf", "batch": 1, "threads": self.threads,
+                "decode_tok_s": statistics.median(self.decode),
+                "ttft_ms": 1e3 * statistics.median(self.ttft),
+                "decode_tok_s_rounds": self.decode, "interleaved": True}
 
 
 # A fresh interpreter's way to its first token, with a wall-clock mark after each stage
@@ -251,9 +274,13 @@ def run(model: str, cfg: dict[str, Any], threads: int) -> dict[str, Any]:
     with torch_threads(threads):
         engines = _engines(model, cfg["batches"])
         vocab = engines["eager"].model.config.vocab_size
-        rows, mismatches = measure(engines, cfg, vocab)
         with tempfile.TemporaryDirectory(prefix="labkit-step-") as d:
-            llama = llamacpp_decode(engines["eager"], cfg, threads, Path(d))
+            llama_rounds = LlamaCppRounds(engines["eager"], cfg, threads, Path(d))
+            rows, mismatches = measure(engines, cfg, vocab, after_round=llama_rounds)
+            if 1 not in cfg["batches"]:  # no batch-1 rounds to interleave with
+                for _ in range(cfg["rounds"]):
+                    llama_rounds()
+        llama = llama_rounds.result()
         gemv = weight_streaming(engines["eager"].model, rounds=cfg["rounds"] + 2,
                                 passes=cfg["new_tokens"] // 4)
     compiled = {n: _compile_record(engines[n].compile_report) for n in engines
