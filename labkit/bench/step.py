@@ -151,7 +151,8 @@ def ratios(rows: list[dict]) -> dict[str, dict[str, float]]:
 
 class LlamaCppRounds:
     """llama.cpp f32 on the model exported to GGUF, batch 1, one speed round per call (its own
-    process each time), so :func:`measure` can interleave them with labkit's rounds."""
+    process each time: a warm-up generation, then two measured), so :func:`measure` can
+    interleave them with labkit's rounds."""
 
     def __init__(self, llm: Any, cfg: dict[str, Any], threads: int, workdir: Path) -> None:
         from labkit.bench.llamacpp import cpu_has_amx, find_llamacpp_python
@@ -168,7 +169,7 @@ class LlamaCppRounds:
         self.request = {"model": str(f), "threads": threads, "n_ctx": 512,
                         "extra_bufts": not cpu_has_amx(),
                         "tasks": [{"kind": "speed", "prompt": prompt,
-                                   "new_tokens": cfg["new_tokens"], "repeats": 1}]}
+                                   "new_tokens": cfg["new_tokens"], "repeats": 3}]}
 
     def __call__(self, batch: int = 1) -> None:
         from labkit.bench.llamacpp import run_llamacpp
@@ -176,8 +177,9 @@ class LlamaCppRounds:
         if self.python is None or batch != 1:
             return
         s = run_llamacpp(self.request, self.python)["results"][0]
-        self.decode += s["decode_tok_s"]
-        self.ttft += s["ttft_s"]
+        # a fresh process's first generation is its warm-up (labkit's engines are warm too)
+        self.decode += s["decode_tok_s"][1:]
+        self.ttft += s["ttft_s"][1:]
 
     def result(self) -> dict[str, Any]:
         if self.python is None:
