@@ -2,9 +2,9 @@
 
 :mod:`labkit.engine.piecewise` cuts the forward into pieces; this module turns one piece at one
 capture size into a compiled function. The piece is a module around weightless template layers
-(:class:`_Piece`); :class:`_Graph` traces it to ATen operators with every weight and activation
-as a flat input (``make_fx``), hands that graph to the backend once (inductor's ``compile_fx``),
-and from then on calls the result directly.
+(:class:`Piece`); :class:`CapturedGraph` traces it to ATen operators with every weight and
+activation as a flat input (``make_fx``), hands that graph to the backend once (inductor's
+``compile_fx``), and from then on calls the result directly.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 
-class _Piece(nn.Module):
+class Piece(nn.Module):
     """``fn(*templates, *args)`` around weightless template layers (``t0``, ``t1``): what
     :func:`torch.func.functional_call` runs with any layer's weights, so one graph per capture
     size serves every layer (the weights are graph inputs)."""
@@ -29,7 +29,7 @@ class _Piece(nn.Module):
         return self.fn(*self.templates, *args)
 
 
-def _weights(*modules: nn.Module) -> dict[str, torch.Tensor]:
+def piece_weights(*modules: nn.Module) -> dict[str, torch.Tensor]:
     """The modules' parameters and buffers under a piece's names (``templates.<i>.<name>``):
     the tensors themselves, so an in-place update (``copy_weights``) reaches the graphs."""
     out: dict[str, torch.Tensor] = {}
@@ -39,7 +39,7 @@ def _weights(*modules: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-class _Graph:
+class CapturedGraph:
     """One piece compiled at one size: traced to ATen ops with the weights and activations as
     flat inputs (``make_fx``), handed to the backend once, then called directly. Why not
     ``torch.compile`` per call: its guards check every input, weights included, before each
@@ -47,7 +47,7 @@ class _Graph:
     captured (vllm/compilation/wrapper.py). The shapes are fixed by the capture size, so the
     guards have nothing to decide."""
 
-    def __init__(self, piece: _Piece, weights: dict[str, torch.Tensor], args: tuple,
+    def __init__(self, piece: Piece, weights: dict[str, torch.Tensor], args: tuple,
                  backend: Any) -> None:
         from torch.fx.experimental.proxy_tensor import make_fx
 

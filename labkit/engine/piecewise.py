@@ -23,11 +23,12 @@ per piece and size serves all layers. Shapes are fixed by *padding the token cou
 capture size* (vLLM's ``cudagraph_capture_sizes``, 1, 2, 4, ..., 512): one graph per size,
 never a recompile per new batch size, and the pad sliced off before attention and at the end.
 Each graph is traced once to ATen ops (``make_fx``), compiled once (inductor's ``compile_fx``)
-and then called directly, without ``torch.compile``'s guards (:class:`_Graph` says why). At one
-token the pieces' linear layers are dot-product loops (:mod:`labkit.engine.dot_linear`: a
-decode step's matmuls are bound by reading the weights); above one token, on a CPU, they are
-oneDNN matmuls over weights packed once into its blocked layout
-(:mod:`labkit.engine.packed_linear`, a packed copy of each weight beside it). A larger step
+and then called directly, without ``torch.compile``'s guards
+(:class:`~labkit.engine.graph_capture.CapturedGraph` says why). At one token the pieces'
+linear layers are dot-product loops (:mod:`labkit.engine.dot_linear`: a decode step's matmuls
+are bound by reading the weights); above one token, on a CPU, they are oneDNN matmuls over
+weights packed once into its blocked layout (:mod:`labkit.engine.packed_linear`, a packed copy
+of each weight beside it). A larger step
 (a long prefill chunk), a batch of rows (``generate`` with B > 1), a forward without a cache or
 with extra inputs run eager. Sizes compile lazily, on first use; :class:`CompileReport` counts
 the seconds each took (and a log line, ``labkit.engine.piecewise`` at INFO, says each).
@@ -57,7 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.engine.dot_linear import use_dot_products
-from labkit.engine.graph_capture import _Graph, _Piece, _weights, backend_compiler
+from labkit.engine.graph_capture import CapturedGraph, Piece, backend_compiler, piece_weights
 from labkit.engine.packed_linear import (
     PackedWeights,
     cannot_pack,
@@ -143,7 +144,7 @@ def cannot_compile(model: nn.Module) -> str | None:
     if getattr(model.config, "gemma3", None) is not None:
         return ("Gemma 3's sandwich norms are not the fused add + norm the pieces are cut at: "
                 "it runs eager")
-    kinds = {(tuple((n, t.shape, t.dtype) for n, t in _weights(layer).items()),
+    kinds = {(tuple((n, t.shape, t.dtype) for n, t in piece_weights(layer).items()),
               tuple(type(m) for m in layer.modules())) for layer in model.model.layers}
     loose = [f"{type(m).__name__}.{k}" for layer in model.model.layers[:1] for m in
              layer.modules() for k, v in vars(m).items() if isinstance(v, torch.Tensor)]
@@ -212,7 +213,7 @@ class PiecewiseForward:
         self.report = report
         self.backend = backend_compiler(backend)
         self.dot_max_tokens = dot_max_tokens
-        self.graphs: dict[tuple[str, int], _Graph] = {}
+        self.graphs: dict[tuple[str, int], CapturedGraph] = {}
         self.flat: dict[tuple[str, str], list[list[torch.Tensor]]] = {}  # per call site
         # oneDNN-packed copies of each layer's linear weights, for the pieces above dot size
         self.packs: dict[nn.Module, PackedWeights] | None = None
@@ -270,7 +271,7 @@ class PiecewiseForward:
         if key not in self.flat:
             sites = []
             for modules in self._sites(kind):
-                named = _weights(*modules)
+                named = piece_weights(*modules)
                 for j, m in enumerate(modules if variant == "packed" else ()):
                     named.update({f"templates.{j}.{n}": t
                                   for n, t in self.packs[m].packed.items()})
@@ -294,9 +295,9 @@ class PiecewiseForward:
             {"dot": use_dot_products, "packed": use_packed_weights}.get(variant, id)(t)
         fn = {"pre": pre_attention, "between": between_attention,
               "last": last_attention, "head": lm_head}[kind]
-        piece = _Piece(fn, *templates)
-        named = _weights(*templates)
-        example = {n: t for n, t in _weights(*self._sites(kind)[0]).items()}
+        piece = Piece(fn, *templates)
+        named = piece_weights(*templates)
+        example = {n: t for n, t in piece_weights(*self._sites(kind)[0]).items()}
         if variant == "packed":
             for j, mod in enumerate(self._sites(kind)[0]):
                 example.update({f"templates.{j}.{n}": t
@@ -304,7 +305,7 @@ class PiecewiseForward:
         weights = {n: example[n] for n in named}
         t0 = time.perf_counter()
         with packed_op_as_library_call() if variant == "packed" else contextlib.nullcontext():
-            self.graphs[kind, size] = _Graph(piece, weights, args, self.backend)
+            self.graphs[kind, size] = CapturedGraph(piece, weights, args, self.backend)
         self.report.graphs += 1
         if self.step_size in self.report.compile_s:  # built in a step of a compiled size
             self.report.compile_s[self.step_size] += time.perf_counter() - t0
@@ -364,6 +365,8 @@ def compile_model(model: nn.Module, capture_sizes: tuple[int, ...] = CAPTURE_SIZ
         return current.report
     if not capture_sizes or min(capture_sizes) < 1:
         raise ValueError(f"capture sizes must be positive token counts, got {capture_sizes}")
+    if dot_max_tokens < 0:
+        raise ValueError(f"dot_max_tokens is a token count (0: never), got {dot_max_tokens}")
     report = CompileReport(True, None, backend, sorted(capture_sizes))
     reason = cannot_compile(model) if backend == "inductor" else None
     if reason is not None:

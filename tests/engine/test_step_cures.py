@@ -130,6 +130,10 @@ def test_moe_models_are_not_compiled_and_say_why():
 def test_bad_capture_sizes_are_refused():
     with pytest.raises(ValueError, match="capture sizes"):
         piecewise.compile_model(testing.tiny_model(), capture_sizes=(0, 4))
+    with pytest.raises(ValueError, match="dot_max_tokens"):
+        piecewise.compile_model(testing.tiny_model(), dot_max_tokens=-1)
+    with pytest.raises(ValueError, match="backend must be"):
+        piecewise.compile_model(testing.tiny_model(), backend="tensorrt")
 
 
 @pytest.mark.slow
