@@ -104,3 +104,17 @@ def test_labkit_profile_prints_every_phase_and_writes_a_trace(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["profile", "labkit-tiny", "--steps", "1"])
     assert "--steps >= 2" in capsys.readouterr().err
+
+
+def test_the_phase_table_says_when_the_forward_cannot_be_split():
+    """With compiled pieces no module hook runs inside the forward: the table says so instead
+    of printing a 0% split; eager (or a compile that fell back) prints the split."""
+    from labkit.engine.profile_cli import report
+
+    s = {"model": "m", "batch": 1, "num_steps": 2, "mean_step_ms": 1.0, "cpu_s": 0.002,
+         "share": dict.fromkeys(PHASES, 0.1), "phases_s": dict.fromkeys(PHASES, 0.0001),
+         "layer_share_of_forward": {"attention": 0.5, "mlp": 0.3, "norm": 0.1, "lm_head": 0.1}}
+    assert "attention 50%" in report({**s, "compile": None})
+    assert "attention 50%" in report({**s, "compile": "not compiled (no C++ compiler)"})
+    compiled = report({**s, "compile": "piecewise inductor: 1 of 1 sizes compiled"})
+    assert "no split" in compiled and "attention 50%" not in compiled
