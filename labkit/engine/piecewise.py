@@ -217,7 +217,7 @@ class PiecewiseForward:
         self.flat: dict[tuple[str, str], list[list[torch.Tensor]]] = {}  # per call site
         # oneDNN-packed copies of each layer's linear weights, for the pieces above dot size
         self.packs: dict[nn.Module, PackedWeights] | None = None
-        if pack_weights and cannot_pack(model) is None:
+        if pack_weights and self.sizes[-1] > dot_max_tokens and cannot_pack(model) is None:
             self.packs = {m: PackedWeights(m) for m in (*model.model.layers, model.lm_head)}
             report.packed_bytes = sum(p.nbytes for p in self.packs.values())
         self.step_size = 0  # the capture size of the forward running now
@@ -269,15 +269,17 @@ class PiecewiseForward:
         variant, names = self._variant(size), self.graphs[kind, size].names
         key = kind, variant
         if key not in self.flat:
-            sites = []
-            for modules in self._sites(kind):
-                named = piece_weights(*modules)
-                for j, m in enumerate(modules if variant == "packed" else ()):
-                    named.update({f"templates.{j}.{n}": t
-                                  for n, t in self.packs[m].packed.items()})
-                sites.append([named[n] for n in names])
-            self.flat[key] = sites
+            self.flat[key] = [[named[n] for n in names] for named in
+                              (self._named(modules, variant) for modules in self._sites(kind))]
         return self.flat[key][i]
+
+    def _named(self, modules: tuple[nn.Module, ...], variant: str) -> dict[str, torch.Tensor]:
+        """The tensors one call of a piece takes, under the template's names: the modules'
+        weights, and with ``variant == "packed"`` their packed copies."""
+        named = piece_weights(*modules)
+        for j, m in enumerate(modules if variant == "packed" else ()):
+            named.update({f"templates.{j}.{n}": t for n, t in self.packs[m].packed.items()})
+        return named
 
     def _graph(self, kind: str, size: int, i: int, *args: torch.Tensor) -> Any:
         """Run call ``i`` of piece ``kind`` at ``size``, compiling the piece on first use."""
@@ -296,13 +298,8 @@ class PiecewiseForward:
         fn = {"pre": pre_attention, "between": between_attention,
               "last": last_attention, "head": lm_head}[kind]
         piece = Piece(fn, *templates)
-        named = piece_weights(*templates)
-        example = {n: t for n, t in piece_weights(*self._sites(kind)[0]).items()}
-        if variant == "packed":
-            for j, mod in enumerate(self._sites(kind)[0]):
-                example.update({f"templates.{j}.{n}": t
-                                for n, t in self.packs[mod].packed.items()})
-        weights = {n: example[n] for n in named}
+        example = self._named(self._sites(kind)[0], variant)  # the first call's tensors
+        weights = {n: example[n] for n in piece_weights(*templates)}
         t0 = time.perf_counter()
         with packed_op_as_library_call() if variant == "packed" else contextlib.nullcontext():
             self.graphs[kind, size] = CapturedGraph(piece, weights, args, self.backend)
