@@ -61,7 +61,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         args.parser.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if not args.prompt:
         args.parser.error("PROMPT is empty: give some text to continue")
-    from labkit.parallel.launch import torchrun_env, worker_loop
+    from labkit.parallel.launch import exit_rank, torchrun_env, worker_loop
 
     launched = torchrun_env()  # torchrun started us: rank 0 drives, the others serve it
     if launched is not None:
@@ -69,9 +69,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if args.tp not in (1, world):
             args.parser.error(f"--tp {args.tp} under torchrun must equal its WORLD_SIZE {world}")
         if rank:
-            return worker_loop(args.device or "cpu")
+            exit_rank(worker_loop(args.device or "cpu"))
         args.tp = world
-        return _generate_tp(args, "external_launcher")
+        exit_rank(_generate_tp(args, "external_launcher"))
     if args.tp != 1:
         return _generate_tp(args)
     try:

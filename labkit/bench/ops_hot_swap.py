@@ -63,7 +63,8 @@ def spans_the_swap(got: list[int], prompt: list[int], old: Any, new: Any) -> boo
 
     ref = generate(old, prompt, len(got))
     lcp = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), len(got))
-    return any(got[k:] == generate(new, prompt + got[:k], len(got) - k)
+    # k = len(got): all of it is old's answer (it finished before the swap reached it)
+    return any(k == len(got) or got[k:] == generate(new, prompt + got[:k], len(got) - k)
                for k in range(lcp, -1, -1))
 
 

@@ -33,3 +33,24 @@ def test_listed():
     assert ops.EXPERIMENTS["hot-swap"] == ops_hot_swap.__name__
     assert "hot-swap: new weights into a serving replica; lost requests, stale KV." \
         in ops.describe()
+
+
+def test_an_answer_wholly_from_the_old_weights_spans_the_swap():
+    """A request that finished before the swap reached it: all of it is the old model's answer
+    (k = its length), which is valid, and is checked without asking the new model for zero
+    tokens (a ValueError in ``generate``)."""
+    from labkit.bench.ops_hot_swap import spans_the_swap
+    from labkit.model import testing
+    from labkit.model.generate import generate
+
+    old, new = testing.tiny_model(seed=1), testing.tiny_model(seed=2)
+    prompt = [3, 4, 5]
+    got_old, got_new = generate(old, prompt, 5), generate(new, prompt, 5)
+    assert spans_the_swap(got_old, prompt, old, new)
+    assert spans_the_swap(got_new, prompt, old, new)  # k = 0: all of it the new model's
+    # swapped mid-answer: old's first 2 tokens, then new's continuation from there
+    mixed = got_old[:2] + generate(new, prompt + got_old[:2], 3)
+    assert spans_the_swap(mixed, prompt, old, new)
+    # a first token neither model would give: no k explains it
+    first = next(t for t in range(128) if t not in (got_old[0], got_new[0]))
+    assert not spans_the_swap([first] + got_new[1:], prompt, old, new)

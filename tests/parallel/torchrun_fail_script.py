@@ -7,13 +7,13 @@ import sys
 import torch
 
 from labkit import LLM
-from labkit.parallel.launch import torchrun_env, worker_loop
+from labkit.parallel.launch import exit_rank, torchrun_env, worker_loop
 from labkit.parallel.workers import WorkerError
 
 if __name__ == "__main__":
     rank, world, _ = torchrun_env()
     if rank:
-        sys.exit(worker_loop("cpu"))
+        exit_rank(worker_loop("cpu"))
     llm = LLM(sys.argv[1], tensor_parallel_size=world, enable_expert_parallel=True,
               dtype=torch.float32, distributed_executor_backend="external_launcher")
     workers = llm.llm_engine.executor.runner.workers
@@ -28,3 +28,4 @@ if __name__ == "__main__":
     except WorkerError as e:
         print("after", str(e).splitlines()[0])
     llm.shutdown()
+    exit_rank(0)

@@ -14,6 +14,7 @@ from operator import methodcaller
 import httpx
 import pytest
 
+from labkit.bench.ops_hot_swap import spans_the_swap
 from labkit.engine.invariants import assert_no_leaks
 from labkit.model import testing
 from labkit.model.generate import generate
@@ -57,15 +58,6 @@ def update(srv, path, version):
                       json={"path": str(path), "version": version})
 
 
-def _spans_the_swap(got, prompt, old, new):
-    """Some k: the first k tokens are the old model's, the rest the new model's from there
-    (k runs over the prefix ``got`` shares with the old model's answer)."""
-    ref = generate(old, prompt, len(got))
-    lcp = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), len(got))
-    return any(got[k:] == generate(new, prompt + got[:k], len(got) - k)
-               for k in range(lcp, -1, -1))
-
-
 @pytest.fixture
 def server(folders):
     eng, tok, _ = build_engine(str(folders["old"]), dtype="float32", device="cpu", **KW)
@@ -89,7 +81,7 @@ def test_swap_under_load_loses_no_request(server, folders):
     assert info["version"] == "v2" and info["previous_version"] is None
     assert info["num_recomputed"] >= 1 and info["pause_ms"] > 0
     for got, p in zip(results, PROMPTS):
-        assert _spans_the_swap(got, p, old, new)
+        assert spans_the_swap(got, p, old, new)
     # the prompt cached under the old weights: served as a fresh new-weights engine would
     assert tokens(complete(server, PROMPTS[0])) == generate(new, PROMPTS[0], N)
     assert httpx.get(server.url + "/v1/admin/weights").json() == {"version": "v2"}
