@@ -43,13 +43,22 @@ def load_draft(config: EngineConfig, target: torch.nn.Module) -> None:
     spec.draft_model = draft.eval()
 
 
+COMPILE_MODES = ("full_and_piecewise", "piecewise")  # as vLLM's cudagraph_mode values
+
+
 def step_cures(model: torch.nn.Module, settings: dict[str, Any], fused: bool, compile: bool,
-               capture_sizes: tuple[int, ...] | None = None) -> Any:
+               capture_sizes: tuple[int, ...] | None = None,
+               compile_mode: str = "full_and_piecewise") -> Any:
     """Apply ``fused`` (:func:`labkit.model.fuse.fuse_model`: q|k|v and gate|up, the residual
     add in the norms, the rotary table) and ``compile`` (:func:`labkit.engine.piecewise.
     compile_model`) to the engine's model, in place; returns the compile report (None without
-    ``compile``). Both change the model in this process, so workers that load their own slices
-    (tensor parallelism) and LoRA's per-step adapter state are refused by name."""
+    ``compile``). ``compile_mode`` "full_and_piecewise" runs uniform decode steps as full
+    graphs (:mod:`labkit.engine.full_graph`) and the others piecewise; "piecewise" runs every
+    step piecewise. Both change the model in this process, so workers that load their own
+    slices (tensor parallelism) and LoRA's per-step adapter state are refused by name."""
+    if compile_mode not in COMPILE_MODES:
+        raise EngineConfigError(f"compile_mode must be one of {COMPILE_MODES}, got "
+                                f"{compile_mode!r}")
     if not (fused or compile):
         return None
     check_step_cures(settings, fused, compile)
@@ -62,7 +71,8 @@ def step_cures(model: torch.nn.Module, settings: dict[str, Any], fused: bool, co
         return None
     from labkit.engine.piecewise import CAPTURE_SIZES, compile_model
 
-    return compile_model(model, tuple(capture_sizes or CAPTURE_SIZES))
+    return compile_model(model, tuple(capture_sizes or CAPTURE_SIZES),
+                         full_graphs=compile_mode == "full_and_piecewise")
 
 
 def check_step_cures(settings: dict[str, Any], fused: bool, compile: bool) -> None:

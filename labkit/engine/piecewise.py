@@ -58,6 +58,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.engine.dot_linear import use_dot_products
+from labkit.engine.full_graph import (
+    decode_piece,
+    full_graph_args,
+    full_graph_refusal,
+    is_uniform_decode,
+)
 from labkit.engine.graph_capture import CapturedGraph, Piece, backend_compiler, piece_weights
 from labkit.engine.packed_linear import (
     PackedWeights,
@@ -86,6 +92,9 @@ class CompileReport:
     eager_forwards: int = 0  # forwards too large (or shaped otherwise) for a compiled piece
     graphs: int = 0  # graphs built: one per piece kind and capture size, never one per layer
     packed_bytes: int = 0  # the oneDNN-packed copies of the linear weights (0: not packed)
+    full_graphs: bool = True  # uniform decode steps as one graph each (labkit.engine.full_graph)
+    full_steps: int = 0  # steps that ran as a full graph
+    full_reason: str | None = None  # why the last decode step ran piecewise (None: it did not)
 
     @property
     def total_s(self) -> float:
@@ -95,10 +104,12 @@ class CompileReport:
         if not self.compiled:
             return f"not compiled ({self.reason}); the model runs eager"
         done = ", ".join(f"{n}: {s:.1f} s" for n, s in sorted(self.compile_s.items()))
+        full = ("; decode steps as full graphs" if self.full_graphs and not self.full_reason
+                else f"; decode steps piecewise ({self.full_reason or 'full_graphs=False'})")
         packed = (f"; linear weights packed for oneDNN (+{self.packed_bytes / 2**20:.1f} MiB)"
                   if self.packed_bytes else "")
         return (f"piecewise {self.backend}: {len(self.compile_s)} of {len(self.capture_sizes)} "
-                f"sizes compiled in {self.total_s:.1f} s ({done or 'none yet'}){packed}")
+                f"sizes compiled in {self.total_s:.1f} s ({done or 'none yet'}){full}{packed}")
 
 
 def cxx_compiler() -> str | None:
@@ -259,9 +270,12 @@ class PiecewiseForward:
 
     def _sites(self, kind: str) -> list[tuple[nn.Module, ...]]:
         """The modules each call of piece ``kind`` takes its weights from, in call order."""
-        layers = list(self.model.model.layers)
+        m = self.model
+        layers = list(m.model.layers)
+        if kind.startswith("full"):  # a full decode graph: every layer, the norm, the head
+            return [(*layers, m.model.norm, m.lm_head)]
         return {"pre": [(layers[0],)], "between": list(zip(layers, layers[1:])),
-                "last": [(layers[-1],)], "head": [(self.model.lm_head,)]}[kind]
+                "last": [(layers[-1],)], "head": [(m.lm_head,)]}[kind]
 
     def site_weights(self, kind: str, size: int, i: int = 0) -> list[torch.Tensor]:
         """Call ``i`` of piece ``kind``'s flat weights, in its ``size`` graph's input order
@@ -278,7 +292,8 @@ class PiecewiseForward:
         weights, and with ``variant == "packed"`` their packed copies."""
         named = piece_weights(*modules)
         for j, m in enumerate(modules if variant == "packed" else ()):
-            named.update({f"templates.{j}.{n}": t for n, t in self.packs[m].packed.items()})
+            packed = self.packs[m].packed if m in self.packs else {}  # (a norm has none)
+            named.update({f"templates.{j}.{n}": t for n, t in packed.items()})
         return named
 
     def _graph(self, kind: str, size: int, i: int, *args: torch.Tensor) -> Any:
@@ -287,17 +302,16 @@ class PiecewiseForward:
             self._build(kind, size, args)
         return self.graphs[kind, size](self.site_weights(kind, size, i), *args)
 
-    def _build(self, kind: str, size: int, args: tuple) -> None:
-        m, variant = self.model, self._variant(size)
-        source = m.lm_head if kind == "head" else m.model.layers[0]
-        # weightless copies (every tensor is a graph input), two for the piece between
-        templates = tuple(copy.deepcopy(source).to("meta")
-                          for _ in range(2 if kind == "between" else 1))
+    def _build(self, kind: str, size: int, args: tuple, kv_cache: Any = None) -> None:
+        variant = self._variant(size)
+        templates = self._templates(kind)
         for t in templates:
             {"dot": use_dot_products, "packed": use_packed_weights}.get(variant, id)(t)
-        fn = {"pre": pre_attention, "between": between_attention,
-              "last": last_attention, "head": lm_head}[kind]
-        piece = Piece(fn, *templates)
+        if kind.startswith("full"):
+            piece = decode_piece(self.model, kv_cache, list(templates))
+        else:
+            piece = Piece({"pre": pre_attention, "between": between_attention,
+                           "last": last_attention, "head": lm_head}[kind], *templates)
         example = self._named(self._sites(kind)[0], variant)  # the first call's tensors
         weights = {n: example[n] for n in piece_weights(*templates)}
         t0 = time.perf_counter()
@@ -307,6 +321,41 @@ class PiecewiseForward:
         if self.step_size in self.report.compile_s:  # built in a step of a compiled size
             self.report.compile_s[self.step_size] += time.perf_counter() - t0
 
+    def _templates(self, kind: str) -> tuple[nn.Module, ...]:
+        """Weightless copies (every tensor is a graph input) of the modules a piece runs: layer
+        0 once, or twice for the piece between two layers; all of them for a full graph."""
+        m = self.model
+        if kind.startswith("full"):
+            sources = self._sites(kind)[0]
+        else:
+            source = m.lm_head if kind == "head" else m.model.layers[0]
+            sources = (source,) * (2 if kind == "between" else 1)
+        return tuple(copy.deepcopy(s).to("meta") for s in sources)
+
+    def _full(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: Any,
+              logits_indices: torch.Tensor | None, size: int) -> torch.Tensor | None:
+        """A uniform decode step as one full graph (:mod:`labkit.engine.full_graph`); None
+        when it runs piecewise (``report.full_reason`` says why)."""
+        reason = full_graph_refusal(self.model, kv_cache)
+        self.report.full_reason = reason
+        if reason is not None:
+            return None
+        bucket, args = full_graph_args(self.model, input_ids, positions, kv_cache, size)
+        kind = f"full{bucket}"
+        if (kind, size) not in self.graphs:
+            try:
+                self._build(kind, size, args, kv_cache)
+            except Exception as e:  # noqa: BLE001 - inductor's failures have no common type
+                self.report.full_graphs = False
+                self.report.full_reason = f"the full graph failed to compile: {e!r:.300}"
+                warnings.warn(f"compile=True: {self.report.full_reason}; decode steps run "
+                              "piecewise", RuntimeWarning, stacklevel=4)
+                return None
+        logits = self.graphs[kind, size](self.site_weights(kind, size), *args)[0]
+        self.report.full_steps += 1
+        T = input_ids.shape[1]
+        return logits[:T] if logits_indices is None else logits[:T][logits_indices]
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: Any,
                  logits_indices: torch.Tensor | None, size: int) -> torch.Tensor:
         m, T = self.model, input_ids.shape[1]
@@ -315,6 +364,10 @@ class PiecewiseForward:
         if self.packs is not None and size > self.dot_max_tokens and \
                 any([p.refresh() for p in self.packs.values()]):  # an in-place update
             self.flat = {k: v for k, v in self.flat.items() if k[1] != "packed"}
+        if self.report.full_graphs and is_uniform_decode(kv_cache, T):
+            logits = self._full(input_ids, positions, kv_cache, logits_indices, size)
+            if logits is not None:
+                return logits if logits_indices is not None else logits.unsqueeze(0)
         pad = size - T
         x = m.model.embed_tokens(F.pad(input_ids, (0, pad)))
         pos = F.pad(positions, (0, pad))  # position 0 for the pad rows: any valid one
@@ -350,13 +403,15 @@ class PiecewiseForward:
 
 def compile_model(model: nn.Module, capture_sizes: tuple[int, ...] = CAPTURE_SIZES,
                   backend: Any = "inductor", dot_max_tokens: int = DOT_MAX_TOKENS,
-                  pack_weights: bool = True) -> CompileReport:
+                  pack_weights: bool = True, full_graphs: bool = True) -> CompileReport:
     """Install :class:`PiecewiseForward` as ``model.forward`` (in place) and return its report;
     a model that cannot be compiled here keeps its forward, and the report (and a warning)
     say why. A model already compiled returns its existing report. Pieces of up to
     ``dot_max_tokens`` tokens compute their linears as :func:`dot_linear` (0: never); larger
     ones, with ``pack_weights`` on a CPU, as oneDNN matmuls over weights packed once
-    (:mod:`labkit.engine.packed_linear`)."""
+    (:mod:`labkit.engine.packed_linear`). With ``full_graphs`` a step where every sequence
+    decodes one token runs as one graph, attention included (:mod:`labkit.engine.full_graph`);
+    without, every step runs piecewise."""
     current = vars(model).get("forward")
     if isinstance(current, PiecewiseForward):
         return current.report
@@ -364,7 +419,7 @@ def compile_model(model: nn.Module, capture_sizes: tuple[int, ...] = CAPTURE_SIZ
         raise ValueError(f"capture sizes must be positive token counts, got {capture_sizes}")
     if dot_max_tokens < 0:
         raise ValueError(f"dot_max_tokens is a token count (0: never), got {dot_max_tokens}")
-    report = CompileReport(True, None, backend, sorted(capture_sizes))
+    report = CompileReport(True, None, backend, sorted(capture_sizes), full_graphs=full_graphs)
     reason = cannot_compile(model) if backend == "inductor" else None
     if reason is not None:
         report.compiled, report.reason = False, reason

@@ -151,7 +151,8 @@ def test_compiled_fused_engine_equals_generate_with_padding_and_eager_steps():
         warnings.simplefilter("error", RuntimeWarning)  # no fallback may happen here
         # the step profiler's module hooks come and go every step: no graph may depend on them
         llm = labkit.LLM.from_model(model, None, fused=True, compile=True,
-                                    compile_sizes=(1, 4), profile=True, **CHUNKED)
+                                    compile_sizes=(1, 4), compile_mode="piecewise",
+                                    profile=True, **CHUNKED)
         got = _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=SP))
         first = llm.compile_report.graphs
         again = _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=SP))
@@ -172,6 +173,49 @@ def test_compiled_fused_engine_equals_generate_with_padding_and_eager_steps():
     assert llm.profiler.summary()["phases_s"]["forward"] > 0
     # the compiled model object also runs labkit.model.generate (its contiguous cache)
     assert [generate(model, p, 10, ignore_eos=True) for p in prompts] == want
+
+
+def test_uniform_decode_steps_run_as_full_graphs_with_the_same_tokens():
+    """compile_mode="full_and_piecewise" (the default): a step where every sequence decodes
+    one token runs as one graph, attention and the KV writes inside, per (capture size, block
+    bucket); 1 to 4 sequences (3 padded to 4 with copies of the first row), contexts in two
+    buckets; steps with a prefill chunk run piecewise. Greedy tokens equal generate's."""
+    if piecewise.cxx_compiler() is None:
+        pytest.skip("no C++ compiler: inductor cannot build CPU kernels here")
+    model = testing.tiny_model(seed=9)
+    prompts = _prompts()
+    want = [generate(model, p, 10, ignore_eos=True) for p in prompts]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback may happen here
+        llm = labkit.LLM.from_model(model, None, fused=True, compile=True,
+                                    compile_sizes=(1, 4), **CHUNKED)
+        got = _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=SP))
+        one = _tokens(llm.generate(prompt_token_ids=prompts[1:2], sampling_params=SP))
+    rep = llm.compile_report
+    assert got == want and one == want[1:2]
+    assert rep.full_graphs and rep.full_reason is None and rep.full_steps > 0, rep
+    full = {k for k in model.forward.graphs if k[0].startswith("full")}
+    # blocks of 4 tokens: contexts of up to 16 tokens in bucket 4, up to 23 in bucket 8
+    assert full == {("full4", 1), ("full8", 1), ("full4", 4), ("full8", 4)}, full
+    assert "decode steps as full graphs" in str(rep)
+
+
+def test_full_graphs_refuse_caches_they_do_not_implement_and_say_why():
+    """An int8 KV cache (its scales are written and read outside the graph) runs piecewise
+    with the reason on the report; tokens still equal generate's."""
+    if piecewise.cxx_compiler() is None:
+        pytest.skip("no C++ compiler: inductor cannot build CPU kernels here")
+    model = testing.tiny_model(seed=9)
+    prompt = _prompts()[0]
+    llm = labkit.LLM.from_model(model, None, compile=True, compile_sizes=(1,),
+                                kv_cache_dtype="int8", **CHUNKED)
+    sp = labkit.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate(prompt_token_ids=[prompt], sampling_params=sp)
+    rep = llm.compile_report
+    assert rep.full_steps == 0 and "quantized" in rep.full_reason, rep
+    assert "decode steps piecewise (hybrid groups and quantized" in str(rep)
+    with pytest.raises(EngineConfigError, match="compile_mode must be one of"):
+        labkit.LLM.from_model(model, None, compile=True, compile_mode="full")
 
 
 def test_dot_linear_is_the_linear_layer_and_templates_swap_only_plain_linears():

@@ -1,0 +1,153 @@
+"""Full decode graphs: a step where every sequence decodes one token runs as one graph.
+
+The pieces of :mod:`labkit.engine.piecewise` leave attention outside the graphs, because a
+step's attention layout (block tables, context lengths, chunks of any length) changes every
+step. That costs, per layer and step, a trip through Python into the cache's ``attend``: two
+slot writes, two block gathers, a mask, an attention call. On labkit-tiny at batch 1 that is a
+third of the forward, more than the weights take to read.
+
+A *uniform decode* step is regular enough to capture whole. Every sequence brings one query,
+so the only shapes that vary are the batch (padded to a capture size, as for the pieces) and
+the block-table width, padded here to a power of two (a *block bucket*: one graph per batch
+size and bucket). Inside the graph each layer writes its new K/V into the paged pool in place
+(``index_copy_`` on the cache tensors, which inductor keeps in place), gathers its blocks, and
+attends under a mask built from the context lengths, so the positions a bucket pads past a
+sequence's end carry no weight. vLLM does this on a GPU: its ``cudagraph_mode`` ``FULL_AND_
+PIECEWISE`` (V1's default) captures uniform decode batches as full CUDA graphs, attention
+inside, and runs other steps piecewise.
+
+Padded rows copy the batch's first row (token, position, slot, block table), so they compute the
+same K/V and write the same values into the same slot: a padded step changes nothing a real row
+did not. Steps that are not uniform decodes, and caches whose attention the graph does not
+implement (quantized, hybrid groups, latent (MLA) layers, sink logits, a backend other than the
+torch one), run piecewise; :func:`full_graph_refusal` says why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from labkit.engine.graph_capture import Piece
+from labkit.kv.attention import TorchBackend
+
+FULL_MAX_TOKENS = 4096  # the largest context a bucket covers (its gathers grow with it)
+MIN_BUCKET_BLOCKS = 4  # the smallest bucket: fewer graphs to compile for short contexts
+
+
+def full_graph_refusal(model: nn.Module, kv_cache: Any) -> str | None:
+    """Why a decode step with this model and cache runs piecewise (None: as a full graph)."""
+    if type(getattr(kv_cache, "backend", None)) is not TorchBackend:
+        return "the full graph implements the paged cache of the torch attention backend"
+    if kv_cache.metas or kv_cache.k_scales:
+        return "hybrid groups and quantized KV caches attend outside the graph"
+    if any(w is not None for w in kv_cache.kv_latent_dims):
+        return "latent attention (MLA) layers attend outside the graph"
+    if any(getattr(layer.self_attn, "sinks", None) is not None for layer in model.model.layers):
+        return "attention-sink logits are added outside the graph"
+    norm = model.model.norm
+    if norm._forward_hooks or norm._forward_pre_hooks:
+        return "hooks on the final norm (EAGLE's feature capture) run eager"
+    if kv_cache.k_caches[0].dtype != model.dtype:
+        return "a KV cache of another dtype than the model's"
+    return None
+
+
+def block_bucket(width: int) -> int:
+    """The padded block-table width for ``width`` blocks: the next power of two, at least
+    ``MIN_BUCKET_BLOCKS`` (each bucket is a graph to compile; a few masked blocks cost less)."""
+    return max(1 << max(width - 1, 0).bit_length(), MIN_BUCKET_BLOCKS)
+
+
+def decode_mask(context_lens: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:
+    """[B, S] bool: which of the gathered key positions each sequence's query sees."""
+    pos = torch.arange(num_keys, device=context_lens.device)[None, :]
+    ctx = context_lens.long()[:, None]
+    mask = pos < ctx
+    return mask if window is None else mask & (pos >= ctx - window)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, mask: torch.Tensor, scale: float
+                           ) -> torch.Tensor:
+    """One query per sequence over its blocks, written out (gather, scores, masked softmax,
+    weighted sum) so inductor fuses it: q [B,Hq,D], caches [blocks,bs,Hkv,D] -> [B,Hq,D]."""
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    flat = block_tables.reshape(-1)
+    k = k_cache.index_select(0, flat).view(B, -1, Hkv, D).float()
+    v = v_cache.index_select(0, flat).view(B, -1, Hkv, D).float()
+    qg = q.float().view(B, Hkv, Hq // Hkv, D)
+    scores = torch.einsum("bhgd,bshd->bhgs", qg, k) * scale
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    out = torch.einsum("bhgs,bshd->bhgd", scores.softmax(-1), v)
+    return out.reshape(B, Hq, D).to(q.dtype)
+
+
+class DecodeStep:
+    """The function a full graph is traced from: ``(*templates, *args)`` -> logits [B, V].
+    Templates: the L layers, the final norm, the LM head; args: the embedded tokens, cos, sin,
+    slot mapping, block tables, context lengths, then the L K caches and the L V caches."""
+
+    def __init__(self, num_layers: int, windows: list[int | None], scale: float) -> None:
+        self.L, self.windows, self.scale = num_layers, windows, scale
+
+    def __call__(self, *templates_and_args: Any) -> torch.Tensor:
+        from labkit.engine.piecewise import post_attention, pre_attention
+
+        L = self.L
+        layers, (norm, head) = templates_and_args[:L], templates_and_args[L:L + 2]
+        x, cos, sin, slots, tables, ctx, *caches = templates_and_args[L + 2:]
+        num_keys = tables.shape[1] * caches[0].shape[1]
+        masks = {w: decode_mask(ctx, num_keys, w) for w in set(self.windows)}
+        residual = torch.zeros_like(x)
+        for i, layer in enumerate(layers):
+            q, k, v, residual = pre_attention(layer, x, residual, cos, sin)
+            kc, vc = caches[i], caches[L + i]
+            kc.view(-1, *kc.shape[2:]).index_copy_(0, slots, k[0])  # the new token's slot
+            vc.view(-1, *vc.shape[2:]).index_copy_(0, slots, v[0])
+            out = paged_decode_attention(q[0], kc, vc, tables, masks[self.windows[i]],
+                                         self.scale)
+            x, residual = post_attention(layer, out[None], residual)
+        return head.forward(norm.forward(x + residual)[0])
+
+
+def pad_rows(t: torch.Tensor, size: int, dim: int = 0) -> torch.Tensor:
+    """``t`` with copies of its first row along ``dim`` up to ``size`` rows."""
+    n = size - t.shape[dim]
+    if n == 0:
+        return t
+    first = t.narrow(dim, 0, 1)
+    return torch.cat([t, first.expand(*[n if d == dim else -1 for d in range(t.dim())])], dim)
+
+
+def full_graph_args(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+                    kv_cache: Any, size: int) -> tuple[int, tuple]:
+    """(block bucket, the graph's activation and cache inputs) for a uniform decode step of
+    ``input_ids`` [1, B] padded to ``size`` sequences."""
+    meta = kv_cache.meta
+    ids, pos = pad_rows(input_ids, size, 1), pad_rows(positions, size, 1)
+    x = model.model.embed_tokens(ids)
+    cos, sin = model.rope(pos, x.dtype)
+    width = meta.block_tables.shape[1]
+    bucket = block_bucket(width)
+    tables = torch.nn.functional.pad(meta.block_tables, (0, bucket - width)).long()
+    args = (x, cos, sin, pad_rows(meta.slot_mapping, size), pad_rows(tables, size),
+            pad_rows(meta.context_lens, size), *kv_cache.k_caches, *kv_cache.v_caches)
+    return bucket, args
+
+
+def decode_piece(model: nn.Module, kv_cache: Any, templates: list[nn.Module]) -> Piece:
+    """The :class:`Piece` a full graph traces: :class:`DecodeStep` over weightless templates."""
+    step = DecodeStep(len(model.model.layers), list(kv_cache.sliding_windows), kv_cache.scale)
+    return Piece(step, *templates)
+
+
+def is_uniform_decode(kv_cache: Any, tokens: int) -> bool:
+    """Every sequence of the step decodes one token, within the largest bucket's context."""
+    meta = getattr(kv_cache, "meta", None)
+    return (meta is not None and meta.decode_only and meta.block_tables.shape[0] == tokens
+            and block_bucket(meta.block_tables.shape[1]) * kv_cache.block_size
+            <= FULL_MAX_TOKENS)
