@@ -6,7 +6,10 @@ a slow phase of the machine hits all of them), at decode batch 1, 8 and 32:
 =================  ==========================================================================
 eager              the engine as it ships
 fused              ``LLM(fused=True)``: q|k|v, gate|up, residual add in the norm, rotary table
-compiled           ``LLM(compile=True)``: inductor, piecewise around attention
+compiled           ``LLM(compile=True)``: inductor; decode steps one full graph each, other
+                   steps piecewise around attention
+fused+piecewise    fused, and ``compile=True, compile_mode="piecewise"``: every step piecewise
+                   (what the full decode graphs buy is fused+compiled over this)
 fused+compiled     both
 overlap            ``LLM(async_scheduling=True)``: step N+1 scheduled (and N-1 detokenised)
                    while N's forward runs on a worker thread (:mod:`labkit.engine.overlap`)
@@ -67,6 +70,7 @@ from labkit.bench.step_gemv import weight_streaming
 from labkit.engine.profiler import PHASES, StepProfiler
 
 VARIANTS = {"eager": {}, "fused": {"fused": True}, "compiled": {"compile": True},
+            "fused+piecewise": {"fused": True, "compile": True, "compile_mode": "piecewise"},
             "fused+compiled": {"fused": True, "compile": True},
             "overlap": {"async_scheduling": True},
             "all": {"fused": True, "compile": True, "async_scheduling": True}}

@@ -200,6 +200,20 @@ def test_uniform_decode_steps_run_as_full_graphs_with_the_same_tokens():
     assert "decode steps as full graphs" in str(rep)
 
 
+def test_a_full_graph_masks_a_sliding_window_over_freed_blocks():
+    """Mistral's window (every layer sees its last 6 keys; blocks behind the window are freed
+    and read as block 0): the full graph's mask leaves them out, as the torch backend does."""
+    if piecewise.cxx_compiler() is None:
+        pytest.skip("no C++ compiler: inductor cannot build CPU kernels here")
+    model = testing.tiny_model(seed=4, sliding_window=6, architecture="MistralForCausalLM")
+    prompt = _prompts()[1]
+    want = generate(model, prompt, 12, ignore_eos=True)
+    llm = labkit.LLM.from_model(model, None, compile=True, compile_sizes=(1,), **CHUNKED)
+    sp = labkit.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert _tokens(llm.generate(prompt_token_ids=[prompt], sampling_params=sp)) == [want]
+    assert llm.compile_report.full_steps > 0, llm.compile_report
+
+
 def test_full_graphs_refuse_caches_they_do_not_implement_and_say_why():
     """An int8 KV cache (its scales are written and read outside the graph) runs piecewise
     with the reason on the report; tokens still equal generate's."""
