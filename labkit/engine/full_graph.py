@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from labkit.engine.graph_capture import Piece
+from labkit.engine.pieces import post_attention, pre_attention
 from labkit.kv.attention import TorchBackend
 
 FULL_MAX_TOKENS = 4096  # the largest context a bucket covers (its gathers grow with it)
@@ -49,7 +50,8 @@ def full_graph_refusal(model: nn.Module, kv_cache: Any) -> str | None:
         return "attention-sink logits are added outside the graph"
     norm = model.model.norm
     if norm._forward_hooks or norm._forward_pre_hooks:
-        return "hooks on the final norm (EAGLE's feature capture) run eager"
+        return ("hooks on the final norm (EAGLE's feature capture, the profiler's per-layer "
+                "timers) need it eager")
     if kv_cache.k_caches[0].dtype != model.dtype:
         return "a KV cache of another dtype than the model's"
     return None
@@ -95,8 +97,6 @@ class DecodeStep:
         self.L, self.windows, self.scale = num_layers, windows, scale
 
     def __call__(self, *templates_and_args: Any) -> torch.Tensor:
-        from labkit.engine.piecewise import post_attention, pre_attention
-
         L = self.L
         layers, (norm, head) = templates_and_args[:L], templates_and_args[L:L + 2]
         x, cos, sin, slots, tables, ctx, *caches = templates_and_args[L + 2:]

@@ -9,6 +9,8 @@ activation as a flat input (``make_fx``), hands that graph to the backend once (
 
 from __future__ import annotations
 
+import os
+import shutil
 from typing import Any
 
 import torch
@@ -79,3 +81,33 @@ def backend_compiler(backend: Any) -> Any:
     if not callable(backend):
         raise ValueError(f"backend must be 'inductor' or a callable, got {backend!r}")
     return backend
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler inductor would build CPU kernels with, or None (``$CXX``, then
+    inductor's own candidates)."""
+    from torch._inductor import config
+
+    names = [os.environ.get("CXX")] + list(config.cpp.cxx)
+    return next((p for n in names if n and (p := shutil.which(n))), None)
+
+
+_SIMDLEN = {"default": 0, "avx2": 256, "avx512": 512}  # ATEN_CPU_CAPABILITY -> vector bits
+
+
+def match_aten_vector_width() -> int | None:
+    """Pin inductor's CPU vector width to ``$ATEN_CPU_CAPABILITY`` when that is set (how the
+    lab's CI runs another CPU's kernels); returns the width set, or None.
+
+    Why: with the variable set and ``cpp.simdlen`` unset, torch 2.13's inductor takes its
+    vector ISA from the variable but other parts of its code generation from the CPU, and
+    the kernels it builds are wrong (``avx2`` on an AVX-512 machine: an add + RMSNorm off
+    by 1e29) or do not compile (``default``). The same width given as ``cpp.simdlen`` is
+    consistent, and correct."""
+    from torch._inductor import config
+
+    width = _SIMDLEN.get(os.environ.get("ATEN_CPU_CAPABILITY", ""))
+    if width is None or config.cpp.simdlen is not None:
+        return None
+    config.cpp.simdlen = width
+    return width

@@ -28,10 +28,13 @@ and then called directly, without ``torch.compile``'s guards
 linear layers are dot-product loops (:mod:`labkit.engine.dot_linear`: a decode step's matmuls
 are bound by reading the weights); above one token, on a CPU, they are oneDNN matmuls over
 weights packed once into its blocked layout (:mod:`labkit.engine.packed_linear`, a packed copy
-of each weight beside it). A larger step
-(a long prefill chunk), a batch of rows (``generate`` with B > 1), a forward without a cache or
-with extra inputs run eager. Sizes compile lazily, on first use; :class:`CompileReport` counts
-the seconds each took (and a log line, ``labkit.engine.piecewise`` at INFO, says each).
+of each weight beside it). A larger step (a long prefill chunk), a batch of rows (``generate``
+with B > 1), a forward without a cache or with extra inputs run eager. Sizes compile lazily,
+on first use; :class:`CompileReport` counts the seconds each took (and a log line,
+``labkit.engine.piecewise`` at INFO, says each).
+
+A step where every sequence decodes one token skips the pieces: it runs as one graph with
+attention inside (:mod:`labkit.engine.full_graph`, the default ``compile_mode``).
 
 If inductor cannot run (no C++ compiler on a CPU machine; a compile that fails on the first
 size), the model stays eager and the report says why (``reason``), with a warning: never a
@@ -46,7 +49,6 @@ import bisect
 import contextlib
 import copy
 import logging
-import shutil
 import time
 import types
 import warnings
@@ -64,13 +66,27 @@ from labkit.engine.full_graph import (
     full_graph_refusal,
     is_uniform_decode,
 )
-from labkit.engine.graph_capture import CapturedGraph, Piece, backend_compiler, piece_weights
+from labkit.engine.graph_capture import (
+    CapturedGraph,
+    Piece,
+    backend_compiler,
+    cxx_compiler,
+    match_aten_vector_width,
+    piece_weights,
+)
 from labkit.engine.packed_linear import (
     PackedWeights,
     cannot_pack,
     packed_linear,
     packed_op_as_library_call,
     use_packed_weights,
+)
+from labkit.engine.pieces import (  # noqa: F401 - the pieces' functions, named from here too
+    between_attention,
+    last_attention,
+    lm_head,
+    post_attention,
+    pre_attention,
 )
 
 logger = logging.getLogger(__name__)
@@ -104,46 +120,13 @@ class CompileReport:
         if not self.compiled:
             return f"not compiled ({self.reason}); the model runs eager"
         done = ", ".join(f"{n}: {s:.1f} s" for n, s in sorted(self.compile_s.items()))
+        why = self.full_reason or 'compile_mode="piecewise"'
         full = ("; decode steps as full graphs" if self.full_graphs and not self.full_reason
-                else f"; decode steps piecewise ({self.full_reason or 'full_graphs=False'})")
+                else f"; decode steps piecewise ({why})")
         packed = (f"; linear weights packed for oneDNN (+{self.packed_bytes / 2**20:.1f} MiB)"
                   if self.packed_bytes else "")
-        return (f"piecewise {self.backend}: {len(self.compile_s)} of {len(self.capture_sizes)} "
+        return (f"{self.backend}: {len(self.compile_s)} of {len(self.capture_sizes)} "
                 f"sizes compiled in {self.total_s:.1f} s ({done or 'none yet'}){full}{packed}")
-
-
-def cxx_compiler() -> str | None:
-    """The C++ compiler inductor would build CPU kernels with, or None (``$CXX``, then
-    inductor's own candidates)."""
-    import os
-
-    from torch._inductor import config
-
-    names = [os.environ.get("CXX")] + list(config.cpp.cxx)
-    return next((p for n in names if n and (p := shutil.which(n))), None)
-
-
-_SIMDLEN = {"default": 0, "avx2": 256, "avx512": 512}  # ATEN_CPU_CAPABILITY -> vector bits
-
-
-def match_aten_vector_width() -> int | None:
-    """Pin inductor's CPU vector width to ``$ATEN_CPU_CAPABILITY`` when that is set (how the
-    lab's CI runs another CPU's kernels); returns the width set, or None.
-
-    Why: with the variable set and ``cpp.simdlen`` unset, torch 2.13's inductor takes its
-    vector ISA from the variable but other parts of its code generation from the CPU, and
-    the kernels it builds are wrong (``avx2`` on an AVX-512 machine: an add + RMSNorm off
-    by 1e29) or do not compile (``default``). The same width given as ``cpp.simdlen`` is
-    consistent, and correct."""
-    import os
-
-    from torch._inductor import config
-
-    width = _SIMDLEN.get(os.environ.get("ATEN_CPU_CAPABILITY", ""))
-    if width is None or config.cpp.simdlen is not None:
-        return None
-    config.cpp.simdlen = width
-    return width
 
 
 def cannot_compile(model: nn.Module) -> str | None:
@@ -172,43 +155,6 @@ def cannot_compile(model: nn.Module) -> str | None:
         except ImportError:
             return "triton is not installed (inductor's GPU kernels are Triton kernels)"
     return None
-
-
-def pre_attention(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,
-                  cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Residual add + input norm, q|k|v, rotary: layer's work before the KV cache."""
-    h, residual = layer.input_layernorm.forward(x, residual)
-    q, k, v = layer.self_attn.qkv_rope(h, cos, sin)
-    return q, k, v, residual
-
-
-def post_attention(layer: nn.Module, out: torch.Tensor, residual: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """o_proj, residual add + post-attention norm, MLP: layer's work after the KV cache."""
-    x = layer.self_attn.o_proj(out.flatten(-2))
-    h, residual = layer.post_attention_layernorm.forward(x, residual)
-    return layer.mlp.forward(h), residual
-
-
-def between_attention(layer: nn.Module, nxt: nn.Module, out: torch.Tensor,
-                      residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                      ) -> tuple[torch.Tensor, ...]:
-    """post_attention of one layer and pre_attention of the next: all the work between two
-    attention calls is one piece (L + 1 calls per step, not 2L)."""
-    x, residual = post_attention(layer, out, residual)
-    return pre_attention(nxt, x, residual, cos, sin)
-
-
-def last_attention(layer: nn.Module, out: torch.Tensor, residual: torch.Tensor
-                   ) -> torch.Tensor:
-    """The last layer's post_attention and the final residual add (the final norm stays eager:
-    hooks on ``model.norm`` read its input)."""
-    x, residual = post_attention(layer, out, residual)
-    return x + residual
-
-
-def lm_head(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return head.forward(x)
 
 
 class PiecewiseForward:

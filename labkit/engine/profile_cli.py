@@ -22,12 +22,16 @@ def run(model: str, batch: int, steps: int, prompt_len: int = 16, dtype: str = "
     ``LLM(fused=True)`` (q|k|v, gate|up, add + norm, rotary table: :mod:`labkit.model.fuse`);
     ``compile``: ``LLM(compile=True)`` (:mod:`labkit.engine.piecewise`)."""
     from labkit.engine.llm import LLM
+    from labkit.engine.profiler import StepProfiler
     from labkit.engine.sampling_params import SamplingParams
     from labkit.model.loader import load_pretrained
 
     net, tok = load_pretrained(model, dtype=dtype)
-    llm = LLM.from_model(net, tok, profile=True, max_num_seqs=max(batch, 1), fused=fuse,
-                         compile=compile, **engine)
+    llm = LLM.from_model(net, tok, max_num_seqs=max(batch, 1), fused=fuse, compile=compile,
+                         **engine)
+    # compiled, phases only: the per-layer timers are module hooks, which the compiled pieces
+    # never run and which keep decode steps out of the full graphs (a hook on the final norm)
+    llm.profiler = StepProfiler(layers=not compile).attach(llm.llm_engine)
     tok = llm.tokenizer
     base = tok.encode("def fibonacci(n):\n    ") if tok is not None else [1]
     prompts = [(base * prompt_len)[:prompt_len] for _ in range(batch)]
@@ -54,9 +58,10 @@ def report(s: dict[str, Any]) -> str:
         lines.append(f"{p:<12}{s['share'][p]:>8.1%}"
                      f"{1e3 * s['phases_s'][p] / max(1, s['num_steps']):>10.3f}")
     if s.get("compile") and "not compiled" not in s["compile"]:
-        # module hooks are not traced into the compiled pieces: the split would read ~0%
-        lines.append("inside the forward: no split (the compiled pieces run no module hooks; "
-                     "profile without --compile for attention / MLP / norms / LM head)")
+        # module hooks are not traced into the compiled graphs: the split would read ~0%
+        lines.append("inside the forward: no split (the compiled graphs run no module hooks, "
+                     "so none were set; profile without --compile for attention / MLP / "
+                     "norms / LM head)")
     else:
         lines.append("inside the forward: " + ", ".join(
             f"{p} {s['layer_share_of_forward'][p]:.0%}" for p in LAYER_PARTS))
