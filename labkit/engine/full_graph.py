@@ -82,9 +82,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     k = k_cache.index_select(0, flat).view(B, -1, Hkv, D).float()
     v = v_cache.index_select(0, flat).view(B, -1, Hkv, D).float()
     qg = q.float().view(B, Hkv, Hq // Hkv, D)
-    scores = torch.einsum("bhgd,bshd->bhgs", qg, k) * scale
-    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-    out = torch.einsum("bhgs,bshd->bhgd", scores.softmax(-1), v)
+    # products and sums, not matmuls: inductor fuses the block gather into the loops, so the
+    # gathered keys and values are never written out (a bmm would need them materialized)
+    scores = (qg[:, None] * k[:, :, :, None, :]).sum(-1) * scale  # [B,S,Hkv,G]
+    scores = scores.masked_fill(~mask[:, :, None, None], float("-inf")).softmax(1)
+    out = (scores[..., None] * v[:, :, :, None, :]).sum(1)  # [B,Hkv,G,D]
     return out.reshape(B, Hq, D).to(q.dtype)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from labkit.engine.invariants import assert_no_leaks
@@ -9,10 +11,16 @@ from labkit.engine.llm import LLM
 from labkit.engine.sampling_params import SamplingParams
 
 MAX_NEW = 10
+# issue 31's step cures, each through the same checks as the plain engine: fused layers with
+# compilation (decode steps as full graphs, the rest piecewise), and async scheduling
+CURES = {"plain": {}, "compiled": dict(fused=True, compile=True, compile_sizes=(1, 2, 4)),
+         "async": dict(async_scheduling=True)}
 
 
-def run(model, prompts, params=None, **kw):
-    llm = LLM.from_model(model, None, **kw)
+def run(model, prompts, params=None, cures="plain", **kw):
+    if CURES[cures].get("compile") or CURES[cures].get("fused"):
+        model = copy.deepcopy(model)  # both change the model object (a session fixture)
+    llm = LLM.from_model(model, None, **CURES[cures], **kw)
     params = params or SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     eng = llm.llm_engine
@@ -60,10 +68,12 @@ def test_policies(tiny_model, prompts, reference, policy):
     check_greedy(outs, prompts, reference)
 
 
+@pytest.mark.parametrize("cures", list(CURES))
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_tiny_pool_preemption(tiny_model, prompts, reference, mode):
+def test_tiny_pool_preemption(tiny_model, prompts, reference, mode, cures):
     outs, eng = run(tiny_model, prompts, block_size=4, num_blocks=16, preemption_mode=mode,
-                    num_cpu_blocks=32 if mode == "swap" else 0, max_num_batched_tokens=32)
+                    num_cpu_blocks=32 if mode == "swap" else 0, max_num_batched_tokens=32,
+                    cures=cures)
     check_greedy(outs, prompts, reference)
     modes = {p["mode"] for s in eng.trace.steps for p in s["preempted"]}
     assert modes == {mode}
@@ -74,9 +84,11 @@ def test_static_batching(tiny_model, prompts, reference):
     check_greedy(outs, prompts, reference)
 
 
-def test_n_samples_greedy_share_blocks(tiny_model, prompts, reference):
+@pytest.mark.parametrize("cures", list(CURES))
+def test_n_samples_greedy_share_blocks(tiny_model, prompts, reference, cures):
     sp = SamplingParams(n=3, temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-    outs, eng = run(tiny_model, prompts[:4], sp, block_size=4, enable_prefix_caching=False)
+    outs, eng = run(tiny_model, prompts[:4], sp, block_size=4, enable_prefix_caching=False,
+                    cures=cures)
     check_greedy(outs, prompts[:4], reference)
     kinds = {e["type"] for s in eng.trace.steps for e in s["events"]}
     assert {"fork", "cow"} <= kinds
