@@ -71,9 +71,11 @@ def _rows(tok_s: dict) -> list[dict]:
 
 def test_headline_picks_batch_32_or_says_which_batch_it_used():
     start = {"first_token_s": 1.75, "import_torch_s": 1.5}
-    rows = _rows({("eager", 1): 10.0, ("all", 1): 30.0, ("eager", 4): 20.0, ("all", 4): 50.0})
+    rows = _rows({("eager", 1): 10.0, ("all", 1): 30.0, ("fused+compiled", 1): 36.0,
+                  ("eager", 4): 20.0, ("all", 4): 50.0})
     h = step.headline(rows, {"decode_tok_s": 40.0}, start)
-    assert h == {"batch1_vs_llamacpp": 0.75, "batch32_vs_eager": 2.5,
+    assert h == {"batch1_vs_llamacpp": 0.75, "batch1_best_variant": "fused+compiled",
+                 "batch1_best_vs_llamacpp": 0.9, "batch32_vs_eager": 2.5,
                  "batch32_vs_eager_batch": 4, "startup_over_torch_import_s": 0.25}
     rows += _rows({("eager", 32): 100.0, ("all", 32): 300.0})
     h = step.headline(rows, {"note": "llama.cpp: not installed"}, start)
