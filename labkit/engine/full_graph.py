@@ -42,6 +42,8 @@ def full_graph_refusal(model: nn.Module, kv_cache: Any) -> str | None:
     """Why a decode step with this model and cache runs piecewise (None: as a full graph)."""
     if type(getattr(kv_cache, "backend", None)) is not TorchBackend:
         return "the full graph implements the paged cache of the torch attention backend"
+    if "attend" in vars(kv_cache):  # labkit.kv.connector.base wraps it per cache object
+        return "a KV connector's per-layer loads and saves wrap the cache's attend"
     if kv_cache.metas or kv_cache.k_scales:
         return "hybrid groups and quantized KV caches attend outside the graph"
     if any(w is not None for w in kv_cache.kv_latent_dims):

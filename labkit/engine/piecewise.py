@@ -287,7 +287,7 @@ class PiecewiseForward:
         if reason is not None:
             return None
         bucket, args = full_graph_args(self.model, input_ids, positions, kv_cache, size)
-        kind = f"full{bucket}"
+        kind = f"full{bucket}/{kv_cache.k_caches[0].shape[0]}"  # the pool's size: its shape
         if (kind, size) not in self.graphs:
             try:
                 self._build(kind, size, args, kv_cache)

@@ -194,7 +194,7 @@ def test_uniform_decode_steps_run_as_full_graphs_with_the_same_tokens():
     rep = llm.compile_report
     assert got == want and one == want[1:2]
     assert rep.full_graphs and rep.full_reason is None and rep.full_steps > 0, rep
-    full = {k for k in model.forward.graphs if k[0].startswith("full")}
+    full = {(k.split("/")[0], n) for k, n in model.forward.graphs if k.startswith("full")}
     # blocks of 4 tokens: contexts of up to 16 tokens in bucket 4, up to 23 in bucket 8
     assert full == {("full4", 1), ("full8", 1), ("full4", 4), ("full8", 4)}, full
     assert "decode steps as full graphs" in str(rep)
@@ -214,9 +214,29 @@ def test_a_full_graph_masks_a_sliding_window_over_freed_blocks():
     assert llm.compile_report.full_steps > 0, llm.compile_report
 
 
+def test_engines_with_other_pools_on_one_compiled_model_get_their_own_graphs():
+    """The pool is a graph input of fixed shape: a second engine on the same compiled model
+    with a pool of another size builds its own full graphs instead of feeding the first
+    engine's graphs a tensor of the wrong shape."""
+    if piecewise.cxx_compiler() is None:
+        pytest.skip("no C++ compiler: inductor cannot build CPU kernels here")
+    model = testing.tiny_model(seed=9)
+    prompt = _prompts()[0]
+    want = generate(model, prompt, 6, ignore_eos=True)
+    sp = labkit.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for num_blocks in (32, 48):
+        llm = labkit.LLM.from_model(model, None, compile=True, compile_sizes=(1,),
+                                    num_blocks=num_blocks, **CHUNKED)
+        assert _tokens(llm.generate(prompt_token_ids=[prompt], sampling_params=sp)) == [want]
+    assert {k.split("/")[1] for k, _ in model.forward.graphs if k.startswith("full")} == \
+        {"32", "48"}
+
+
 def test_full_graphs_refuse_caches_they_do_not_implement_and_say_why():
-    """An int8 KV cache (its scales are written and read outside the graph) runs piecewise
-    with the reason on the report; tokens still equal generate's."""
+    """An int8 KV cache (its scales are written and read outside the graph) and a KV
+    connector (its per-layer loads and saves wrap the cache's attend) run piecewise with the
+    reason on the report; tokens still equal generate's."""
+    from labkit.kv.connector import OffloadingConnector
     if piecewise.cxx_compiler() is None:
         pytest.skip("no C++ compiler: inductor cannot build CPU kernels here")
     model = testing.tiny_model(seed=9)
@@ -228,6 +248,12 @@ def test_full_graphs_refuse_caches_they_do_not_implement_and_say_why():
     rep = llm.compile_report
     assert rep.full_steps == 0 and "quantized" in rep.full_reason, rep
     assert "decode steps piecewise (hybrid groups and quantized" in str(rep)
+    conn = OffloadingConnector(cpu_bytes=1 << 20)
+    llm = labkit.LLM.from_model(model, None, compile=True, compile_sizes=(1,),
+                                kv_connector=conn, **CHUNKED)
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=sp)
+    assert _tokens(out) == [generate(model, prompt, 4, ignore_eos=True)]
+    assert llm.compile_report.full_steps == 0 and "KV connector" in rep.full_reason
     with pytest.raises(EngineConfigError, match="compile_mode must be one of"):
         labkit.LLM.from_model(model, None, compile=True, compile_mode="full")
 
