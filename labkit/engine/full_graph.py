@@ -9,8 +9,9 @@ third of the forward, more than the weights take to read.
 A *uniform decode* step is regular enough to capture whole. Every sequence brings one query,
 so the only shapes that vary are the batch (padded to a capture size, as for the pieces) and
 the block-table width, padded here to a power of two (a *block bucket*: one graph per batch
-size and bucket). Inside the graph each layer writes its new K/V into the paged pool in place
-(``index_copy_`` on the cache tensors, which inductor keeps in place), gathers its blocks, and
+size and bucket, and per pool size: the cache tensors are graph inputs of fixed shape).
+Inside the graph each layer writes its new K/V into the paged pool in place (``index_copy_``
+on the cache tensors, which inductor keeps in place), gathers its blocks, and
 attends under a mask built from the context lengths, so the positions a bucket pads past a
 sequence's end carry no weight. vLLM does this on a GPU: its ``cudagraph_mode`` ``FULL_AND_
 PIECEWISE`` (V1's default) captures uniform decode batches as full CUDA graphs, attention
