@@ -303,6 +303,35 @@ MODELS = [
       print(f"unfused {unfused / 2**20:.0f} MiB, fused {fused / 2**20:.0f} MiB of traffic")
       assert fused < unfused
       """),
+    d("cuda-graphs", "tensorrt-llm",
+      "Why do engines capture CUDA graphs per batch size, and why can vLLM capture a decode "
+      "batch whole but a batch with prefill chunks only piecewise?",
+      "A decode step of a small batch launches hundreds of small kernels, and each launch costs "
+      "the host microseconds, so the step waits on Python and the driver, not on the GPU. A CUDA "
+      "graph records the launches once and replays them with one call, but it freezes every "
+      "shape and buffer address: engines capture one graph per padded batch size (vLLM's "
+      "cudagraph_capture_sizes 1, 2, 4, 8, ..., 512) and pad each step up to the next size. "
+      "Attention is the part whose work depends on the step. In a uniform decode batch every "
+      "sequence brings one query and the kernel reads the block tables and context lengths "
+      "from fixed buffers, so the whole step, attention included, is one graph. A batch mixing "
+      "prefill chunks of any length is captured piecewise: graphs between the attention calls, "
+      "attention run eagerly between them. vLLM's default cudagraph_mode FULL_AND_PIECEWISE does "
+      "both. The price is capture time at start-up and memory for each size's buffers; a batch "
+      "larger than the largest size runs eager. labkit's compile=True does the same on a CPU "
+      "with inductor (notebook 15 §4.2b: the full graph is 1.7x the piecewise step at batch 1).",
+      """
+      import bisect
+      from labkit.engine.full_graph import block_bucket
+      sizes = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # vLLM's default capture sizes
+      def padded(n):
+          return sizes[bisect.bisect_left(sizes, n)]
+      waste = sum(padded(n) - n for n in range(1, 513)) / sum(range(1, 513))
+      print(f"padding every batch of 1..512 to a capture size computes {waste:.0%} extra rows")
+      buckets = sorted({block_bucket(w) for w in range(1, 65)})
+      print("labkit's block buckets for 1..64 blocks of context:", buckets)
+      assert padded(3) == 4 and padded(33) == 64 and waste < 0.5
+      assert buckets == [4, 8, 16, 32, 64]
+      """),
     d("frameworks", "frameworks",
       "Why is vLLM faster than plain Hugging Face Transformers generate, and when would you pick "
       "something else?",

@@ -192,6 +192,13 @@ SOURCES: dict[str, list[Claim]] = {
               "layers on the CPU", LLAMA_CPP + "common/arg.cpp (--override-tensor, --n-cpu-moe, "
               "--cpu-moe)"),
     ],
+    "cuda-graphs": [
+        Claim("vLLM", "cudagraph_mode FULL_AND_PIECEWISE (the V1 default) captures uniform "
+              "decode batches as full CUDA graphs and other batches piecewise around attention; "
+              "cudagraph_capture_sizes pads a batch up to the next captured size",
+              VLLM + "docs/design/cuda_graphs.md; vllm/config/compilation.py (CUDAGraphMode, "
+              "cudagraph_capture_sizes)"),
+    ],
     "trtllm": [
         Claim("TensorRT-LLM", "in the 1.x releases tensorrt_llm.LLM runs the PyTorch backend (the "
               "engine path moved to tensorrt_llm._tensorrt_engine) and needs no engine build",

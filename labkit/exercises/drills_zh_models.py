@@ -141,6 +141,20 @@ ZH_MODELS: dict[str, tuple[str, str]] = {
         "core 上的 FP8/FP4/INT4 GEMM，FP4 只在 Blackwell 上）、"
         "in-flight（连续）批处理，以及分页、可复用的 KV 缓存。",
     ),
+    "cuda-graphs": (
+        "为什么推理引擎要按批大小捕获 CUDA Graph？为什么 vLLM 能把纯 decode 批整图捕获，带 "
+        "prefill 分块的批却只能分段（piecewise）捕获？",
+        "小批量 decode 一步要发射几百个小 kernel，每次发射都要花主机几微秒，所以这一步是在等 "
+        "Python 和驱动，而不是等 GPU。CUDA Graph 把这些发射录一次、之后一次调用整体重放，但它把"
+        "每个张量的形状和显存地址都固定住了：所以引擎按补齐后的批大小各捕获一张图（vLLM 的 "
+        "cudagraph_capture_sizes：1、2、4、8……512），每一步补齐到下一个大小。随步骤变化的是注意力："
+        "纯 decode 批里每条序列只带一个 query，kernel 从固定的缓冲区读块表和上下文长度，所以连注"
+        "意力在内整步就是一张图。混有任意长度 prefill 分块的批只能分段捕获：注意力之间的部分各成"
+        "一张图，注意力在图之间 eager 执行。vLLM 默认的 cudagraph_mode FULL_AND_PIECEWISE 两者都"
+        "用。代价是启动时的捕获时间和每个大小的缓冲区显存；超过最大捕获大小的批走 eager。labkit "
+        "的 compile=True 在 CPU 上用 inductor 做同样的事（notebook 15 §4.2b：batch 1 时整图比分"
+        "段快 1.7 倍）。",
+    ),
     "frameworks": (
         "为什么 vLLM 比直接用 Hugging Face Transformers 的 generate 快？什么时候该选别的框架？",
         "Transformers 的 generate 把请求补齐（padding）成一个静态批，一直跑到最长的序列结束；它默"
