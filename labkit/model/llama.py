@@ -113,8 +113,30 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         d = q.shape[-1]
         out = attention_with_sinks(q, k, v, mask, d ** -0.5 if scale is None else scale, sinks)
         return out.transpose(1, 2)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return out.transpose(1, 2)
+    return sdpa(q, k, v, mask, scale).transpose(1, 2)
+
+
+_FUSED_CPU_KERNEL_FAILS: set[torch.dtype] = set()  # dtypes sdpa runs with the math kernel
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+         scale: float | None) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``, falling back to PyTorch's math kernel where the fused
+    CPU kernel raises. Why: torch 2.13's bf16/fp16 flash kernel on a CPU with AMX packs its
+    tiles with AVX-512 code (``pack_vnni2``) even when ``ATEN_CPU_CAPABILITY=avx2`` caps the
+    vector ISA (how the lab's CI runs another CPU's kernels), and raises for 64+ tokens. The
+    fallback is decided once per dtype; any other error propagates."""
+    if q.dtype not in _FUSED_CPU_KERNEL_FAILS:
+        try:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        except RuntimeError as e:
+            if "pack_vnni" not in str(e):
+                raise
+            _FUSED_CPU_KERNEL_FAILS.add(q.dtype)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 @register_attention("full", "sliding")

@@ -54,14 +54,20 @@ def _quiet_then_busy(model, tok) -> list[tuple]:
     return [(label, q, busy[label][0], name) for label, (q, name) in quiet.items()]
 
 
+class Unloaded(Exception):
+    """The hog did not load the machine (the busy run got a whole core): inconclusive."""
+
+
 def _drifted(rows: list[tuple]) -> list[str]:
-    """Checks every row; returns the trusted pairs whose ratios differ by more than TOLERANCE."""
+    """Checks every row; returns the trusted pairs whose ratios differ by more than TOLERANCE.
+    Raises :class:`Unloaded` when a busy run's wall/CPU says it was not slowed down."""
     drifted = []
     for label, q, b, name in rows:
         line = (f"{label}: quiet {q.speedup(name):.2f}x load {q.load:.1f} {q.trusted}, "
                 f"busy {b.speedup(name):.2f}x load {b.load:.1f} {b.trusted}")
         print(line)
-        assert b.load > 1.2, f"the hog did not load the machine: {line}"
+        if b.load <= 1.2:
+            raise Unloaded(line)
         if q.trusted and b.trusted:
             if abs(b.speedup(name) / q.speedup(name) - 1) > TOLERANCE:
                 drifted.append(line)
@@ -70,13 +76,30 @@ def _drifted(rows: list[tuple]) -> list[str]:
     return drifted
 
 
+def _attempt(model, tok) -> list[str] | None:
+    """The drifted rows of one quiet/busy pair, or None when the hog did not load the machine."""
+    try:
+        return _drifted(_quiet_then_busy(model, tok))
+    except Unloaded as e:
+        print(f"inconclusive pair: {e}")
+        return None
+
+
 def test_notebook_ratios_hold_or_are_flagged_under_a_cpu_hog():
     """One retry of the quiet/busy pair: under ``pytest -n 2`` the "quiet" run shares the two
     cores with the other worker's tests, whose load changes from second to second (one CI run
     read continuous/static 0.78x quiet against 1.06x busy, both tight). A real regression (a
-    hog that moves trusted ratios) fails both attempts."""
+    hog that moves trusted ratios) fails both attempts. A pair whose busy run was not slowed
+    (wall/CPU at most 1.2: the scheduler gave it a whole core beside the hogs, seen once in CI)
+    tests nothing: it is retried once, and skipped as inconclusive if it happens again."""
     model, tok = labkit.load_pretrained("labkit-tiny")
-    first = _drifted(_quiet_then_busy(model, tok))
+    first = _attempt(model, tok)
+    if first is None:
+        first = _attempt(model, tok)
+    if first is None:
+        pytest.skip("inconclusive: twice the hog did not load the machine")
     if first:
-        second = _drifted(_quiet_then_busy(model, tok))
+        second = _attempt(model, tok)
+        if second is None:
+            pytest.skip(f"inconclusive: drifted ({first}), then the hog did not load the machine")
         assert not second, f"drifted twice: {first} then {second}"

@@ -164,7 +164,19 @@ def test_chat_logprobs_and_top_logprobs(server, ref):
     chunks = stream(server, "/v1/chat/completions", body)
     streamed = [x for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
                 for x in c["choices"][0]["logprobs"]["content"]]
-    assert streamed == content
+    # the same tokens, bytes and ranking; the numbers within ATOL, not bit for bit: the second
+    # request reads the first's prompt blocks from the prefix cache, and attention over cached
+    # blocks sums in another order (1e-6 apart on some CPUs)
+    def shape(items: list[dict]) -> list:
+        return [(x["token"], x["bytes"], [(y["token"], y["bytes"]) for y in x["top_logprobs"]])
+                for x in items]
+
+    def numbers(items: list[dict]) -> list[float]:
+        return [v for x in items for v in (x["logprob"], *(y["logprob"]
+                                                          for y in x["top_logprobs"]))]
+
+    assert shape(streamed) == shape(content)
+    assert numbers(streamed) == pytest.approx(numbers(content), abs=ATOL)
     plain = post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2})
     assert plain.json()["choices"][0]["logprobs"] is None
     idle(server)
