@@ -33,7 +33,7 @@ from torch import nn
 
 from labkit.engine.graph_capture import Piece
 from labkit.engine.pieces import post_attention, pre_attention
-from labkit.kv.attention import TorchBackend
+from labkit.kv.attention import TorchBackend, decode_mask
 
 FULL_MAX_TOKENS = 4096  # the largest context a bucket covers (its gathers grow with it)
 MIN_BUCKET_BLOCKS = 4  # the smallest bucket: fewer graphs to compile for short contexts
@@ -64,14 +64,6 @@ def block_bucket(width: int) -> int:
     """The padded block-table width for ``width`` blocks: the next power of two, at least
     ``MIN_BUCKET_BLOCKS`` (each bucket is a graph to compile; a few masked blocks cost less)."""
     return max(1 << max(width - 1, 0).bit_length(), MIN_BUCKET_BLOCKS)
-
-
-def decode_mask(context_lens: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:
-    """[B, S] bool: which of the gathered key positions each sequence's query sees."""
-    pos = torch.arange(num_keys, device=context_lens.device)[None, :]
-    ctx = context_lens.long()[:, None]
-    mask = pos < ctx
-    return mask if window is None else mask & (pos >= ctx - window)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

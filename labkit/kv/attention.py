@@ -77,7 +77,7 @@ class AttentionBackend(Protocol):
         ...
 
 
-def _decode_mask(context_lens: torch.Tensor, num_keys: int,
+def decode_mask(context_lens: torch.Tensor, num_keys: int,
                  sliding_window: int | None) -> torch.Tensor:
     """[B, S] bool: key position s is visible to sequence b's single query."""
     pos = torch.arange(num_keys, device=context_lens.device)
@@ -124,7 +124,7 @@ def _prefill_plan(block_tables: torch.Tensor, query_start_loc: torch.Tensor,
         sel = torch.tensor(single, device=dev)
         s_tok = torch.tensor([starts[b] for b in single], device=dev)
         s_bt = block_tables[sel].long()
-        s_mask = _decode_mask(context_lens[sel], S, sliding_window)
+        s_mask = decode_mask(context_lens[sel], S, sliding_window)
     if not multi:
         return _PrefillPlan(s_tok, s_bt, s_mask, None, None, None, False, 0, 0, None)
     sel = torch.tensor(multi, device=dev)
@@ -213,7 +213,7 @@ class TorchBackend:
                sinks: torch.Tensor | None = None) -> torch.Tensor:
         S = block_tables.shape[1] * k_cache.shape[1]
         mask = _cached(meta, ("decode_mask", sliding_window),
-                       lambda: _decode_mask(context_lens, S, sliding_window))
+                       lambda: decode_mask(context_lens, S, sliding_window))
         bt = _cached(meta, ("bt_long",), block_tables.long)
         return self._attend_one(q, k_cache, v_cache, bt, mask, scale, k_scale, v_scale, sinks)
 

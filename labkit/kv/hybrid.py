@@ -6,7 +6,7 @@ manager groups the layers by attention type (full, sliding ``w``, latent) and le
 drop the blocks its future queries can no longer see.
 
 The freeing rule, from the attention mask. A query at position ``q`` sees key ``k`` iff
-``q - w < k <= q`` (``_decode_mask``/``_prefill_plan`` in :mod:`labkit.kv.attention`). Once
+``q - w < k <= q`` (``decode_mask``/``_prefill_plan`` in :mod:`labkit.kv.attention`). Once
 ``n = num_computed_tokens`` tokens have KV, every future query has ``q >= n``, so key ``k`` is
 dead iff ``k <= n - w``. Block ``b`` holds keys ``[b*bs, (b+1)*bs)``; it is dead iff its last
 key ``(b+1)*bs - 1 <= n - w``, i.e. ``(b+1)*bs <= n - w + 1``. So the first
