@@ -45,7 +45,9 @@ def test_labkit_serve_process_drains_on_sigterm():
         r = httpx.post(url + "/v1/completions", json={"model": "labkit-tiny", "prompt": "x = ",
                                                      "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-        body = {"model": "labkit-tiny", "prompt": "def f():", "max_tokens": 80, "stream": True,
+        # long enough to be in flight through the checks below on a fast CPU (80 tokens once
+        # drained before the second request, and the server had exited: connection refused)
+        body = {"model": "labkit-tiny", "prompt": "def f():", "max_tokens": 900, "stream": True,
                 "ignore_eos": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as resp:
             lines = resp.iter_lines()
