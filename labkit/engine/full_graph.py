@@ -17,6 +17,12 @@ sequence's end carry no weight. vLLM does this on a GPU: its ``cudagraph_mode`` 
 PIECEWISE`` (V1's default) captures uniform decode batches as full CUDA graphs, attention
 inside, and runs other steps piecewise.
 
+Attention itself, on float32 CPU caches, is a hand-written C++ kernel the graph calls as one op
+(``labkit::paged_decode_cpu``, :mod:`labkit.kernels.paged_decode_cpu`): it reads each sequence's
+own keys, not the bucket's, and is 5-6x faster than the loops inductor makes of the same
+attention written as products and sums (:func:`paged_decode_attention`, which other dtypes and
+head sizes still run). vLLM's graphs call their attention kernel as a custom op the same way.
+
 Padded rows copy the batch's first row (token, position, slot, block table), so they compute the
 same K/V and write the same values into the same slot: a padded step changes nothing a real row
 did not. Steps that are not uniform decodes, and caches whose attention the graph does not
@@ -33,6 +39,7 @@ from torch import nn
 
 from labkit.engine.graph_capture import Piece
 from labkit.engine.pieces import post_attention, pre_attention
+from labkit.kernels import paged_decode_cpu
 from labkit.kv.attention import TorchBackend, decode_mask
 
 FULL_MAX_TOKENS = 4096  # the largest context a bucket covers (its gathers grow with it)
@@ -85,28 +92,43 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out.reshape(B, Hq, D).to(q.dtype)
 
 
+def kernel_refusal(model: nn.Module, kv_cache: Any) -> str | None:
+    """Why the full graph's attention runs as inductor's loops, not the C++ kernel (None: the
+    kernel)."""
+    head_dim = kv_cache.k_caches[0].shape[-1]
+    return paged_decode_cpu.supports(torch.empty(0, head_dim, dtype=model.dtype,
+                                                 device=model.device), kv_cache.k_caches[0])
+
+
 class DecodeStep:
     """The function a full graph is traced from: ``(*templates, *args)`` -> logits [B, V].
     Templates: the L layers, the final norm, the LM head; args: the embedded tokens, cos, sin,
-    slot mapping, block tables, context lengths, then the L K caches and the L V caches."""
+    slot mapping, block tables, context lengths, then the L K caches and the L V caches.
+    ``kernel``: attention as the C++ op (else as products and sums under a mask)."""
 
-    def __init__(self, num_layers: int, windows: list[int | None], scale: float) -> None:
-        self.L, self.windows, self.scale = num_layers, windows, scale
+    def __init__(self, num_layers: int, windows: list[int | None], scale: float,
+                 kernel: bool) -> None:
+        self.L, self.windows, self.scale, self.kernel = num_layers, windows, scale, kernel
 
     def __call__(self, *templates_and_args: Any) -> torch.Tensor:
         L = self.L
         layers, (norm, head) = templates_and_args[:L], templates_and_args[L:L + 2]
         x, cos, sin, slots, tables, ctx, *caches = templates_and_args[L + 2:]
         num_keys = tables.shape[1] * caches[0].shape[1]
-        masks = {w: decode_mask(ctx, num_keys, w) for w in set(self.windows)}
+        masks = {} if self.kernel else {w: decode_mask(ctx, num_keys, w)
+                                        for w in set(self.windows)}
         residual = torch.zeros_like(x)
         for i, layer in enumerate(layers):
             q, k, v, residual = pre_attention(layer, x, residual, cos, sin)
             kc, vc = caches[i], caches[L + i]
             kc.view(-1, *kc.shape[2:]).index_copy_(0, slots, k[0])  # the new token's slot
             vc.view(-1, *vc.shape[2:]).index_copy_(0, slots, v[0])
-            out = paged_decode_attention(q[0], kc, vc, tables, masks[self.windows[i]],
-                                         self.scale)
+            if self.kernel:  # reads only each sequence's own keys (window .. context)
+                out = torch.ops.labkit.paged_decode_cpu(q[0], kc, vc, tables, ctx, self.scale,
+                                                        self.windows[i] or 0)
+            else:
+                out = paged_decode_attention(q[0], kc, vc, tables, masks[self.windows[i]],
+                                             self.scale)
             x, residual = post_attention(layer, out[None], residual)
         return head.forward(norm.forward(x + residual)[0])
 
@@ -132,13 +154,14 @@ def full_graph_args(model: nn.Module, input_ids: torch.Tensor, positions: torch.
     bucket = block_bucket(width)
     tables = torch.nn.functional.pad(meta.block_tables, (0, bucket - width)).long()
     args = (x, cos, sin, pad_rows(meta.slot_mapping, size), pad_rows(tables, size),
-            pad_rows(meta.context_lens, size), *kv_cache.k_caches, *kv_cache.v_caches)
+            pad_rows(meta.context_lens, size).long(), *kv_cache.k_caches, *kv_cache.v_caches)
     return bucket, args
 
 
 def decode_piece(model: nn.Module, kv_cache: Any, templates: list[nn.Module]) -> Piece:
     """The :class:`Piece` a full graph traces: :class:`DecodeStep` over weightless templates."""
-    step = DecodeStep(len(model.model.layers), list(kv_cache.sliding_windows), kv_cache.scale)
+    step = DecodeStep(len(model.model.layers), list(kv_cache.sliding_windows), kv_cache.scale,
+                      kernel=kernel_refusal(model, kv_cache) is None)
     return Piece(step, *templates)
 
 

@@ -65,6 +65,7 @@ from labkit.engine.full_graph import (
     full_graph_args,
     full_graph_refusal,
     is_uniform_decode,
+    kernel_refusal,
 )
 from labkit.engine.graph_capture import (
     CapturedGraph,
@@ -111,6 +112,7 @@ class CompileReport:
     full_graphs: bool = True  # uniform decode steps as one graph each (labkit.engine.full_graph)
     full_steps: int = 0  # steps that ran as a full graph
     full_reason: str | None = None  # why the last decode step ran piecewise (None: it did not)
+    full_attention: str = ""  # the full graphs' attention: the C++ kernel, or why inductor's
 
     @property
     def total_s(self) -> float:
@@ -121,7 +123,8 @@ class CompileReport:
             return f"not compiled ({self.reason}); the model runs eager"
         done = ", ".join(f"{n}: {s:.1f} s" for n, s in sorted(self.compile_s.items()))
         why = self.full_reason or 'compile_mode="piecewise"'
-        full = ("; decode steps as full graphs" if self.full_graphs and not self.full_reason
+        full = (f"; decode steps as full graphs{self.full_attention}"
+                if self.full_graphs and not self.full_reason
                 else f"; decode steps piecewise ({why})")
         packed = (f"; linear weights packed for oneDNN (+{self.packed_bytes / 2**20:.1f} MiB)"
                   if self.packed_bytes else "")
@@ -289,6 +292,9 @@ class PiecewiseForward:
         bucket, args = full_graph_args(self.model, input_ids, positions, kv_cache, size)
         kind = f"full{bucket}/{kv_cache.k_caches[0].shape[0]}"  # the pool's size: its shape
         if (kind, size) not in self.graphs:
+            why = kernel_refusal(self.model, kv_cache)
+            self.report.full_attention = (" (attention: the C++ decode kernel)" if why is None
+                                          else f" (attention: inductor's loops; {why})")
             try:
                 self._build(kind, size, args, kv_cache)
             except Exception as e:  # noqa: BLE001 - inductor's failures have no common type

@@ -200,6 +200,22 @@ def test_uniform_decode_steps_run_as_full_graphs_with_the_same_tokens():
     assert "decode steps as full graphs" in str(rep)
 
 
+def test_full_graph_attention_is_the_cpp_kernel_or_inductors_loops_and_says_which():
+    """float32 heads of a multiple of 16 attend through the C++ decode kernel (the op in the
+    graph); head_dim 8 falls back to inductor's loops over the bucket. Both give generate's
+    greedy tokens, and the report names the path."""
+    if piecewise.cxx_compiler() is None:
+        pytest.skip("no C++ compiler: inductor cannot build CPU kernels here")
+    prompts = _prompts()[:2]
+    for head_dim, path in ((16, "the C++ decode kernel"), (8, "inductor's loops")):
+        model = testing.tiny_model(seed=5, head_dim=head_dim)
+        want = [generate(model, p, 10, ignore_eos=True) for p in prompts]
+        llm = labkit.LLM.from_model(model, None, compile=True, compile_sizes=(2,), **CHUNKED)
+        assert _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=SP)) == want
+        rep = llm.compile_report
+        assert rep.full_steps > 0 and f"(attention: {path}" in str(rep), rep
+
+
 def test_a_full_graph_masks_a_sliding_window_over_freed_blocks():
     """Mistral's window (every layer sees its last 6 keys; blocks behind the window are freed
     and read as block 0): the full graph's mask leaves them out, as the torch backend does."""
