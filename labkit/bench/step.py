@@ -66,7 +66,7 @@ from labkit.bench.common import (
     torch_threads,
     write_results,
 )
-from labkit.bench.step_gemv import weight_streaming
+from labkit.bench.step_gemv import thread_round_trip_us, weight_streaming
 from labkit.engine.profiler import PHASES, StepProfiler
 
 VARIANTS = {"eager": {}, "fused": {"fused": True}, "compiled": {"compile": True},
@@ -265,17 +265,19 @@ def headline(rows: list[dict], llama: dict[str, Any], start: dict[str, Any]
     """The four numbers quoted for the step: every cure on ("all") over llama.cpp f32 at batch 1
     (None when llama.cpp or batch 1 is absent), "all" over eager at batch 32 (or, when 32 was
     not run, the largest batch that was: ``batch32_vs_eager_batch`` says which), and the first
-    token's seconds above a bare ``import torch``."""
+    token's seconds above a bare ``import torch``. Beside both ratios, the fastest variant's
+    (``*_best_*``): a cure that costs here, overlap on a CPU, pulls "all" below it."""
     tok = {(r["variant"], r["batch"]): r["decode_tok_s"] for r in rows}
     top = 32 if ("all", 32) in tok else max(b for _, b in tok)
     ll = llama.get("decode_tok_s")
-    # beside "all": the fastest variant at batch 1 (a cure that costs here, overlap on a CPU,
-    # pulls "all" below it)
     best = max((v for v, b in tok if b == 1), key=lambda v: tok[v, 1], default=None)
+    best32 = max((v for v, b in tok if b == top), key=lambda v: tok[v, top])
     return {"batch1_vs_llamacpp": tok["all", 1] / ll if ll and ("all", 1) in tok else None,
             "batch1_best_variant": best,
             "batch1_best_vs_llamacpp": tok[best, 1] / ll if ll and best else None,
             "batch32_vs_eager": tok["all", top] / tok["eager", top],
+            "batch32_best_variant": best32,
+            "batch32_best_vs_eager": tok[best32, top] / tok["eager", top],
             "batch32_vs_eager_batch": top,
             "startup_over_torch_import_s": start["first_token_s"] - start["import_torch_s"]}
 
@@ -301,7 +303,8 @@ def run(model: str, cfg: dict[str, Any], threads: int) -> dict[str, Any]:
             "config": {**cfg, "model": model, "threads": threads, "variants": list(VARIANTS)},
             "loadavg_at_start": load_at_start, "rows": rows, "ratios": ratios(rows),
             "outputs_match": not mismatches, "mismatches": mismatches, "compile": compiled,
-            "llama_cpp": llama, "gemv": gemv, "startup": start, "environment": environment()}
+            "llama_cpp": llama, "gemv": gemv, "startup": start,
+            "handoff_us": thread_round_trip_us(), "environment": environment()}
 
 
 def _compile_record(rep: Any) -> dict[str, Any]:
@@ -366,6 +369,10 @@ def report(payload: dict[str, Any]) -> None:
     if payload.get("batch1_best_vs_llamacpp") is not None:
         print(f"fastest at batch 1: {payload['batch1_best_variant']}, "
               f"{payload['batch1_best_vs_llamacpp']:.2f}x llama.cpp f32")
+    print(f"fastest at batch {payload['batch32_vs_eager_batch']}: "
+          f"{payload['batch32_best_variant']}, {payload['batch32_best_vs_eager']:.2f}x eager; "
+          f"one hand-off to a worker thread and back: {payload['handoff_us']:.0f} us "
+          "(what overlap pays per step before it hides anything)")
 
 
 def main(argv: list[str] | None = None) -> int:

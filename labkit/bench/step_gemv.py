@@ -12,6 +12,9 @@ one token's activations):
 
 Both in one process, alternating rounds, medians; gigabytes per second = the weights' bytes
 over the time of one pass. Part of ``labkit bench step`` (``gemv`` in its JSON).
+
+Beside it, the other floor ``bench step`` reports: one hand-off to a worker thread and back
+(:func:`thread_round_trip_us`, ``handoff_us``), what overlap scheduling pays per step.
 """
 
 from __future__ import annotations
@@ -84,3 +87,20 @@ def weight_streaming(model: nn.Module, rounds: int = 7, passes: int = 20) -> dic
             "linear_gb_s": nbytes / med["linear"] / 1e9, "dot_gb_s": nbytes / med["dot"] / 1e9,
             "dot_over_linear": med["linear"] / med["dot"], "max_abs_diff": err,
             "rounds": rounds, "passes": passes}
+
+
+def thread_round_trip_us(trips: int = 400) -> float:
+    """Median microseconds to hand a no-op to a worker thread and get its result back: the
+    cost overlap scheduling (:mod:`labkit.engine.overlap`) pays per step (a submit, a wake-up,
+    a result) before it hides any Python. On a VM an idle vCPU's wake-up alone can be tens
+    of microseconds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(int).result()  # the thread exists before the clock starts
+        times = []
+        for _ in range(trips):
+            t = time.perf_counter()
+            pool.submit(int).result()
+            times.append(time.perf_counter() - t)
+    return 1e6 * statistics.median(times)

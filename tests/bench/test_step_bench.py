@@ -57,6 +57,7 @@ def test_quick_run_writes_every_variant_side_by_side(tmp_path, tiny_ckpt):
     # the headline: every cure on over llama.cpp at batch 1, over eager at the largest batch
     assert isinstance(d["outputs_match"], bool)
     assert d["batch32_vs_eager_batch"] == max(batches) and d["batch32_vs_eager"] > 0
+    assert d["batch32_best_vs_eager"] >= d["batch32_vs_eager"] and d["handoff_us"] > 0
     assert (d["batch1_vs_llamacpp"] is None) == ("note" in ll)
     assert d["batch1_vs_llamacpp"] is None or d["batch1_vs_llamacpp"] > 0
     assert d["startup_over_torch_import_s"] == \
@@ -76,10 +77,12 @@ def test_headline_picks_batch_32_or_says_which_batch_it_used():
     h = step.headline(rows, {"decode_tok_s": 40.0}, start)
     assert h == {"batch1_vs_llamacpp": 0.75, "batch1_best_variant": "fused+compiled",
                  "batch1_best_vs_llamacpp": 0.9, "batch32_vs_eager": 2.5,
+                 "batch32_best_variant": "all", "batch32_best_vs_eager": 2.5,
                  "batch32_vs_eager_batch": 4, "startup_over_torch_import_s": 0.25}
-    rows += _rows({("eager", 32): 100.0, ("all", 32): 300.0})
+    rows += _rows({("eager", 32): 100.0, ("all", 32): 300.0, ("fused+compiled", 32): 330.0})
     h = step.headline(rows, {"note": "llama.cpp: not installed"}, start)
     assert (h["batch32_vs_eager"], h["batch32_vs_eager_batch"]) == (3.0, 32)
+    assert (h["batch32_best_variant"], h["batch32_best_vs_eager"]) == ("fused+compiled", 3.3)
     assert h["batch1_vs_llamacpp"] is None  # no llama.cpp: no ratio, the note says why
     no_batch1 = [r for r in rows if r["batch"] != 1]
     assert step.headline(no_batch1, {"decode_tok_s": 40.0}, start)["batch1_vs_llamacpp"] is None
