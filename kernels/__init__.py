@@ -17,6 +17,9 @@ with its tiling, what bounds it and its arithmetic intensity:
   pairs sorted and padded by expert (``moe_align_block_size``), as vLLM's ``fused_moe``;
 - ``lora_ops``: multi-LoRA shrink/expand for rows of different adapters, Punica's BGMV (decode,
   a slot per token) and SGMV (prefill, a slot per segment), ``add_lora``;
+- ``paged_decode_cpu``: the one kernel here not in Triton: decode attention over a paged float32
+  cache in C++ (ATen's vectors), built through inductor's code cache and called as an op from
+  the engine's compiled decode graphs on a CPU (``labkit.engine.full_graph``);
 - ``backend``: ``TritonBackend``, the engine's attention backend built from the above;
 - ``selfcheck`` (each kernel vs its reference) and ``timing`` (device time without launch
   overhead or a warm L2), used by ``labkit bench kernels``.
