@@ -17,11 +17,14 @@ sequence's end carry no weight. vLLM does this on a GPU: its ``cudagraph_mode`` 
 PIECEWISE`` (V1's default) captures uniform decode batches as full CUDA graphs, attention
 inside, and runs other steps piecewise.
 
-Attention itself, on float32 CPU caches, is a hand-written C++ kernel the graph calls as one op
+Attention itself, on float32 CPU caches and in a step that attends over enough keys
+(``KERNEL_MIN_KEYS``), is a hand-written C++ kernel the graph calls as one op
 (``labkit::paged_decode_cpu``, :mod:`labkit.kernels.paged_decode_cpu`): it reads each sequence's
-own keys, not the bucket's, and is 5-6x faster than the loops inductor makes of the same
-attention written as products and sums (:func:`paged_decode_attention`, which other dtypes and
-head sizes still run). vLLM's graphs call their attention kernel as a custom op the same way.
+own keys, not the bucket's, and is 4-6x faster than the loops inductor makes of the same
+attention written as products and sums (:func:`paged_decode_attention`). Smaller steps, other
+dtypes and head sizes run those loops: there the op's call out of the graph costs more than it
+saves. vLLM's graphs call their attention kernels as custom ops the same way, and pick kernels
+by the batch's shape.
 
 Padded rows copy the batch's first row (token, position, slot, block table), so they compute the
 same K/V and write the same values into the same slot: a padded step changes nothing a real row
@@ -44,6 +47,12 @@ from labkit.kv.attention import TorchBackend, decode_mask
 
 FULL_MAX_TOKENS = 4096  # the largest context a bucket covers (its gathers grow with it)
 MIN_BUCKET_BLOCKS = 4  # the smallest bucket: fewer graphs to compile for short contexts
+# From how many keys a step (sequences x bucket) attends through the C++ kernel: below it the
+# op's call out of the graph (about 60 us a layer, with what it keeps inductor from fusing)
+# costs more than inductor's loops. Measured on labkit-tiny, 1 thread: loops faster at 8 x
+# 128 keys, the kernel at 16 x 128 and 32 x 64 (labkit bench step's compiled variants).
+KERNEL_MIN_KEYS = 2048
+KERNEL = "C++ kernel"  # a full graph's attention in CompileReport.full_attention
 
 
 def full_graph_refusal(model: nn.Module, kv_cache: Any) -> str | None:
@@ -92,12 +101,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out.reshape(B, Hq, D).to(q.dtype)
 
 
-def kernel_refusal(model: nn.Module, kv_cache: Any) -> str | None:
-    """Why the full graph's attention runs as inductor's loops, not the C++ kernel (None: the
-    kernel)."""
+def kernel_refusal(model: nn.Module, kv_cache: Any, size: int | None = None,
+                   bucket: int | None = None) -> str | None:
+    """Why a full graph's attention runs as inductor's loops, not the C++ kernel (None: the
+    kernel). With ``size`` and ``bucket``: also when that graph's attention is too small for
+    the kernel to pay for its call out of the graph (``KERNEL_MIN_KEYS``)."""
     head_dim = kv_cache.k_caches[0].shape[-1]
-    return paged_decode_cpu.supports(torch.empty(0, head_dim, dtype=model.dtype,
-                                                 device=model.device), kv_cache.k_caches[0])
+    why = paged_decode_cpu.supports(torch.empty(0, head_dim, dtype=model.dtype,
+                                                device=model.device), kv_cache.k_caches[0])
+    if why is None and size is not None and bucket is not None:
+        keys = size * bucket * kv_cache.block_size
+        if keys < KERNEL_MIN_KEYS:
+            why = f"{size} x {bucket * kv_cache.block_size} keys < {KERNEL_MIN_KEYS}"
+    return why
 
 
 class DecodeStep:
@@ -158,10 +174,12 @@ def full_graph_args(model: nn.Module, input_ids: torch.Tensor, positions: torch.
     return bucket, args
 
 
-def decode_piece(model: nn.Module, kv_cache: Any, templates: list[nn.Module]) -> Piece:
-    """The :class:`Piece` a full graph traces: :class:`DecodeStep` over weightless templates."""
+def decode_piece(model: nn.Module, kv_cache: Any, templates: list[nn.Module],
+                 kernel: bool) -> Piece:
+    """The :class:`Piece` a full graph traces: :class:`DecodeStep` over weightless templates,
+    attending through the C++ kernel or not (:func:`kernel_refusal`)."""
     step = DecodeStep(len(model.model.layers), list(kv_cache.sliding_windows), kv_cache.scale,
-                      kernel=kernel_refusal(model, kv_cache) is None)
+                      kernel)
     return Piece(step, *templates)
 
 

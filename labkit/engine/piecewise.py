@@ -61,6 +61,7 @@ from torch import nn
 
 from labkit.engine.dot_linear import use_dot_products
 from labkit.engine.full_graph import (
+    KERNEL,
     decode_piece,
     full_graph_args,
     full_graph_refusal,
@@ -112,7 +113,8 @@ class CompileReport:
     full_graphs: bool = True  # uniform decode steps as one graph each (labkit.engine.full_graph)
     full_steps: int = 0  # steps that ran as a full graph
     full_reason: str | None = None  # why the last decode step ran piecewise (None: it did not)
-    full_attention: str = ""  # the full graphs' attention: the C++ kernel, or why inductor's
+    # each full graph's attention ("<size> x <bucket keys>"): KERNEL, or why inductor's loops
+    full_attention: dict[str, str] = field(default_factory=dict)
 
     @property
     def total_s(self) -> float:
@@ -123,7 +125,10 @@ class CompileReport:
             return f"not compiled ({self.reason}); the model runs eager"
         done = ", ".join(f"{n}: {s:.1f} s" for n, s in sorted(self.compile_s.items()))
         why = self.full_reason or 'compile_mode="piecewise"'
-        full = (f"; decode steps as full graphs{self.full_attention}"
+        kernel = sum(a == KERNEL for a in self.full_attention.values())
+        attn = (f" (attention: the C++ decode kernel in {kernel} of "
+                f"{len(self.full_attention)} graphs)" if self.full_attention else "")
+        full = (f"; decode steps as full graphs{attn}"
                 if self.full_graphs and not self.full_reason
                 else f"; decode steps piecewise ({why})")
         packed = (f"; linear weights packed for oneDNN (+{self.packed_bytes / 2**20:.1f} MiB)"
@@ -251,13 +256,14 @@ class PiecewiseForward:
             self._build(kind, size, args)
         return self.graphs[kind, size](self.site_weights(kind, size, i), *args)
 
-    def _build(self, kind: str, size: int, args: tuple, kv_cache: Any = None) -> None:
+    def _build(self, kind: str, size: int, args: tuple, kv_cache: Any = None,
+               kernel: bool = False) -> None:
         variant = self._variant(size)
         templates = self._templates(kind)
         for t in templates:
             {"dot": use_dot_products, "packed": use_packed_weights}.get(variant, id)(t)
         if kind.startswith("full"):
-            piece = decode_piece(self.model, kv_cache, list(templates))
+            piece = decode_piece(self.model, kv_cache, list(templates), kernel)
         else:
             piece = Piece({"pre": pre_attention, "between": between_attention,
                            "last": last_attention, "head": lm_head}[kind], *templates)
@@ -292,11 +298,11 @@ class PiecewiseForward:
         bucket, args = full_graph_args(self.model, input_ids, positions, kv_cache, size)
         kind = f"full{bucket}/{kv_cache.k_caches[0].shape[0]}"  # the pool's size: its shape
         if (kind, size) not in self.graphs:
-            why = kernel_refusal(self.model, kv_cache)
-            self.report.full_attention = (" (attention: the C++ decode kernel)" if why is None
-                                          else f" (attention: inductor's loops; {why})")
+            why = kernel_refusal(self.model, kv_cache, size, bucket)
+            keys = f"{size} x {bucket * kv_cache.block_size}"
+            self.report.full_attention[keys] = KERNEL if why is None else f"loops: {why}"
             try:
-                self._build(kind, size, args, kv_cache)
+                self._build(kind, size, args, kv_cache, kernel=why is None)
             except Exception as e:  # noqa: BLE001 - inductor's failures have no common type
                 self.report.full_graphs = False
                 self.report.full_reason = f"the full graph failed to compile: {e!r:.300}"

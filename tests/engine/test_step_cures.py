@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import labkit
-from labkit.engine import packed_linear, piecewise
+from labkit.engine import full_graph, packed_linear, piecewise
 from labkit.engine.compile_view import capture_output_code
 from labkit.engine.dot_linear import dot_linear, use_dot_products
 from labkit.errors import EngineConfigError
@@ -200,27 +200,44 @@ def test_uniform_decode_steps_run_as_full_graphs_with_the_same_tokens():
     assert "decode steps as full graphs" in str(rep)
 
 
-def test_full_graph_attention_is_the_cpp_kernel_or_inductors_loops_and_says_which():
-    """float32 heads of a multiple of 16 attend through the C++ decode kernel (the op in the
-    graph); head_dim 8 falls back to inductor's loops over the bucket. Both give generate's
-    greedy tokens, and the report names the path."""
+@pytest.mark.parametrize("min_keys", [0, 10**6])
+def test_full_graph_attention_is_the_cpp_kernel_or_inductors_loops_and_says_which(
+        min_keys, monkeypatch):
+    """Attention in a full graph is the C++ decode op when the step is big enough
+    (``KERNEL_MIN_KEYS``, here forced both ways) and the heads allow it (float32, head_dim a
+    multiple of 16); otherwise inductor's loops over the bucket (head_dim 8 always). Every
+    path gives generate's greedy tokens; the generated code calls the op exactly when the
+    report says so."""
     if piecewise.cxx_compiler() is None:
         pytest.skip("no C++ compiler: inductor cannot build CPU kernels here")
+    monkeypatch.setattr(full_graph, "KERNEL_MIN_KEYS", min_keys)
     prompts = _prompts()[:2]
-    for head_dim, path in ((16, "the C++ decode kernel"), (8, "inductor's loops")):
+    for head_dim in (16, 8):
         model = testing.tiny_model(seed=5, head_dim=head_dim)
         want = [generate(model, p, 10, ignore_eos=True) for p in prompts]
-        llm = labkit.LLM.from_model(model, None, compile=True, compile_sizes=(2,), **CHUNKED)
-        assert _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=SP)) == want
+        with capture_output_code() as codes:
+            llm = labkit.LLM.from_model(model, None, compile=True, compile_sizes=(2,),
+                                        **CHUNKED)
+            got = _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=SP))
+        assert got == want
         rep = llm.compile_report
-        assert rep.full_steps > 0 and f"(attention: {path}" in str(rep), rep
+        kernel = head_dim == 16 and min_keys == 0
+        assert rep.full_steps > 0 and rep.full_attention, rep
+        assert all((a == full_graph.KERNEL) == kernel for a in rep.full_attention.values()), rep
+        calls = any("torch.ops.labkit.paged_decode_cpu" in c.source for c in codes)
+        assert calls == kernel
+        assert f"kernel in {len(rep.full_attention) if kernel else 0} of" in str(rep)
+        if head_dim == 8:
+            assert all("multiple of 16" in a for a in rep.full_attention.values())
 
 
-def test_a_full_graph_masks_a_sliding_window_over_freed_blocks():
+@pytest.mark.parametrize("min_keys", [0, 10**6])  # the C++ kernel's window, the loops' mask
+def test_a_full_graph_masks_a_sliding_window_over_freed_blocks(min_keys, monkeypatch):
     """Mistral's window (every layer sees its last 6 keys; blocks behind the window are freed
-    and read as block 0): the full graph's mask leaves them out, as the torch backend does."""
+    and read as block 0): the full graph leaves them out, as the torch backend does."""
     if piecewise.cxx_compiler() is None:
         pytest.skip("no C++ compiler: inductor cannot build CPU kernels here")
+    monkeypatch.setattr(full_graph, "KERNEL_MIN_KEYS", min_keys)
     model = testing.tiny_model(seed=4, sliding_window=6, architecture="MistralForCausalLM")
     prompt = _prompts()[1]
     want = generate(model, prompt, 12, ignore_eos=True)
