@@ -311,7 +311,7 @@ def _compile_record(rep: Any) -> dict[str, Any]:
     return {"compiled": rep.compiled, "reason": rep.reason, "backend": rep.backend,
             "compile_s": {str(k): v for k, v in rep.compile_s.items()},
             "total_s": rep.total_s, "eager_forwards": rep.eager_forwards,
-            "graphs": rep.graphs}
+            "graphs": rep.graphs, "full_attention": dict(rep.full_attention)}
 
 
 def write_chart(payload: dict[str, Any], path: Path) -> None:
