@@ -199,6 +199,12 @@ SOURCES: dict[str, list[Claim]] = {
               VLLM + "docs/design/cuda_graphs.md; vllm/config/compilation.py (CUDAGraphMode, "
               "cudagraph_capture_sizes)"),
     ],
+    "attention-op": [
+        Claim("vLLM", "attention is registered as a custom op, unified_attention, with a fake "
+              "implementation, so torch.compile treats it as one node (the split point of the "
+              "piecewise graphs)", VLLM + "vllm/attention/layer.py (direct_register_custom_op "
+              "op_name=\"unified_attention\"); docs/design/torch_compile.md"),
+    ],
     "trtllm": [
         Claim("TensorRT-LLM", "in the 1.x releases tensorrt_llm.LLM runs the PyTorch backend (the "
               "engine path moved to tensorrt_llm._tensorrt_engine) and needs no engine build",

@@ -155,6 +155,20 @@ ZH_MODELS: dict[str, tuple[str, str]] = {
         "的 compile=True 在 CPU 上用 inductor 做同样的事（notebook 15 §4.2b：batch 1 时整图比分"
         "段快 1.7 倍）。",
     ),
+    "attention-op": (
+        "编译后的 decode 步里，为什么推理引擎把手写的注意力 kernel 当作一个不透明的算子调用，"
+        "而不让编译器生成注意力？什么时候跳出图去调用它反而不划算？",
+        "编译器擅长融合逐元素运算链、调用 GEMM 库，但分页 KV 缓存上的 decode 注意力是一次经块表"
+        "的 gather 加上一次 softmax 归约；让它快的循环结构（每行 K、V 只读一次，供共享它的所有 "
+        "query 头使用；只读每条序列自己的 key；沿 key 方向做 softmax）并不是通用融合能产生的。"
+        "vLLM 把注意力注册成自定义算子（unified_attention，另配一个供追踪用的 fake 实现），"
+        "torch.compile 只看到一个节点：分段图在这里切开，整图 CUDA Graph 则把 kernel 捕获在图内。"
+        "这个算子是不透明的：跨它无法融合，调用本身也有开销，所以步子很小时生成的代码可能更快，"
+        "引擎会按批的形状挑 kernel。labkit 在 CPU 上把两者都测了：batch 32 时 inductor 为 "
+        "labkit-tiny 生成的注意力循环每层约是 C++ 算子的 4 倍耗时；而 batch 1 和 8 时，调用这个"
+        "算子（每层约 60 微秒）让每步慢 0.35 毫秒，所以 labkit 的整图只在序列数 × 桶内 key 数达到 "
+        "2048 时才调用它。",
+    ),
     "frameworks": (
         "为什么 vLLM 比直接用 Hugging Face Transformers 的 generate 快？什么时候该选别的框架？",
         "Transformers 的 generate 把请求补齐（padding）成一个静态批，一直跑到最长的序列结束；它默"
