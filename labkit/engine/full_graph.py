@@ -101,18 +101,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out.reshape(B, Hq, D).to(q.dtype)
 
 
-def kernel_refusal(model: nn.Module, kv_cache: Any, size: int | None = None,
-                   bucket: int | None = None) -> str | None:
-    """Why a full graph's attention runs as inductor's loops, not the C++ kernel (None: the
-    kernel). With ``size`` and ``bucket``: also when that graph's attention is too small for
-    the kernel to pay for its call out of the graph (``KERNEL_MIN_KEYS``)."""
+def kernel_refusal(model: nn.Module, kv_cache: Any, size: int, bucket: int) -> str | None:
+    """Why the full graph of ``size`` sequences and ``bucket`` blocks attends with inductor's
+    loops, not the C++ kernel (None: the kernel): a dtype or head size the kernel does not
+    take, or too few keys for it to pay for its call out of the graph (``KERNEL_MIN_KEYS``)."""
     head_dim = kv_cache.k_caches[0].shape[-1]
     why = paged_decode_cpu.supports(torch.empty(0, head_dim, dtype=model.dtype,
                                                 device=model.device), kv_cache.k_caches[0])
-    if why is None and size is not None and bucket is not None:
-        keys = size * bucket * kv_cache.block_size
-        if keys < KERNEL_MIN_KEYS:
-            why = f"{size} x {bucket * kv_cache.block_size} keys < {KERNEL_MIN_KEYS}"
+    keys = size * bucket * kv_cache.block_size
+    if why is None and keys < KERNEL_MIN_KEYS:
+        why = f"{size} x {bucket * kv_cache.block_size} keys < {KERNEL_MIN_KEYS}"
     return why
 
 
