@@ -11,6 +11,8 @@ compiled           ``LLM(compile=True)``: inductor; decode steps one full graph 
 fused+piecewise    fused, and ``compile=True, compile_mode="piecewise"``: every step piecewise
                    (what the full decode graphs buy is fused+compiled over this)
 fused+compiled     both
+python-wrapper     fused+compiled with ``compile_wrapper="python"``: the full graphs' kernels
+                   called from inductor's Python module, not one C++ call (what that buys)
 overlap            ``LLM(async_scheduling=True)``: step N+1 scheduled (and N-1 detokenised)
                    while N's forward runs on a worker thread (:mod:`labkit.engine.overlap`)
 all                fused + compiled + overlap
@@ -72,6 +74,7 @@ from labkit.engine.profiler import PHASES, StepProfiler
 VARIANTS = {"eager": {}, "fused": {"fused": True}, "compiled": {"compile": True},
             "fused+piecewise": {"fused": True, "compile": True, "compile_mode": "piecewise"},
             "fused+compiled": {"fused": True, "compile": True},
+            "python-wrapper": {"fused": True, "compile": True, "compile_wrapper": "python"},
             "overlap": {"async_scheduling": True},
             "all": {"fused": True, "compile": True, "async_scheduling": True}}
 FULL = {"batches": [1, 8, 32], "prompt_len": 16, "new_tokens": 64, "rounds": 5,
@@ -311,7 +314,8 @@ def _compile_record(rep: Any) -> dict[str, Any]:
     return {"compiled": rep.compiled, "reason": rep.reason, "backend": rep.backend,
             "compile_s": {str(k): v for k, v in rep.compile_s.items()},
             "total_s": rep.total_s, "eager_forwards": rep.eager_forwards,
-            "graphs": rep.graphs, "full_attention": dict(rep.full_attention)}
+            "graphs": rep.graphs, "full_attention": dict(rep.full_attention),
+            "wrapper": rep.wrapper, "wrapper_reason": rep.wrapper_reason}
 
 
 def write_chart(payload: dict[str, Any], path: Path) -> None:

@@ -5,12 +5,29 @@ capture size into a compiled function. The piece is a module around weightless t
 (:class:`Piece`); :class:`CapturedGraph` traces it to ATen operators with every weight and
 activation as a flat input (``make_fx``), hands that graph to the backend once (inductor's
 ``compile_fx``), and from then on calls the result directly.
+
+Two things travel with each compile rather than through inductor's global settings, because
+torch 2.13 keeps those settings per thread (a value set on the main thread is not seen by a
+compile on the overlap scheduler's forward thread, :mod:`labkit.engine.overlap`):
+:func:`inductor_options` gives them, and :class:`CapturedGraph` applies them around its compile.
+
+- ``cpp_wrapper``: inductor writes the code that calls a graph's kernels as C++ instead of
+  Python. A Python wrapper runs a few lines of Python per kernel (hundreds per decode step) and
+  holds the GIL between kernels; the C++ wrapper is one call that releases the GIL for the whole
+  graph. On a CPU that is what a CUDA graph is on a GPU: the step's launches replayed without
+  the interpreter. It costs compile time (the wrapper includes torch's headers: about twice
+  the seconds), so only the full decode graphs, called once per step, use it.
+- ``cpp.simdlen``: the vector width, pinned to ``$ATEN_CPU_CAPABILITY`` when that is set
+  (:func:`match_aten_vector_width` says why).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -50,7 +67,7 @@ class CapturedGraph:
     guards have nothing to decide."""
 
     def __init__(self, piece: Piece, weights: dict[str, torch.Tensor], args: tuple,
-                 backend: Any) -> None:
+                 backend: Any, options: dict[str, Any] | None = None) -> None:
         from torch.fx.experimental.proxy_tensor import make_fx
 
         self.names = list(weights)
@@ -64,11 +81,47 @@ class CapturedGraph:
         with torch.inference_mode(False), torch.no_grad():
             example = [t.clone() if t.is_inference() else t
                        for t in (*weights.values(), *args)]
-            gm = make_fx(flat)(*example)
-            self.compiled = backend(gm, example)
+            # fake tensors: nothing is computed while tracing, and every node's example value
+            # comes from one fake mode (the C++ wrapper's compile insists on that)
+            gm = make_fx(flat, tracing_mode="fake")(*example)
+            with _inductor_config(options):
+                self.compiled = backend(gm, example)
 
     def __call__(self, weights: list[torch.Tensor], *args: torch.Tensor) -> Any:
+        callback = getattr(_LAUNCH, "callback", None)
+        if callback is not None:
+            _LAUNCH.callback = None
+            callback()
         return self.compiled(*weights, *args)
+
+
+_LAUNCH = threading.local()  # the callback on_launch set on this thread, if any
+
+
+@contextmanager
+def on_launch(callback: Callable[[], None]) -> Iterator[None]:
+    """Call ``callback`` once, when this thread next calls a compiled graph (or never).
+
+    Why: the overlap scheduler (:mod:`labkit.engine.overlap`) runs its own Python while the
+    forward thread is inside a graph. Started earlier, while the forward thread still runs
+    Python (the model's forward up to the graph), the two threads take turns at the GIL and
+    what is hidden on one side is paid on the other."""
+    _LAUNCH.callback = callback
+    try:
+        yield
+    finally:
+        _LAUNCH.callback = None
+
+
+@contextmanager
+def _inductor_config(options: dict[str, Any] | None) -> Iterator[None]:
+    if not options:
+        yield
+        return
+    from torch._inductor import config
+
+    with config.patch(options):
+        yield
 
 
 def backend_compiler(backend: Any) -> Any:
@@ -95,9 +148,23 @@ def cxx_compiler() -> str | None:
 _SIMDLEN = {"default": 0, "avx2": 256, "avx512": 512}  # ATEN_CPU_CAPABILITY -> vector bits
 
 
+def inductor_options(cpp_wrapper: bool = False) -> dict[str, Any]:
+    """The inductor settings one compile runs under (given to :class:`CapturedGraph`): the C++
+    wrapper if asked, and the vector width of ``$ATEN_CPU_CAPABILITY`` when that is set and
+    no width was chosen (see the module doc)."""
+    from torch._inductor import config
+
+    options: dict[str, Any] = {"cpp_wrapper": cpp_wrapper}
+    width = _SIMDLEN.get(os.environ.get("ATEN_CPU_CAPABILITY", ""))
+    if width is not None and config.cpp.simdlen is None:
+        options["cpp.simdlen"] = width
+    return options
+
+
 def match_aten_vector_width() -> int | None:
     """Pin inductor's CPU vector width to ``$ATEN_CPU_CAPABILITY`` when that is set (how the
-    lab's CI runs another CPU's kernels); returns the width set, or None.
+    lab's CI runs another CPU's kernels), for this thread's own ``torch.compile`` calls (the
+    engine's graphs get it from :func:`inductor_options`); returns the width set, or None.
 
     Why: with the variable set and ``cpp.simdlen`` unset, torch 2.13's inductor takes its
     vector ISA from the variable but other parts of its code generation from the CPU, and

@@ -48,14 +48,16 @@ COMPILE_MODES = ("full_and_piecewise", "piecewise")  # as vLLM's cudagraph_mode 
 
 def step_cures(model: torch.nn.Module, settings: dict[str, Any], fused: bool, compile: bool,
                capture_sizes: tuple[int, ...] | None = None,
-               compile_mode: str = "full_and_piecewise") -> Any:
+               compile_mode: str = "full_and_piecewise", compile_wrapper: str = "cpp") -> Any:
     """Apply ``fused`` (:func:`labkit.model.fuse.fuse_model`: q|k|v and gate|up, the residual
     add in the norms, the rotary table) and ``compile`` (:func:`labkit.engine.piecewise.
     compile_model`) to the engine's model, in place; returns the compile report (None without
     ``compile``). ``compile_mode`` "full_and_piecewise" runs uniform decode steps as full
     graphs (:mod:`labkit.engine.full_graph`) and the others piecewise; "piecewise" runs every
-    step piecewise. Both change the model in this process, so workers that load their own
-    slices (tensor parallelism) and LoRA's per-step adapter state are refused by name."""
+    step piecewise. ``compile_wrapper`` "cpp" calls a full graph's kernels from generated C++,
+    "python" from inductor's Python wrapper. Both change the model in this process, so
+    workers that load their own slices (tensor parallelism) and LoRA's per-step adapter
+    state are refused by name."""
     if compile_mode not in COMPILE_MODES:
         raise EngineConfigError(f"compile_mode must be one of {COMPILE_MODES}, got "
                                 f"{compile_mode!r}")
@@ -69,10 +71,15 @@ def step_cures(model: torch.nn.Module, settings: dict[str, Any], fused: bool, co
         norm_kernel(model, settings.get("attention_backend") == "triton")
     if not compile:
         return None
-    from labkit.engine.piecewise import CAPTURE_SIZES, compile_model
+    from labkit.engine.piecewise import CAPTURE_SIZES, WRAPPERS, compile_model
+
+    if compile_wrapper not in WRAPPERS:
+        raise EngineConfigError(f"compile_wrapper must be one of {WRAPPERS}, got "
+                                f"{compile_wrapper!r}")
 
     return compile_model(model, tuple(capture_sizes or CAPTURE_SIZES),
-                         full_graphs=compile_mode == "full_and_piecewise")
+                         full_graphs=compile_mode == "full_and_piecewise",
+                         wrapper=compile_wrapper)
 
 
 def check_step_cures(settings: dict[str, Any], fused: bool, compile: bool) -> None:

@@ -23,6 +23,14 @@ The loop knows the engine's parts only by their contracts: ``Executor.execute`` 
 a ``ModelRunner`` step hook (entered once the step's inputs are packed, so the main thread
 changes block tables and token lists only after the worker has copied them), and the
 scheduler's ``schedule`` / ``update_from_output``. ``LLMEngine.step`` hands each call here.
+
+When does the main thread start? Both threads run Python, and Python runs one thread at a
+time (the GIL). With a compiled model the worker still runs the model's forward in Python from
+the packed inputs up to its graph; the main thread's work started then would only take turns
+with it. So with ``compile=True`` the main thread starts when the worker enters its first
+compiled graph (:func:`labkit.engine.graph_capture.on_launch`), which runs without the GIL (the
+full graphs' C++ wrapper; eager PyTorch ops release it too). An eager model starts it once the
+inputs are packed: its forward is Python between every op, there is no better moment.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from labkit.engine.executor import ModelRunnerOutput
+from labkit.engine.graph_capture import on_launch
 from labkit.engine.outputs import StepOutput
 from labkit.errors import AsyncSchedulingError
 from labkit.sched.lookahead import Lookahead, advance, may_preempt, prune, settle
@@ -59,8 +68,17 @@ class OverlapStepLoop:
 
     @contextmanager
     def _on_packed(self, owners: Any, query_lens: list[int]) -> Any:
-        self._packed.set()
-        yield
+        if self._compiled():  # start the main thread at the graph (see the module doc)
+            with on_launch(self._packed.set):
+                yield
+        else:
+            self._packed.set()
+            yield
+
+    def _compiled(self) -> bool:
+        forward = vars(self.engine.executor.runner.model).get("forward")
+        report = getattr(forward, "report", None)  # a PiecewiseForward's CompileReport
+        return bool(getattr(report, "compiled", False))
 
     def has_pending(self) -> bool:
         """Booked outputs not yet returned, or a prepared step: the engine is not done."""

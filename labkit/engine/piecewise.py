@@ -52,13 +52,13 @@ import logging
 import time
 import types
 import warnings
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from labkit.engine.compile_report import CompileReport
 from labkit.engine.dot_linear import use_dot_products
 from labkit.engine.full_graph import (
     KERNEL,
@@ -73,6 +73,7 @@ from labkit.engine.graph_capture import (
     Piece,
     backend_compiler,
     cxx_compiler,
+    inductor_options,
     match_aten_vector_width,
     piece_weights,
 )
@@ -93,48 +94,9 @@ from labkit.engine.pieces import (  # noqa: F401 - the pieces' functions, named 
 
 logger = logging.getLogger(__name__)
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # vLLM's default capture sizes
+WRAPPERS = ("cpp", "python")  # how a full graph calls its kernels (inductor's cpp_wrapper)
 DOT_MAX_TOKENS = 1  # pieces of up to this many tokens compute linears as dot_linear (measured:
 # at 2 and 4 tokens inductor's loop re-reads each weight per token and the matmul wins)
-
-
-@dataclass
-class CompileReport:
-    """What ``compile=True`` did: ``compiled`` False with a ``reason`` when the model runs
-    eager; ``compile_s`` the seconds of each capture size's first forward (compile + run)."""
-
-    compiled: bool
-    reason: str | None
-    backend: str
-    capture_sizes: list[int]
-    compile_s: dict[int, float] = field(default_factory=dict)
-    eager_forwards: int = 0  # forwards too large (or shaped otherwise) for a compiled piece
-    graphs: int = 0  # graphs built: one per piece kind and capture size, never one per layer
-    packed_bytes: int = 0  # the oneDNN-packed copies of the linear weights (0: not packed)
-    full_graphs: bool = True  # uniform decode steps as one graph each (labkit.engine.full_graph)
-    full_steps: int = 0  # steps that ran as a full graph
-    full_reason: str | None = None  # why the last decode step ran piecewise (None: it did not)
-    # each full graph's attention ("<size> x <bucket keys>"): KERNEL, or why inductor's loops
-    full_attention: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def total_s(self) -> float:
-        return sum(self.compile_s.values())
-
-    def __str__(self) -> str:
-        if not self.compiled:
-            return f"not compiled ({self.reason}); the model runs eager"
-        done = ", ".join(f"{n}: {s:.1f} s" for n, s in sorted(self.compile_s.items()))
-        why = self.full_reason or 'compile_mode="piecewise"'
-        kernel = sum(a == KERNEL for a in self.full_attention.values())
-        attn = (f" (attention: the C++ decode kernel in {kernel} of "
-                f"{len(self.full_attention)} graphs)" if self.full_attention else "")
-        full = (f"; decode steps as full graphs{attn}"
-                if self.full_graphs and not self.full_reason
-                else f"; decode steps piecewise ({why})")
-        packed = (f"; linear weights packed for oneDNN (+{self.packed_bytes / 2**20:.1f} MiB)"
-                  if self.packed_bytes else "")
-        return (f"{self.backend}: {len(self.compile_s)} of {len(self.capture_sizes)} "
-                f"sizes compiled in {self.total_s:.1f} s ({done or 'none yet'}){full}{packed}")
 
 
 def cannot_compile(model: nn.Module) -> str | None:
@@ -186,6 +148,10 @@ class PiecewiseForward:
             self.packs = {m: PackedWeights(m) for m in (*model.model.layers, model.lm_head)}
             report.packed_bytes = sum(p.nbytes for p in self.packs.values())
         self.step_size = 0  # the capture size of the forward running now
+        # inductor's settings, fixed here (on the caller's thread: graphs may be compiled on
+        # the overlap scheduler's forward thread, which does not see this thread's settings)
+        self.options = inductor_options(cpp_wrapper=False)
+        self.full_options = inductor_options(cpp_wrapper=report.wrapper == "cpp")
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                  kv_cache: Any = None, logits_indices: torch.Tensor | None = None,
@@ -257,7 +223,7 @@ class PiecewiseForward:
         return self.graphs[kind, size](self.site_weights(kind, size, i), *args)
 
     def _build(self, kind: str, size: int, args: tuple, kv_cache: Any = None,
-               kernel: bool = False) -> None:
+               kernel: bool = False, options: dict[str, Any] | None = None) -> None:
         variant = self._variant(size)
         templates = self._templates(kind)
         for t in templates:
@@ -271,7 +237,8 @@ class PiecewiseForward:
         weights = {n: example[n] for n in piece_weights(*templates)}
         t0 = time.perf_counter()
         with packed_op_as_library_call() if variant == "packed" else contextlib.nullcontext():
-            self.graphs[kind, size] = CapturedGraph(piece, weights, args, self.backend)
+            self.graphs[kind, size] = CapturedGraph(piece, weights, args, self.backend,
+                                                    options or self.options)
         self.report.graphs += 1
         if self.step_size in self.report.compile_s:  # built in a step of a compiled size
             self.report.compile_s[self.step_size] += time.perf_counter() - t0
@@ -302,7 +269,7 @@ class PiecewiseForward:
             keys = f"{size} x {bucket * kv_cache.block_size}"
             self.report.full_attention[keys] = KERNEL if why is None else f"loops: {why}"
             try:
-                self._build(kind, size, args, kv_cache, kernel=why is None)
+                self._build_full(kind, size, args, kv_cache, kernel=why is None)
             except Exception as e:  # noqa: BLE001 - inductor's failures have no common type
                 self.report.full_graphs = False
                 self.report.full_reason = f"the full graph failed to compile: {e!r:.300}"
@@ -313,6 +280,20 @@ class PiecewiseForward:
         self.report.full_steps += 1
         T = input_ids.shape[1]
         return logits[:T] if logits_indices is None else logits[:T][logits_indices]
+
+    def _build_full(self, kind: str, size: int, args: tuple, kv_cache: Any,
+                    kernel: bool) -> None:
+        """A full graph with the C++ wrapper when asked; where inductor cannot build that,
+        with the Python wrapper, and the report says why (never a silent fallback)."""
+        if self.full_options["cpp_wrapper"]:
+            try:
+                return self._build(kind, size, args, kv_cache, kernel, self.full_options)
+            except Exception as e:  # noqa: BLE001 - inductor's failures have no common type
+                self.report.wrapper_reason = f"{type(e).__name__}: {str(e)[:200]}"
+                self.full_options = self.options
+                warnings.warn(f"compile=True: the C++ wrapper failed ({e!r:.200}); full "
+                              "graphs use the Python wrapper", RuntimeWarning, stacklevel=5)
+        self._build(kind, size, args, kv_cache, kernel, self.options)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: Any,
                  logits_indices: torch.Tensor | None, size: int) -> torch.Tensor:
@@ -361,7 +342,8 @@ class PiecewiseForward:
 
 def compile_model(model: nn.Module, capture_sizes: tuple[int, ...] = CAPTURE_SIZES,
                   backend: Any = "inductor", dot_max_tokens: int = DOT_MAX_TOKENS,
-                  pack_weights: bool = True, full_graphs: bool = True) -> CompileReport:
+                  pack_weights: bool = True, full_graphs: bool = True,
+                  wrapper: str = "cpp") -> CompileReport:
     """Install :class:`PiecewiseForward` as ``model.forward`` (in place) and return its report;
     a model that cannot be compiled here keeps its forward, and the report (and a warning)
     say why. A model already compiled returns its existing report. Pieces of up to
@@ -369,7 +351,9 @@ def compile_model(model: nn.Module, capture_sizes: tuple[int, ...] = CAPTURE_SIZ
     ones, with ``pack_weights`` on a CPU, as oneDNN matmuls over weights packed once
     (:mod:`labkit.engine.packed_linear`). With ``full_graphs`` a step where every sequence
     decodes one token runs as one graph, attention included (:mod:`labkit.engine.full_graph`);
-    without, every step runs piecewise."""
+    without, every step runs piecewise. ``wrapper`` "cpp" calls each full graph's kernels from
+    generated C++ (one call, the GIL released: :mod:`labkit.engine.graph_capture`), "python"
+    from inductor's Python wrapper."""
     current = vars(model).get("forward")
     if isinstance(current, PiecewiseForward):
         return current.report
@@ -377,7 +361,10 @@ def compile_model(model: nn.Module, capture_sizes: tuple[int, ...] = CAPTURE_SIZ
         raise ValueError(f"capture sizes must be positive token counts, got {capture_sizes}")
     if dot_max_tokens < 0:
         raise ValueError(f"dot_max_tokens is a token count (0: never), got {dot_max_tokens}")
-    report = CompileReport(True, None, backend, sorted(capture_sizes), full_graphs=full_graphs)
+    if wrapper not in WRAPPERS:
+        raise ValueError(f"wrapper must be one of {WRAPPERS}, got {wrapper!r}")
+    report = CompileReport(True, None, backend, sorted(capture_sizes), full_graphs=full_graphs,
+                           wrapper=wrapper)
     reason = cannot_compile(model) if backend == "inductor" else None
     if reason is not None:
         report.compiled, report.reason = False, reason

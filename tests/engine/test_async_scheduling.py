@@ -281,3 +281,68 @@ def test_logprobs_and_prompt_logprobs_equal_sync(tiny_model, prompts):
             assert x.keys() == y.keys()
             for t in x:
                 assert y[t].logprob == pytest.approx(x[t].logprob, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("at_launch", [True, False])  # False: the negative control
+def test_with_compile_the_main_thread_starts_once_the_worker_is_in_its_graph(
+        tiny_model, prompts, reference, monkeypatch, at_launch):
+    """compile=True with async scheduling: the main thread schedules the next step while the
+    worker is inside its compiled graph (which runs without the GIL), not while the worker
+    still runs the forward's Python up to it (engine/overlap.py's module doc). Here that
+    Python is made 20 ms slow, and so is each graph: every schedule() made during a forward
+    finds the worker in its graph. Started at packing instead (the control), none does."""
+    import copy
+    import time
+
+    from labkit.engine import overlap, piecewise
+
+    if piecewise.cxx_compiler() is None:
+        pytest.skip("no C++ compiler: inductor cannot build CPU kernels here")
+    model = copy.deepcopy(tiny_model)  # compile=True changes the model object
+    llm = LLM.from_model(model, None, async_scheduling=True, fused=True, compile=True,
+                         compile_sizes=(1, 2, 4), block_size=4)
+    ps = prompts[:3]
+    want = [reference(p, MAX_NEW, ignore_eos=True) for p in ps]
+    assert tokens(llm.generate(prompt_token_ids=ps, sampling_params=GREEDY)) == \
+        [[w] for w in want]  # every graph built now
+    if not at_launch:
+        monkeypatch.setattr(overlap.OverlapStepLoop, "_compiled", lambda self: False)
+    inside, seen, in_flight = threading.Event(), [], threading.Event()
+
+    def slowly(fn, flag=None):
+        def run(*args):
+            if flag is not None:
+                flag.set()
+            time.sleep(0.02)
+            try:
+                return fn(*args)
+            finally:
+                if flag is not None:
+                    flag.clear()
+        return run
+
+    for g in model.forward.graphs.values():
+        g.compiled = slowly(g.compiled, inside)
+    monkeypatch.setattr(piecewise, "full_graph_args", slowly(piecewise.full_graph_args))
+    sched, execute = llm.llm_engine.scheduler, llm.llm_engine.executor.execute
+    schedule = sched.schedule
+
+    def traced_execute(out):
+        in_flight.set()
+        try:
+            return execute(out)
+        finally:
+            in_flight.clear()
+
+    def traced_schedule():
+        if in_flight.is_set():
+            seen.append(inside.is_set())
+        return schedule()
+
+    monkeypatch.setattr(llm.llm_engine.executor, "execute", traced_execute)
+    monkeypatch.setattr(sched, "schedule", traced_schedule)
+    outs = llm.generate(prompt_token_ids=ps, sampling_params=GREEDY)
+    assert tokens(outs) == [[w] for w in want]
+    assert_no_leaks(llm.llm_engine)
+    assert len(seen) >= MAX_NEW - 2, seen  # the decode steps, each scheduled during a forward
+    assert all(seen) if at_launch else not any(seen), seen

@@ -12,9 +12,10 @@ from labkit.engine.sampling_params import SamplingParams
 
 MAX_NEW = 10
 # issue 31's step cures, each through the same checks as the plain engine: fused layers with
-# compilation (decode steps as full graphs, the rest piecewise), and async scheduling
-CURES = {"plain": {}, "compiled": dict(fused=True, compile=True, compile_sizes=(1, 2, 4)),
-         "async": dict(async_scheduling=True)}
+# compilation (decode steps as full graphs, the rest piecewise), async scheduling, and all three
+COMPILED = dict(fused=True, compile=True, compile_sizes=(1, 2, 4))
+CURES = {"plain": {}, "compiled": COMPILED, "async": dict(async_scheduling=True),
+         "all": dict(COMPILED, async_scheduling=True)}
 
 
 def run(model, prompts, params=None, cures="plain", **kw):

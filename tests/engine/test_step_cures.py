@@ -247,6 +247,89 @@ def test_a_full_graph_masks_a_sliding_window_over_freed_blocks(min_keys, monkeyp
     assert llm.compile_report.full_steps > 0, llm.compile_report
 
 
+def _spy_backend(seen: list, fail_cpp_wrapper: bool = False):
+    """A backend that runs the traced graph as it is and records, per compile, the thread
+    and the inductor settings in force there (``cpp_wrapper``, ``cpp.simdlen``)."""
+    import threading
+
+    from torch._inductor import config
+
+    def backend(gm, example_inputs):
+        seen.append((threading.current_thread().name, config.cpp_wrapper, config.cpp.simdlen))
+        if fail_cpp_wrapper and config.cpp_wrapper:
+            raise RuntimeError("no C++ wrapper today")
+        return gm
+    return backend
+
+
+def test_inductor_settings_reach_a_compile_on_the_overlap_thread(monkeypatch):
+    """torch keeps inductor's settings per thread, and with async scheduling the graphs are
+    compiled on the forward thread: each compile gets its settings from the model's
+    PiecewiseForward (the C++ wrapper for full graphs only, $ATEN_CPU_CAPABILITY's width)."""
+    import threading
+
+    from torch._inductor import config
+
+    seen_there = []
+    with config.patch({"cpp_wrapper": True}):  # why: a setting made here ...
+        t = threading.Thread(target=lambda: seen_there.append(config.cpp_wrapper))
+        t.start()
+        t.join()
+    assert seen_there == [False]  # ... is not seen on another thread
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    model = testing.tiny_model(seed=6)
+    prompts = _prompts()[:2]
+    want = [generate(model, p, 10, ignore_eos=True) for p in prompts]
+    seen: list = []
+    with config.patch({"cpp.simdlen": None}):
+        piecewise.compile_model(model, capture_sizes=(2,), backend=_spy_backend(seen))
+    llm = labkit.LLM.from_model(model, None, async_scheduling=True, **CHUNKED)
+    assert _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=SP)) == want
+    kinds = [k for k, _ in model.forward.graphs]  # in build order, as seen
+    assert len(seen) == len(kinds) and any(k.startswith("full") for k in kinds), kinds
+    for kind, (thread, cpp_wrapper, simdlen) in zip(kinds, seen):
+        assert thread.startswith("labkit-forward") and simdlen == 256
+        assert cpp_wrapper == kind.startswith("full"), (kind, cpp_wrapper)
+
+
+def test_a_cpp_wrapper_that_cannot_be_built_falls_back_and_says_why():
+    model = testing.tiny_model(seed=6)
+    prompts = _prompts()[:2]
+    want = [generate(model, p, 10, ignore_eos=True) for p in prompts]
+    seen: list = []
+    rep = piecewise.compile_model(model, capture_sizes=(2,),
+                                  backend=_spy_backend(seen, fail_cpp_wrapper=True))
+    llm = labkit.LLM.from_model(model, None, **CHUNKED)
+    with pytest.warns(RuntimeWarning, match="C\\+\\+ wrapper failed"):
+        got = _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=SP))
+    assert got == want and rep.compiled and rep.full_steps > 0
+    assert "no C++ wrapper today" in rep.wrapper_reason and "C++ wrapper failed" in str(rep)
+    assert [w for _, w, _ in seen].count(True) == 1  # tried once, then Python for the rest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrapper", ["cpp", "python"])
+def test_full_graphs_call_their_kernels_from_the_wrapper_asked(wrapper):
+    """``compile_wrapper``: "cpp" builds each full graph's kernel calls as one C++ function
+    that releases the GIL; "python" as inductor's Python module. Same greedy tokens."""
+    if piecewise.cxx_compiler() is None:
+        pytest.skip("no C++ compiler: inductor cannot build CPU kernels here")
+    model = testing.tiny_model(seed=5)
+    prompts = _prompts()[:2]
+    want = [generate(model, p, 10, ignore_eos=True) for p in prompts]
+    with capture_output_code() as codes:
+        llm = labkit.LLM.from_model(model, None, compile=True, compile_sizes=(2,),
+                                    compile_wrapper=wrapper, **CHUNKED)
+        got = _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=SP))
+    rep = llm.compile_report
+    assert got == want and rep.full_steps > 0 and rep.wrapper_reason is None
+    assert f"{'C++' if wrapper == 'cpp' else 'Python'} wrapper" in str(rep)
+    released = [("gil_scoped_release" in c.source) for c in codes]
+    assert any(released) == (wrapper == "cpp"), released
+    with pytest.raises(EngineConfigError, match="compile_wrapper must be one of"):
+        labkit.LLM.from_model(testing.tiny_model(), None, compile=True, compile_wrapper="rust")
+
+
 def test_engines_with_other_pools_on_one_compiled_model_get_their_own_graphs():
     """The pool is a graph input of fixed shape: a second engine on the same compiled model
     with a pool of another size builds its own full graphs instead of feeding the first
