@@ -205,6 +205,20 @@ SOURCES: dict[str, list[Claim]] = {
               "piecewise graphs)", VLLM + "vllm/attention/layer.py (direct_register_custom_op "
               "op_name=\"unified_attention\"); docs/design/torch_compile.md"),
     ],
+    "overlap-scheduling": [
+        Claim("SGLang", "the v0.4 zero-overhead batch scheduler runs one batch ahead, preparing "
+              "the next batch's metadata while the GPU computes, with future tokens resolving "
+              "the dependency on the running batch's output",
+              "https://lmsys.org/blog/2024-12-04-sglang-v0-4/#zero-overhead-batch-scheduler"),
+        Claim("TensorRT-LLM", "the overlap scheduler launches step n+1's GPU work before step n's "
+              "CPU tasks (stop criteria, responses, scheduling) finish, at the price of one "
+              "extra decoding step; on by default (disable_overlap_scheduler)",
+              TRTLLM_DOCS + "latest/features/overlap-scheduler.html"),
+        Claim("vLLM", "async scheduling (--async-scheduling) schedules the next step before the "
+              "running one's tokens are back, counting each running request's pending token as "
+              "an output placeholder", VLLM + "vllm/v1/core/sched/async_scheduler.py "
+              "(AsyncScheduler, num_output_placeholders)"),
+    ],
     "trtllm": [
         Claim("TensorRT-LLM", "in the 1.x releases tensorrt_llm.LLM runs the PyTorch backend (the "
               "engine path moved to tensorrt_llm._tensorrt_engine) and needs no engine build",

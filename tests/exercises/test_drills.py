@@ -116,12 +116,13 @@ NEW_DRILLS = {
     "cold-start": "weight-loading", "hot-update": "releases", "lora-memory": "lora",
     "lora-batching": "lora", "qlora-deploy": "lora", "on-device": "on-device",
     "safety-review": "safety", "cuda-graphs": "tensorrt-llm",
+    "overlap-scheduling": "tensorrt-llm",
 }
 
 
 def test_bank_size_matches_readme():
-    # README: "labkit drill  # 57 drills in 29 topics"
-    assert len(DRILLS) == 57 and len(TOPICS) == 29
+    # README: "labkit drill  # 58 drills in 29 topics"
+    assert len(DRILLS) == 58 and len(TOPICS) == 29
     by_id = {x.id: x.topic for x in DRILLS}
     assert {k: by_id.get(k) for k in NEW_DRILLS} == NEW_DRILLS
 
@@ -721,3 +722,24 @@ def test_drills_the_lab_measures_point_at_registered_experiments():
         assert f"measure it: {cmd}" in format_drill(by_id[drill_id])
         assert f"动手测: {cmd}" in format_drill(by_id[drill_id], lang="zh")
         assert "measure it" not in format_drill(by_id[drill_id], show_answer=False)
+
+
+def test_overlap_drill_quotes_the_committed_bench_step_run():
+    """The overlap drill's ratios (every cure with overlap over fused + compiled) and the
+    batch-1 phases its snippet hides are the committed `labkit bench step` run's."""
+    import json
+    import re
+    from pathlib import Path
+
+    step = json.loads((Path(__file__).resolve().parents[2] / "datasets" / "results" /
+                       "step.json").read_text())
+    r = step["ratios"]
+    drill = next(x for x in DRILLS if x.id == "overlap-scheduling")
+    b1, b32 = (float(x) for x in re.findall(r"([\d.]+)x fused \+ compiled at batch 1 and "
+                                            r"([\d.]+)x at batch 32", drill.answer)[0])
+    assert b1 == round(r["batch 1"]["all"] / r["batch 1"]["fused+compiled"], 2)
+    assert b32 == round(r["batch 32"]["all"] / r["batch 32"]["fused+compiled"], 2)
+    row = next(x for x in step["rows"] if (x["variant"], x["batch"]) == ("fused+compiled", 1))
+    hidden = re.search(r"hidden = ([\d.]+) \+ ([\d.]+)", drill.snippet).groups()
+    assert [float(h) for h in hidden] == [round(row["phases_ms"][p], 3)
+                                          for p in ("schedule", "detokenize")]
