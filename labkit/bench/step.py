@@ -14,7 +14,7 @@ fused+compiled     both
 python-wrapper     fused+compiled with ``compile_wrapper="python"``: the full graphs' kernels
                    called from inductor's Python module, not one C++ call (what that buys)
 overlap            ``LLM(async_scheduling=True)``: step N+1 scheduled (and N-1 detokenised)
-                   while N's forward runs on a worker thread (:mod:`labkit.engine.overlap`)
+                   by a host thread while N's forward runs (:mod:`labkit.engine.overlap`)
 all                fused + compiled + overlap
 =================  ==========================================================================
 
@@ -376,7 +376,7 @@ def report(payload: dict[str, Any]) -> None:
     print(f"fastest at batch {payload['batch32_vs_eager_batch']}: "
           f"{payload['batch32_best_variant']}, {payload['batch32_best_vs_eager']:.2f}x eager; "
           f"one hand-off to a worker thread and back: {payload['handoff_us']:.0f} us "
-          "(what overlap pays per step before it hides anything)")
+          "(what handing each forward to a worker thread would add to a step)")
 
 
 def main(argv: list[str] | None = None) -> int:

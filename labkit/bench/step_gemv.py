@@ -90,10 +90,11 @@ def weight_streaming(model: nn.Module, rounds: int = 7, passes: int = 20) -> dic
 
 
 def thread_round_trip_us(trips: int = 400) -> float:
-    """Median microseconds to hand a no-op to a worker thread and get its result back: the
-    cost overlap scheduling (:mod:`labkit.engine.overlap`) pays per step (a submit, a wake-up,
-    a result) before it hides any Python. On a VM an idle vCPU's wake-up alone can be tens
-    of microseconds."""
+    """Median microseconds to hand a no-op to a worker thread and get its result back (a
+    submit, a wake-up, a result): what handing each step's forward to a worker would put on
+    the step's path, and why overlap scheduling (:mod:`labkit.engine.overlap`) keeps the
+    forward on the calling thread. On a VM an idle vCPU's wake-up alone can be tens of
+    microseconds."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(1) as pool:

@@ -8,7 +8,7 @@ activation as a flat input (``make_fx``), hands that graph to the backend once (
 
 Two things travel with each compile rather than through inductor's global settings, because
 torch 2.13 keeps those settings per thread (a value set on the main thread is not seen by a
-compile on the overlap scheduler's forward thread, :mod:`labkit.engine.overlap`):
+compile on another thread: a server runs its engine on a thread of its own):
 :func:`inductor_options` gives them, and :class:`CapturedGraph` applies them around its compile.
 
 - ``cpp_wrapper``: inductor writes the code that calls a graph's kernels as C++ instead of
@@ -102,10 +102,10 @@ _LAUNCH = threading.local()  # the callback on_launch set on this thread, if any
 def on_launch(callback: Callable[[], None]) -> Iterator[None]:
     """Call ``callback`` once, when this thread next calls a compiled graph (or never).
 
-    Why: the overlap scheduler (:mod:`labkit.engine.overlap`) runs its own Python while the
-    forward thread is inside a graph. Started earlier, while the forward thread still runs
-    Python (the model's forward up to the graph), the two threads take turns at the GIL and
-    what is hidden on one side is paid on the other."""
+    Why: the overlap scheduler (:mod:`labkit.engine.overlap`) runs its host thread's Python
+    while the forward is inside a graph. Started earlier, while the forward still runs Python
+    (the model's forward up to the graph), the two threads take turns at the GIL and what is
+    hidden on one side is paid on the other."""
     _LAUNCH.callback = callback
     try:
         yield

@@ -98,7 +98,7 @@ class LLM:
         """Stop worker processes (tensor parallelism); they also stop when the LLM is garbage
         collected or the interpreter exits."""
         self.llm_engine.executor.shutdown()
-        if self.llm_engine.step_loop is not None:  # async scheduling's forward thread
+        if self.llm_engine.step_loop is not None:  # async scheduling's host thread
             self.llm_engine.step_loop.shutdown()
 
     def generate(self, prompts: str | Sequence[str] | None = None,

@@ -4,8 +4,7 @@ Why: at small batch a decode step's forward is short, and the Python around it -
 packing, booking tokens, detokenising -- is pure overhead the accelerator (or, on a CPU, the
 BLAS threads) waits through. SGLang's zero-overhead (overlap) scheduler and vLLM's async
 scheduling (``--async-scheduling``) run that work *while* the forward runs. Here the forward of
-step N runs on a worker thread (torch releases the GIL inside its ops, so on a CPU too the main
-thread's Python really runs beside it) and, meanwhile, the main thread
+step N runs on the calling thread, as in the synchronous engine, and a host thread meanwhile
 
 1. detokenises and builds the outputs of step N-1 (booked at the end of the previous call), and
 2. schedules step N+1, assuming every sequence of step N gets exactly one token: placeholders
@@ -19,23 +18,28 @@ request waiting for the finished one's room is admitted a step later. Outputs co
 runs N+1), and a step where the next ``schedule()`` could preempt runs synchronously (preemption
 cannot be decided on a guess). Greedy tokens are the synchronous engine's, token for token.
 
-The loop knows the engine's parts only by their contracts: ``Executor.execute`` on the worker,
-a ``ModelRunner`` step hook (entered once the step's inputs are packed, so the main thread
-changes block tables and token lists only after the worker has copied them), and the
-scheduler's ``schedule`` / ``update_from_output``. ``LLMEngine.step`` hands each call here.
+Why the forward stays on the calling thread: a hand-off between threads wakes the one that
+waits, and waking an idle core costs tens of microseconds (on a VM up to 0.1 ms), more than a
+batch-1 step has to hide. A forward handed to a worker pays two wake-ups on the step's path
+(the worker's to start, the caller's to get the result). Here the host thread's wake-up runs
+beside the forward, and by the time the forward is done its work usually is too: the caller
+collects it without waiting.
 
-When does the main thread start? Both threads run Python, and Python runs one thread at a
-time (the GIL). With a compiled model the worker still runs the model's forward in Python from
-the packed inputs up to its graph; the main thread's work started then would only take turns
-with it. So with ``compile=True`` the main thread starts when the worker enters its first
-compiled graph (:func:`labkit.engine.graph_capture.on_launch`), which runs without the GIL (the
-full graphs' C++ wrapper; eager PyTorch ops release it too). An eager model starts it once the
-inputs are packed: its forward is Python between every op, there is no better moment.
+When does the host thread start? Both threads run Python, and Python runs one thread at a time
+(the GIL). Started once the step's inputs are packed (a ``ModelRunner`` step hook: the block
+tables and token lists it changes have been copied by then), it would take turns with the
+forward's Python up to the graph; so with ``compile=True`` it starts when the forward enters its
+first compiled graph (:func:`labkit.engine.graph_capture.on_launch`), which runs without the GIL
+(the full graphs' C++ wrapper; eager PyTorch ops release it too). An eager model starts it at
+packing: its forward is Python between every op, there is no better moment.
+
+The loop knows the engine's parts only by their contracts: ``Executor.execute``, the runner's
+step hook, and the scheduler's ``schedule`` / ``update_from_output``. ``LLMEngine.step`` hands
+each call here.
 """
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
@@ -59,26 +63,31 @@ class OverlapStepLoop:
                 f"async_scheduling needs the model executor's forward to overlap; "
                 f"{type(engine.executor).__name__} has none (the simulator)")
         self.engine = engine
-        self._packed = threading.Event()  # set once the worker has packed the step's inputs
         runner.step_hooks.append(self._on_packed)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="labkit-forward")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="labkit-host")
+        self._running: SchedulerOutput | None = None  # the step whose forward runs now
+        self._host: Future | None = None  # its host work: (ready, lookahead, error)
         self._next: SchedulerOutput | None = None  # step N+1, scheduled, blocks allocated
         self._booked: list[tuple[list[SeqOutput], ModelRunnerOutput]] = []  # to detokenise
         self._ready: list[StepOutput] = []  # detokenised, not yet returned (a failed step)
 
     @contextmanager
     def _on_packed(self, owners: Any, query_lens: list[int]) -> Any:
-        if self._compiled():  # start the main thread at the graph (see the module doc)
-            with on_launch(self._packed.set):
+        if self._compiled():  # start the host work at the graph (see the module doc)
+            with on_launch(self._start_host):
                 yield
         else:
-            self._packed.set()
+            self._start_host()
             yield
 
     def _compiled(self) -> bool:
         forward = vars(self.engine.executor.runner.model).get("forward")
         report = getattr(forward, "report", None)  # a PiecewiseForward's CompileReport
         return bool(getattr(report, "compiled", False))
+
+    def _start_host(self) -> None:
+        if self._host is None and self._running is not None:
+            self._host = self._pool.submit(self._host_work, self._running)
 
     def has_pending(self) -> bool:
         """Booked outputs not yet returned, or a prepared step: the engine is not done."""
@@ -98,12 +107,10 @@ class OverlapStepLoop:
             return ready
         try:
             eng.executor.apply_block_ops(out.block_ops)
-            self._packed.clear()
-            fut = self._pool.submit(self._forward, out)
         except BaseException as exc:
             eng._fail_step(out, t0, exc)
             raise
-        ready, seq_outputs, result, t1 = self._overlap(out, fut, t0)
+        ready, seq_outputs, result, t1 = self._overlap(out, t0)
         eng.num_steps += 1
         self._booked.append((seq_outputs, result))
         appended = {o.seq.seq_id: o.new_token_ids for o in seq_outputs}
@@ -111,29 +118,35 @@ class OverlapStepLoop:
                              result.collectives)
         return ready
 
-    def _forward(self, out: SchedulerOutput) -> tuple[ModelRunnerOutput, float]:
+    def _host_work(self, out: SchedulerOutput
+                   ) -> tuple[list[StepOutput], Lookahead | None, BaseException | None]:
+        """On the host thread, while ``out``'s forward runs: detokenise the step before it,
+        schedule the one after it."""
+        ready: list[StepOutput] = []
+        try:
+            ready = self._detokenize()
+            return ready, self._prepare(out), None
+        except BaseException as exc:  # handed to the caller, which fails the step
+            return ready, None, exc
+
+    def _overlap(self, out: SchedulerOutput, t0: float
+                 ) -> tuple[list[StepOutput], list[SeqOutput], ModelRunnerOutput, float]:
+        """Run ``out``'s forward here while the host thread works (started by the step hook,
+        or now if the forward never packed anything); then book ``out``'s tokens. A failure
+        on either side waits for the other, then fails the step (its requests and the
+        prepared step's are aborted)."""
+        self._running, self._host, error = out, None, None
         try:
             result = self.engine.executor.execute(out)
-            return result, self.engine.clock.now()
-        finally:
-            self._packed.set()  # a step with nothing to pack never enters the hook
-
-    def _overlap(self, out: SchedulerOutput, fut: Future, t0: float
-                 ) -> tuple[list[StepOutput], list[SeqOutput], ModelRunnerOutput, float]:
-        """While ``out``'s forward runs: detokenise the previous step, schedule the next; then
-        book ``out``'s tokens. A failure on either side waits for the worker, then fails the
-        step (its requests and the prepared step's are aborted)."""
-        ahead, ready, error = None, [], None
-        try:
-            self._packed.wait()
-            ready = self._detokenize()
-            ahead = self._prepare(out)
-        except BaseException as exc:  # the worker still uses the KV cache: wait for it
+        except BaseException as exc:
             error = exc
+        t1 = self.engine.clock.now()
+        self._start_host()
+        ready, ahead, host_error = self._host.result()
+        self._running = self._host = None
         try:
-            result, t1 = fut.result()
-            if error is not None:
-                raise error
+            if error is not None or host_error is not None:
+                raise error if error is not None else host_error
             seq_outputs = settle(self.engine.scheduler, out, ahead, result.sampled_token_ids,
                                  t1)
             self.engine._carry_prompt_logprobs(result)  # now: the request may be forgotten

@@ -149,7 +149,7 @@ class PiecewiseForward:
             report.packed_bytes = sum(p.nbytes for p in self.packs.values())
         self.step_size = 0  # the capture size of the forward running now
         # inductor's settings, fixed here (on the caller's thread: graphs may be compiled on
-        # the overlap scheduler's forward thread, which does not see this thread's settings)
+        # a server's engine thread, which does not see this thread's settings)
         self.options = inductor_options(cpp_wrapper=False)
         self.full_options = inductor_options(cpp_wrapper=report.wrapper == "cpp")
 

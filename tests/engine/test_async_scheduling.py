@@ -1,5 +1,5 @@
 """``LLM(async_scheduling=True)`` (engine/overlap.py, sched/lookahead.py): step N+1 scheduled
-on placeholders while N's forward runs on a worker thread. References: the synchronous engine
+on placeholders by a host thread while N's forward runs. References: the synchronous engine
 and ``labkit.model.generate``, token for token; the block pool's counters for leaks."""
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ def tokens(outs):
 
 class Recorder:
     """Wraps an engine's executor and scheduler: which sequences each forward ran. With
-    ``hold``, each executor call (on the worker) waits, once its forward is done, for the main
-    thread to call ``schedule()`` (10 s at most), and counts the steps where it did: that
-    schedule ran while the executor call was still in flight. ``on_placeholders`` counts the
+    ``hold``, each executor call waits, once its forward is done, for the host thread to call
+    ``schedule()`` (10 s at most), and counts the steps where it did: that schedule ran while
+    the executor call was still in flight. ``on_placeholders`` counts the
     ``schedule()`` calls made while a running sequence's last token was a placeholder."""
 
     def __init__(self, engine, hold: bool = False):
@@ -49,7 +49,7 @@ class Recorder:
 
         def traced_execute(out):
             self.ran.append({sc.seq.seq_id for sc in out.scheduled})
-            for sc in out.scheduled:  # what the worker packs is never a placeholder
+            for sc in out.scheduled:  # what the forward packs is never a placeholder
                 assert PLACEHOLDER not in sc.seq.token_ids
             self.scheduled.clear()
             result = execute(out)
@@ -284,13 +284,13 @@ def test_logprobs_and_prompt_logprobs_equal_sync(tiny_model, prompts):
 
 
 @pytest.mark.parametrize("at_launch", [True, False])  # False: the negative control
-def test_with_compile_the_main_thread_starts_once_the_worker_is_in_its_graph(
+def test_with_compile_the_host_thread_starts_once_the_forward_is_in_its_graph(
         tiny_model, prompts, reference, monkeypatch, at_launch):
-    """compile=True with async scheduling: the main thread schedules the next step while the
-    worker is inside its compiled graph (which runs without the GIL), not while the worker
-    still runs the forward's Python up to it (engine/overlap.py's module doc). Here that
-    Python is made 20 ms slow, and so is each graph: every schedule() made during a forward
-    finds the worker in its graph. Started at packing instead (the control), none does."""
+    """compile=True with async scheduling: the host thread schedules the next step while the
+    forward is inside its compiled graph (which runs without the GIL), not while the forward
+    still runs its Python up to it (engine/overlap.py's module doc). Here that Python is made
+    20 ms slow, and so is each graph: every schedule() made during a forward finds it in its
+    graph. Started at packing instead (the control), none does."""
     import copy
     import time
 

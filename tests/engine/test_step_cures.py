@@ -262,10 +262,11 @@ def _spy_backend(seen: list, fail_cpp_wrapper: bool = False):
     return backend
 
 
-def test_inductor_settings_reach_a_compile_on_the_overlap_thread(monkeypatch):
-    """torch keeps inductor's settings per thread, and with async scheduling the graphs are
-    compiled on the forward thread: each compile gets its settings from the model's
-    PiecewiseForward (the C++ wrapper for full graphs only, $ATEN_CPU_CAPABILITY's width)."""
+def test_inductor_settings_reach_a_compile_on_another_thread(monkeypatch):
+    """torch keeps inductor's settings per thread, and a graph compiles on whichever thread
+    runs its first forward (a server's engine thread, not the one that built the LLM): each
+    compile gets its settings from the model's PiecewiseForward (the C++ wrapper for full
+    graphs only, $ATEN_CPU_CAPABILITY's width)."""
     import threading
 
     from torch._inductor import config
@@ -283,12 +284,17 @@ def test_inductor_settings_reach_a_compile_on_the_overlap_thread(monkeypatch):
     seen: list = []
     with config.patch({"cpp.simdlen": None}):
         piecewise.compile_model(model, capture_sizes=(2,), backend=_spy_backend(seen))
-    llm = labkit.LLM.from_model(model, None, async_scheduling=True, **CHUNKED)
-    assert _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=SP)) == want
+    llm = labkit.LLM.from_model(model, None, **CHUNKED)
+    got: list = []
+    t = threading.Thread(name="engine-thread", target=lambda: got.append(
+        _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=SP))))
+    t.start()
+    t.join()
+    assert got == [want]
     kinds = [k for k, _ in model.forward.graphs]  # in build order, as seen
     assert len(seen) == len(kinds) and any(k.startswith("full") for k in kinds), kinds
     for kind, (thread, cpp_wrapper, simdlen) in zip(kinds, seen):
-        assert thread.startswith("labkit-forward") and simdlen == 256
+        assert thread == "engine-thread" and simdlen == 256
         assert cpp_wrapper == kind.startswith("full"), (kind, cpp_wrapper)
 
 
