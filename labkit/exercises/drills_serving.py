@@ -312,19 +312,21 @@ SERVING = [
       "away, outputs come out a step later, and a step that may preempt, a grammar that needs "
       "N's token, or speculative steps need special handling. On a GPU the forward's kernels "
       "run asynchronously and the host is free. On a CPU the forward runs on the same machine "
-      "and, in Python, under the GIL, so the main thread only overlaps what the worker does "
+      "and, in Python, under the GIL, so the host thread only overlaps what the forward does "
       "without it. labkit measured each cost: a compiled graph with inductor's Python wrapper "
-      "holds the GIL between kernels, and scheduling started before the worker reached its "
+      "holds the GIL between kernels, and scheduling started before the forward reached its "
       "graph took turns with the forward's own Python; the full graphs' C++ wrapper (one "
-      "GIL-free call) and starting the main thread at the graph's launch remove both. What is "
-      "left is the hand-off, two thread wake-ups per step (about 0.05-0.07 ms each from an "
-      "idle vCPU) against about 0.03 ms of scheduling hidden at batch 1: every cure with "
-      "overlap is 0.89x fused + compiled at batch 1 and 0.93x at batch 32 (labkit bench "
-      "step).",
+      "GIL-free call) and starting the host thread at the graph's launch remove both. Handing "
+      "the forward itself to a worker put two thread wake-ups on every step (about 0.05-0.07 "
+      "ms each from an idle vCPU), more than the 0.03 ms of scheduling there is to hide at "
+      "batch 1, so the forward stays on the calling thread. What is left is sharing the "
+      "machine: the graph runs about 5% slower while the host thread works on the other core. "
+      "Every cure with overlap is 0.92x fused + compiled at batch 1 and 0.97x at batch 32 "
+      "(labkit bench step).",
       """
       from labkit.bench.step_gemv import thread_round_trip_us
       # per decode step at batch 1, from labkit bench step's committed run (ms)
-      hidden = 0.020 + 0.008  # schedule + detokenise: what the main thread can run meanwhile
+      hidden = 0.021 + 0.008  # schedule + detokenise: what the main thread can run meanwhile
       trip = thread_round_trip_us() / 1e3  # submit + wake + result, measured here, now
       print(f"one hand-off to a worker and back: {trip * 1e3:.0f} us; overlap hides at most "
             f"{hidden * 1e3:.0f} us of a batch-1 step")
