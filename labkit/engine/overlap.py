@@ -132,7 +132,8 @@ class OverlapStepLoop:
     def _overlap(self, out: SchedulerOutput, t0: float
                  ) -> tuple[list[StepOutput], list[SeqOutput], ModelRunnerOutput, float]:
         """Run ``out``'s forward here while the host thread works (started by the step hook,
-        or now if the forward never packed anything); then book ``out``'s tokens. A failure
+        or now if the forward packed nothing or never entered a compiled graph: an eager step
+        of a compiled model); then book ``out``'s tokens. A failure
         on either side waits for the other, then fails the step (its requests and the
         prepared step's are aborted)."""
         self._running, self._host, error = out, None, None
