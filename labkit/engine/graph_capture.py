@@ -150,13 +150,16 @@ _SIMDLEN = {"default": 0, "avx2": 256, "avx512": 512}  # ATEN_CPU_CAPABILITY -> 
 
 def inductor_options(cpp_wrapper: bool = False) -> dict[str, Any]:
     """The inductor settings one compile runs under (given to :class:`CapturedGraph`): the C++
-    wrapper if asked, and the vector width of ``$ATEN_CPU_CAPABILITY`` when that is set and
-    no width was chosen (see the module doc)."""
+    wrapper if asked, and the vector width: this thread's if one was chosen (by the user, or
+    pinned by :func:`match_aten_vector_width`), else ``$ATEN_CPU_CAPABILITY``'s when that is
+    set (see the module doc)."""
     from torch._inductor import config
 
     options: dict[str, Any] = {"cpp_wrapper": cpp_wrapper}
-    width = _SIMDLEN.get(os.environ.get("ATEN_CPU_CAPABILITY", ""))
-    if width is not None and config.cpp.simdlen is None:
+    width = config.cpp.simdlen
+    if width is None:
+        width = _SIMDLEN.get(os.environ.get("ATEN_CPU_CAPABILITY", ""))
+    if width is not None:
         options["cpp.simdlen"] = width
     return options
 

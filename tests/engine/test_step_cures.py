@@ -298,6 +298,25 @@ def test_inductor_settings_reach_a_compile_on_another_thread(monkeypatch):
         assert cpp_wrapper == kind.startswith("full"), (kind, cpp_wrapper)
 
 
+def test_the_pinned_vector_width_travels_to_other_threads(monkeypatch):
+    """compile_model pins the width on its own thread first (match_aten_vector_width), then
+    fixes the options its graphs compile with: the pinned width must be among them, or a graph
+    compiled on another thread would build with the CPU's own."""
+    from torch._inductor import config
+
+    from labkit.engine.graph_capture import inductor_options
+
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    with config.patch({"cpp.simdlen": None}):
+        assert piecewise.match_aten_vector_width() == 256
+        assert inductor_options()["cpp.simdlen"] == 256
+    with config.patch({"cpp.simdlen": 512}):  # the user's own choice travels too
+        assert inductor_options(cpp_wrapper=True) == {"cpp_wrapper": True, "cpp.simdlen": 512}
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    with config.patch({"cpp.simdlen": None}):
+        assert inductor_options() == {"cpp_wrapper": False}
+
+
 def test_a_cpp_wrapper_that_cannot_be_built_falls_back_and_says_why():
     model = testing.tiny_model(seed=6)
     prompts = _prompts()[:2]
