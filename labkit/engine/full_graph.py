@@ -57,22 +57,36 @@ KERNEL = "C++ kernel"  # a full graph's attention in CompileReport.full_attentio
 
 def full_graph_refusal(model: nn.Module, kv_cache: Any) -> str | None:
     """Why a decode step with this model and cache runs piecewise (None: as a full graph)."""
+    return step_refusal(model, kv_cache) or static_refusal(model, kv_cache)
+
+
+def static_refusal(model: nn.Module, kv_cache: Any) -> str | None:
+    """The part of :func:`full_graph_refusal` fixed when the cache is made (its backend, dtype,
+    scales, latent layers; the model's sinks): checked once per cache, not every step."""
     if type(getattr(kv_cache, "backend", None)) is not TorchBackend:
         return "the full graph implements the paged cache of the torch attention backend"
-    if "attend" in vars(kv_cache):  # labkit.kv.connector.base wraps it per cache object
-        return "a KV connector's per-layer loads and saves wrap the cache's attend"
-    if kv_cache.metas or kv_cache.k_scales:
+    if kv_cache.k_scales:
         return "hybrid groups and quantized KV caches attend outside the graph"
     if any(w is not None for w in kv_cache.kv_latent_dims):
         return "latent attention (MLA) layers attend outside the graph"
     if any(getattr(layer.self_attn, "sinks", None) is not None for layer in model.model.layers):
         return "attention-sink logits are added outside the graph"
+    if kv_cache.k_caches[0].dtype != model.dtype:
+        return "a KV cache of another dtype than the model's"
+    return None
+
+
+def step_refusal(model: nn.Module, kv_cache: Any) -> str | None:
+    """The part of :func:`full_graph_refusal` that can change between steps: a KV connector
+    wrapping the cache, a hybrid step's per-group metadata, hooks on the final norm."""
+    if "attend" in vars(kv_cache):  # labkit.kv.connector.base wraps it per cache object
+        return "a KV connector's per-layer loads and saves wrap the cache's attend"
+    if kv_cache.metas:
+        return "hybrid groups and quantized KV caches attend outside the graph"
     norm = model.model.norm
     if norm._forward_hooks or norm._forward_pre_hooks:
         return ("hooks on the final norm (EAGLE's feature capture, the profiler's per-layer "
                 "timers) need it eager")
-    if kv_cache.k_caches[0].dtype != model.dtype:
-        return "a KV cache of another dtype than the model's"
     return None
 
 
@@ -116,18 +130,25 @@ def kernel_refusal(model: nn.Module, kv_cache: Any, size: int, bucket: int) -> s
 
 class DecodeStep:
     """The function a full graph is traced from: ``(*templates, *args)`` -> logits [B, V].
-    Templates: the L layers, the final norm, the LM head; args: the embedded tokens, cos, sin,
-    slot mapping, block tables, context lengths, then the L K caches and the L V caches.
+    Templates: the L layers, the final norm, the LM head, the token embedding; args: the token
+    ids, positions, cos, sin, slot mapping, block tables, context lengths, then the L K caches
+    and the L V caches. ``rope_table``: cos and sin are the model's rotary tables
+    (:func:`labkit.model.fuse.use_rope_table`), looked up in the graph (else the step's own).
     ``kernel``: attention as the C++ op (else as products and sums under a mask)."""
 
     def __init__(self, num_layers: int, windows: list[int | None], scale: float,
-                 kernel: bool) -> None:
+                 kernel: bool, rope_table: bool) -> None:
         self.L, self.windows, self.scale, self.kernel = num_layers, windows, scale, kernel
+        self.rope_table = rope_table
 
     def __call__(self, *templates_and_args: Any) -> torch.Tensor:
         L = self.L
-        layers, (norm, head) = templates_and_args[:L], templates_and_args[L:L + 2]
-        x, cos, sin, slots, tables, ctx, *caches = templates_and_args[L + 2:]
+        layers, (norm, head, embed) = templates_and_args[:L], templates_and_args[L:L + 3]
+        ids, pos, cos, sin, slots, tables, ctx, *caches = templates_and_args[L + 3:]
+        # the embedding and the rotary lookup in the graph: two eager ops fewer per step
+        x = embed.forward(ids)
+        if self.rope_table:
+            cos, sin = cos[pos], sin[pos]
         num_keys = tables.shape[1] * caches[0].shape[1]
         masks = {} if self.kernel else {w: decode_mask(ctx, num_keys, w)
                                         for w in set(self.windows)}
@@ -147,6 +168,11 @@ class DecodeStep:
         return head.forward(norm.forward(x + residual)[0])
 
 
+def has_rope_table(model: nn.Module) -> bool:
+    """The model looks its rotary cos/sin up in a table (the fused cure's precomputed one)."""
+    return isinstance(getattr(model, "rope_cos", None), torch.Tensor)
+
+
 def pad_rows(t: torch.Tensor, size: int, dim: int = 0) -> torch.Tensor:
     """``t`` with copies of its first row along ``dim`` up to ``size`` rows."""
     n = size - t.shape[dim]
@@ -162,12 +188,14 @@ def full_graph_args(model: nn.Module, input_ids: torch.Tensor, positions: torch.
     ``input_ids`` [1, B] padded to ``size`` sequences."""
     meta = kv_cache.meta
     ids, pos = pad_rows(input_ids, size, 1), pad_rows(positions, size, 1)
-    x = model.model.embed_tokens(ids)
-    cos, sin = model.rope(pos, x.dtype)
+    if has_rope_table(model):  # looked up in the graph
+        cos, sin = model.rope_cos, model.rope_sin
+    else:
+        cos, sin = model.rope(pos, model.dtype)
     width = meta.block_tables.shape[1]
     bucket = block_bucket(width)
     tables = torch.nn.functional.pad(meta.block_tables, (0, bucket - width)).long()
-    args = (x, cos, sin, pad_rows(meta.slot_mapping, size), pad_rows(tables, size),
+    args = (ids, pos, cos, sin, pad_rows(meta.slot_mapping, size), pad_rows(tables, size),
             pad_rows(meta.context_lens, size).long(), *kv_cache.k_caches, *kv_cache.v_caches)
     return bucket, args
 
@@ -177,7 +205,7 @@ def decode_piece(model: nn.Module, kv_cache: Any, templates: list[nn.Module],
     """The :class:`Piece` a full graph traces: :class:`DecodeStep` over weightless templates,
     attending through the C++ kernel or not (:func:`kernel_refusal`)."""
     step = DecodeStep(len(model.model.layers), list(kv_cache.sliding_windows), kv_cache.scale,
-                      kernel)
+                      kernel, has_rope_table(model))
     return Piece(step, *templates)
 
 

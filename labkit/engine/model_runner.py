@@ -20,14 +20,15 @@ so no later forward sees a stale one. ``owners`` is one object per chunk, given 
 each chunk) or None.
 
 Per-step Python overhead decides CPU throughput with a small model, so inputs are built with a
-few list operations and one tensor per input (no per-layer work here).
+few list operations and one tensor per input (no per-layer work here); a step that samples every
+row (a decode step) skips the logits gather, and a step with no hooks enters no context stack.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any
 
 import torch
@@ -96,12 +97,15 @@ class ModelRunner:
         else:
             self.kv_cache.begin_step(slots, [c[0] for c in chunks], qlens, ctx)
         dev = self.device
+        every_row = not model_inputs and out_idx == list(range(len(ids)))
         try:
-            with ExitStack() as hooks:
+            with ExitStack() if self.step_hooks else nullcontext() as hooks:
                 for hook in self.step_hooks:
                     hooks.enter_context(hook(owners, qlens))
-                return self.model(torch.tensor([ids], device=dev),
-                                  torch.tensor([pos], device=dev), self.kv_cache,
+                ids_t, pos_t = torch.tensor([ids], device=dev), torch.tensor([pos], device=dev)
+                if every_row:  # a decode step samples every row: no gather of the logits
+                    return self.model(ids_t, pos_t, self.kv_cache)[0]
+                return self.model(ids_t, pos_t, self.kv_cache,
                                   torch.tensor(out_idx, dtype=torch.long, device=dev),
                                   **model_inputs)
         finally:

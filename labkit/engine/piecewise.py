@@ -64,9 +64,10 @@ from labkit.engine.full_graph import (
     KERNEL,
     decode_piece,
     full_graph_args,
-    full_graph_refusal,
     is_uniform_decode,
     kernel_refusal,
+    static_refusal,
+    step_refusal,
 )
 from labkit.engine.graph_capture import (
     CapturedGraph,
@@ -148,6 +149,7 @@ class PiecewiseForward:
             self.packs = {m: PackedWeights(m) for m in (*model.model.layers, model.lm_head)}
             report.packed_bytes = sum(p.nbytes for p in self.packs.values())
         self.step_size = 0  # the capture size of the forward running now
+        self.static_for: tuple[Any, str | None] = (None, None)  # (cache, static_refusal)
         # inductor's settings, fixed here (on the caller's thread: graphs may be compiled on
         # a server's engine thread, which does not see this thread's settings)
         self.options = inductor_options(cpp_wrapper=False)
@@ -192,8 +194,8 @@ class PiecewiseForward:
         """The modules each call of piece ``kind`` takes its weights from, in call order."""
         m = self.model
         layers = list(m.model.layers)
-        if kind.startswith("full"):  # a full decode graph: every layer, the norm, the head
-            return [(*layers, m.model.norm, m.lm_head)]
+        if kind.startswith("full"):  # a full graph: the layers, norm, head and embedding
+            return [(*layers, m.model.norm, m.lm_head, m.model.embed_tokens)]
         return {"pre": [(layers[0],)], "between": list(zip(layers, layers[1:])),
                 "last": [(layers[-1],)], "head": [(m.lm_head,)]}[kind]
 
@@ -258,8 +260,10 @@ class PiecewiseForward:
               logits_indices: torch.Tensor | None, size: int) -> torch.Tensor | None:
         """A uniform decode step as one full graph (:mod:`labkit.engine.full_graph`); None
         when it runs piecewise (``report.full_reason`` says why)."""
-        reason = full_graph_refusal(self.model, kv_cache)
-        self.report.full_reason = reason
+        if self.static_for[0] is not kv_cache:  # once per cache: its backend, dtype, layers
+            self.static_for = kv_cache, static_refusal(self.model, kv_cache)
+        reason = self.report.full_reason = (step_refusal(self.model, kv_cache)
+                                            or self.static_for[1])
         if reason is not None:
             return None
         bucket, args = full_graph_args(self.model, input_ids, positions, kv_cache, size)
