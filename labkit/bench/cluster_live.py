@@ -174,13 +174,7 @@ def failover_run(c: Cluster, cases: Sequence[tuple[str, dict[str, Any]]], min_ev
     once every stream has output). Runs them uninterrupted, then again with a replica killed
     mid-stream (``victim``, default the one holding the most; ``before_kill`` runs just
     before); compares every choice's text. ``restore`` restarts the victim afterwards."""
-    ref: list[Any] = [None] * len(cases)
-    ref_whole: list[Any] = [None] * len(whole)
-    for t in _threads([lambda k=k: ref.__setitem__(k, stream_one(c.url, *cases[k]))
-                       for k in range(len(cases))] +
-                      [lambda k=k: ref_whole.__setitem__(k, post_one(c.url, *whole[k]))
-                       for k in range(len(whole))]):
-        t.join()
+    ref, ref_whole = _uninterrupted(c.url, cases, whole)
     counts = [0] * len(cases)
     recs: list[Any] = [None] * len(cases)
     got_whole: list[Any] = [None] * len(whole)
@@ -199,20 +193,12 @@ def failover_run(c: Cluster, cases: Sequence[tuple[str, dict[str, Any]]], min_ev
 
     wait_for(1)
     if whole:  # sent now, and routed before the kill
-        streaming = sum(t.is_alive() for t in threads)
-        threads += _threads([lambda k=k: got_whole.__setitem__(k, post_one(c.url, *whole[k]))
-                             for k in range(len(whole))])
-        while sum(s["outstanding"] for s in c.replica_states()) < streaming + len(whole) and \
-                time.monotonic() < deadline:
-            time.sleep(0.01)
+        threads += _send_routed(c, whole, got_whole, sum(t.is_alive() for t in threads),
+                                deadline)
     wait_for(min_events)
     if before_kill is not None:
         before_kill()
-    states = c.replica_states()
-    if victim is None:
-        victim = max(range(len(states)), key=lambda i: states[i]["outstanding"])
-    held, kill_time = states[victim]["outstanding"], time.time()
-    c.kill(victim)
+    victim, held, kill_time = _kill(c, victim)
     for t in threads:
         t.join()
     moved = [f for f in c.failovers() if f["time"] >= kill_time - 1
@@ -230,6 +216,42 @@ def failover_run(c: Cluster, cases: Sequence[tuple[str, dict[str, Any]]], min_ev
     if restore:
         out["restart_s"] = c.restart(victim)
     return out
+
+
+def _uninterrupted(url: str, cases: Sequence[tuple[str, dict[str, Any]]],
+                   whole: Sequence[tuple[str, dict[str, Any]]]) -> tuple[list[Any], list[Any]]:
+    """The reference: every stream and whole request answered with no replica killed."""
+    ref: list[Any] = [None] * len(cases)
+    ref_whole: list[Any] = [None] * len(whole)
+    for t in _threads([lambda k=k: ref.__setitem__(k, stream_one(url, *cases[k]))
+                       for k in range(len(cases))] +
+                      [lambda k=k: ref_whole.__setitem__(k, post_one(url, *whole[k]))
+                       for k in range(len(whole))]):
+        t.join()
+    return ref, ref_whole
+
+
+def _send_routed(c: Cluster, whole: Sequence[tuple[str, dict[str, Any]]], got: list[Any],
+                 streaming: int, deadline: float) -> list[threading.Thread]:
+    """Send the whole requests and wait until the router holds them all (beside the
+    ``streaming`` streams), so the kill hits requests already routed."""
+    threads = _threads([lambda k=k: got.__setitem__(k, post_one(c.url, *whole[k]))
+                        for k in range(len(whole))])
+    while sum(s["outstanding"] for s in c.replica_states()) < streaming + len(whole) and \
+            time.monotonic() < deadline:
+        time.sleep(0.01)
+    return threads
+
+
+def _kill(c: Cluster, victim: int | None) -> tuple[int, int, float]:
+    """Kill ``victim`` (default: the replica holding the most requests); returns it, how many
+    it held and when."""
+    states = c.replica_states()
+    if victim is None:
+        victim = max(range(len(states)), key=lambda i: states[i]["outstanding"])
+    held, kill_time = states[victim]["outstanding"], time.time()
+    c.kill(victim)
+    return victim, held, kill_time
 
 
 def failover_cases(streams: int, max_tokens: int = 64) -> list[tuple[str, dict[str, Any]]]:

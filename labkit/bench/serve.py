@@ -35,6 +35,7 @@ Absolute numbers are for this machine only; the ratios are the result.
 
 from __future__ import annotations
 
+import argparse
 import math
 import time
 from pathlib import Path
@@ -43,10 +44,11 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from labkit.bench.common import bench_parser, environment, print_table, write_json
+from labkit.bench.common import bench_parser, environment, write_json
 from labkit.bench.serve_client import BenchRequest, make_requests, summarize
 from labkit.bench.serve_client import load as _load
 from labkit.bench.serve_knee import fit_step_time, knee_report, simulate_rate
+from labkit.bench.serve_report import print_report, write_chart
 
 # The sweep's rates are fractions of the capacity this run measures first (its all-at-once
 # burst): fixed rates missed the knee on a fast machine (issue 27: 4 and 8 req/s against 14.4 of
@@ -148,35 +150,6 @@ def noisy_neighbour_steps(model: Any, tokenizer: Any = None, policy: str = "fcfs
             "num_preemptions": eng.stats()["num_preemptions"], "engine": eng}
 
 
-def write_chart(payload: dict[str, Any], path: Path) -> None:
-    from plotly.subplots import make_subplots
-
-    rows = payload["sweep"]
-    x = [r["request_throughput"] for r in rows]
-    labels = [f"rate {r['request_rate']}" for r in rows]
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("TTFT (ms)", "TPOT (ms)"))
-    for q, dash in (("median", None), ("p99", "dot")):
-        fig.add_scatter(x=x, y=[r[f"{q}_ttft_ms"] for r in rows], text=labels, row=1, col=1,
-                        mode="lines+markers", name=f"{q} TTFT", line={"dash": dash})
-        fig.add_scatter(x=x, y=[r[f"{q}_tpot_ms"] for r in rows], text=labels, row=1, col=2,
-                        mode="lines+markers", name=f"{q} TPOT", line={"dash": dash})
-    sim = payload.get("simulated_sweep")
-    if sim:  # the simulator on the fitted step time, same requests and arrivals (serve_knee)
-        fig.add_scatter(x=[r["request_throughput"] for r in sim],
-                        y=[r["p99_ttft_ms"] for r in sim], row=1, col=1, mode="lines+markers",
-                        text=[f"rate {r['request_rate']}" for r in sim],
-                        name="p99 TTFT, simulated engine", line={"dash": "dash"})
-        for name, cap in (("measured", payload["knee"]["measured_capacity_req_s"]),
-                          ("simulated", payload["knee"]["simulated_capacity_req_s"])):
-            fig.add_vline(x=cap, line_dash="dot", row=1, col=1,
-                          annotation_text=f"{name} capacity {cap:.2f}/s")
-    fig.update_xaxes(title_text="achieved requests/s")
-    fig.update_layout(title="labkit serve: latency against load (the knee is where the queue "
-                      "starts to grow), beside the simulator's prediction")
-    fig.write_html(str(path), include_plotlyjs="directory")
-    print(f"wrote {path}")
-
-
 def _http_pass(url: str, model: str, conc_reqs: list, c1_reqs: list, cfg: dict[str, Any],
                slo: dict, bar: Any) -> tuple[dict, dict, list[str]]:
     """Fixed concurrency 16 (throughput), then concurrency 1 (TTFT), against one server."""
@@ -214,14 +187,7 @@ def _sweep(url: str, args: Any, reqs: list, cfg: dict[str, Any], bar: Any,
 
 
 def run(args: Any) -> dict[str, Any]:
-    from labkit.serve.process import ServerProcess
-
-    cfg = dict(QUICK if args.quick else FULL)
-    if args.num_requests:
-        cfg["num_requests"] = args.num_requests
-    if args.rates:
-        cfg["rates"] = tuple(float(r) for r in args.rates.split(","))
-    n_rates = len(cfg["rates"]) if "rates" in cfg else 1 + len(cfg["rate_fractions"])
+    cfg = _config(args)
     # the concurrency run has its own, longer list (a few seconds of full batches, so the
     # ratio is not the ramp-up and the tail); the sweep's requests are its first ones
     conc_reqs = make_requests(max(cfg["conc_requests"], cfg["num_requests"]),
@@ -236,30 +202,13 @@ def run(args: Any) -> dict[str, Any]:
     if own:
         for m, t in variants:
             engine_args(m, t)  # a bad mode fails before anything starts
-    per_pass = len(conc_reqs) + cfg["c1_requests"]
-    total = (cfg["num_requests"] * n_rates + per_pass * len(variants)
-             + (8 * cfg["fair_max_num_seqs"] + 2 * cfg["light_n"] * (2 + cfg["heavy_mult"])
-                if own and args.fairness else 0))
-    bar = tqdm(total=total, desc="bench serve", unit="req")
+    bar = tqdm(total=_total_requests(cfg, len(conc_reqs), len(variants), own and args.fairness),
+               desc="bench serve", unit="req")
     slo = {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms}
     by_t = {}  # the baseline first, right before the headline server: the load drifts less
     if own or args.in_process:
         by_t = {t: in_process(args.model_path, conc_reqs, 16, t) for t in threads}
-    passes, sweep = {}, []
-    for i, (mode, nt) in enumerate(variants):
-        srv = ServerProcess(args.model_path, SERVER_ARGS + engine_args(mode, nt),
-                            threads=nt).start() \
-            if own else None
-        url = args.base_url or srv.url
-        try:
-            _load(url, args.model, reqs[:2], None)  # warm-up
-            if i == 0:
-                sweep = _sweep(url, args, reqs, cfg, bar, slo)
-            passes[(mode, nt)] = _http_pass(url, args.model, conc_reqs,
-                                            reqs[:cfg["c1_requests"]], cfg, slo, bar)
-        finally:
-            if srv is not None:
-                srv.stop()
+    passes, sweep = _http_passes(args, variants, reqs, conc_reqs, cfg, bar, slo)
     head_mode, head_threads = variants[0]
     conc, c1, http_texts = passes[variants[0]]
     payload: dict[str, Any] = {"backend": "labkit" if own else "openai-compatible",
@@ -268,18 +217,7 @@ def run(args: Any) -> dict[str, Any]:
                                "max_concurrency": cfg["concurrency"], **conc,
                                "slo_ms": slo, "concurrency_1": c1, "sweep": sweep}
     if by_t:
-        t_tp = max(by_t, key=lambda t: by_t[t]["output_throughput"])  # the baseline's best
-        t_ttft = min(by_t, key=lambda t: by_t[t]["median_ttft_ms"])
-        ip = {**by_t[t_tp], "median_ttft_ms": by_t[t_ttft]["median_ttft_ms"]}
-        payload["in_process_output_throughput"] = ip["output_throughput"]
-        payload["http_over_in_process"] = conc["output_throughput"] / ip["output_throughput"]
-        payload["in_process_median_ttft_ms"] = ip["median_ttft_ms"]
-        payload["c1_ttft_overhead_ms"] = c1["median_ttft_ms"] - ip["median_ttft_ms"]
-        payload["greedy_text_matches"] = sum(a == b for a, b in zip(http_texts, ip["texts"]))
-        payload["in_process_threads"] = {"throughput": t_tp, "ttft": t_ttft}
-        payload["in_process_by_threads"] = {
-            str(t): {k: r[k] for k in ("output_throughput", "median_ttft_ms")}
-            for t, r in by_t.items()}
+        ip = _beside_in_process(payload, by_t, conc, c1, http_texts)
         if own:  # every variant against the same (best) baseline
             payload["engine_modes"] = {m: {str(t): _variant_row(*passes[(m, t)], ip)
                                            for t in threads} for m in modes}
@@ -300,7 +238,86 @@ def run(args: Any) -> dict[str, Any]:
     return payload
 
 
+def _config(args: Any) -> dict[str, Any]:
+    """The run's sizes: the quick or full preset, with ``--num-requests`` and ``--rates``."""
+    cfg = dict(QUICK if args.quick else FULL)
+    if args.num_requests:
+        cfg["num_requests"] = args.num_requests
+    if args.rates:
+        cfg["rates"] = tuple(float(r) for r in args.rates.split(","))
+    return cfg
+
+
+def _total_requests(cfg: dict[str, Any], conc_n: int, n_variants: int, fair: bool) -> int:
+    """Every request the run will send (the progress bar's length): the sweep, each variant's
+    two passes, and the noisy neighbour's if it runs."""
+    n_rates = len(cfg["rates"]) if "rates" in cfg else 1 + len(cfg["rate_fractions"])
+    per_pass = conc_n + cfg["c1_requests"]
+    return (cfg["num_requests"] * n_rates + per_pass * n_variants
+            + (8 * cfg["fair_max_num_seqs"] + 2 * cfg["light_n"] * (2 + cfg["heavy_mult"])
+               if fair else 0))
+
+
+def _http_passes(args: Any, variants: list, reqs: list, conc_reqs: list, cfg: dict[str, Any],
+                 bar: Any, slo: dict[str, float]) -> tuple[dict, list[dict[str, Any]]]:
+    """Each variant's server in turn (own servers started and stopped here): its two passes,
+    and on the first one the rate sweep."""
+    from labkit.serve.process import ServerProcess
+
+    own = args.base_url is None
+    passes, sweep = {}, []
+    for i, (mode, nt) in enumerate(variants):
+        srv = ServerProcess(args.model_path, SERVER_ARGS + engine_args(mode, nt),
+                            threads=nt).start() \
+            if own else None
+        url = args.base_url or srv.url
+        try:
+            _load(url, args.model, reqs[:2], None)  # warm-up
+            if i == 0:
+                sweep = _sweep(url, args, reqs, cfg, bar, slo)
+            passes[(mode, nt)] = _http_pass(url, args.model, conc_reqs,
+                                            reqs[:cfg["c1_requests"]], cfg, slo, bar)
+        finally:
+            if srv is not None:
+                srv.stop()
+    return passes, sweep
+
+
+def _beside_in_process(payload: dict[str, Any], by_t: dict[int, dict[str, Any]], conc: dict,
+                       c1: dict, http_texts: list[str]) -> dict[str, Any]:
+    """The headline against the in-process baseline at its best thread count (throughput and
+    TTFT each); returns that best baseline."""
+    t_tp = max(by_t, key=lambda t: by_t[t]["output_throughput"])  # the baseline's best
+    t_ttft = min(by_t, key=lambda t: by_t[t]["median_ttft_ms"])
+    ip = {**by_t[t_tp], "median_ttft_ms": by_t[t_ttft]["median_ttft_ms"]}
+    payload["in_process_output_throughput"] = ip["output_throughput"]
+    payload["http_over_in_process"] = conc["output_throughput"] / ip["output_throughput"]
+    payload["in_process_median_ttft_ms"] = ip["median_ttft_ms"]
+    payload["c1_ttft_overhead_ms"] = c1["median_ttft_ms"] - ip["median_ttft_ms"]
+    payload["greedy_text_matches"] = sum(a == b for a, b in zip(http_texts, ip["texts"]))
+    payload["in_process_threads"] = {"throughput": t_tp, "ttft": t_ttft}
+    payload["in_process_by_threads"] = {
+        str(t): {k: r[k] for k in ("output_throughput", "median_ttft_ms")}
+        for t, r in by_t.items()}
+    return ip
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    args.engine_threads = args.engine_threads or default_engine_threads()
+    payload = run(args)
+    print_report(payload)
+    write_json(args.json, payload)
+    if args.json:
+        try:
+            write_chart(payload, Path(args.json).with_suffix(".html"))
+        except ImportError:
+            print("plotly is not installed (pip install labkit[lab]); chart skipped")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    """``labkit bench serve``'s flags beside the common bench ones."""
     p = bench_parser("serve", __doc__.splitlines()[0])
     p.add_argument("--base-url", default=None, help="an OpenAI-compatible server (default: "
                    "start labkit serve)")
@@ -324,48 +341,4 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-threads", default=None, help="own servers and the "
                    "in-process baseline: torch threads to try (comma list; default: torch's "
                    "count, then 1); the baseline keeps its best, each setting is reported")
-    args = p.parse_args(argv)
-    args.engine_threads = args.engine_threads or default_engine_threads()
-    payload = run(args)
-    cols = ["request_rate", "completed", "request_throughput", "output_throughput",
-            "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms"]
-    print_table(payload["sweep"], cols)
-    print(f"\nconcurrency {payload['max_concurrency']}: {payload['output_throughput']:.1f} "
-          f"output tok/s over HTTP", end="")
-    if "in_process_output_throughput" in payload:
-        print(f", {payload['in_process_output_throughput']:.1f} in process "
-              f"(ratio {payload['http_over_in_process']:.2f}); concurrency 1 TTFT p50 "
-              f"{payload['concurrency_1']['median_ttft_ms']:.1f} ms vs "
-              f"{payload['in_process_median_ttft_ms']:.1f} ms in process")
-    for m, by_t in payload.get("engine_modes", {}).items():
-        for t, r in by_t.items():
-            print(f"  engine in a {m}, {t} torch thread(s): {r['output_throughput']:.1f} tok/s "
-                  f"({r['http_over_in_process']:.2f}x in process), c1 TTFT p50 "
-                  f"{r['c1_median_ttft_ms']:.1f} ms ({r['c1_ttft_overhead_ms']:+.1f} ms)")
-    if "in_process_threads" in payload:
-        print(f"  in process: best throughput with {payload['in_process_threads']['throughput']}"
-              f" thread(s), best TTFT with {payload['in_process_threads']['ttft']}")
-    if "knee" in payload:
-        k = payload["knee"]
-        print(f"knee: measured capacity {k['measured_capacity_req_s']:.2f} req/s, simulator "
-              f"(fitted step time, r2 {k['step_fit']['r2']:.2f}) "
-              f"{k['simulated_capacity_req_s']:.2f} req/s: {k['measured_over_simulated']:.2f}x"
-              + ("" if k["verdict"] == "conclusive" else f"; {k['verdict']}"))
-    if "fairness" in payload:
-        f = payload["fairness"]
-        print(f"noisy neighbour (heavy tenant at {f['heavy_rate_req_s']:.1f} req/s, calibrated "
-              f"from a measured capacity of {f['capacity_req_s']:.1f} req/s, light at a tenth "
-              "of that): ", end="")
-        if f["verdict"] != "conclusive":
-            print(f["verdict"])
-        else:
-            print(f"light tenant p99 TTFT with / without: fcfs "
-                  f"{f['fcfs_light_p99_ttft_ratio']:.2f}x, fair "
-                  f"{f['fair_light_p99_ttft_ratio']:.2f}x")
-    write_json(args.json, payload)
-    if args.json:
-        try:
-            write_chart(payload, Path(args.json).with_suffix(".html"))
-        except ImportError:
-            print("plotly is not installed (pip install labkit[lab]); chart skipped")
-    return 0
+    return p

@@ -69,24 +69,30 @@ def fairness(model_path: str, cfg: dict[str, Any], bar: Any,
                                                                     rate, cfg, bar, out,
                                                                     policy == policies[0])
             solo, d_solo = _load(srv.url, "labkit-tiny", light, bar, rate=rate, seed=1)
-        s_solo, s_mixed = summarize(solo, d_solo), summarize(mixed, d_mixed)
-        s_heavy = summarize(hv, d_hv)
-        out[policy] = {"light_solo_p99_ttft_ms": s_solo["p99_ttft_ms"],
-                       "light_mixed_p99_ttft_ms": s_mixed["p99_ttft_ms"],
-                       "light_solo_p50_ttft_ms": s_solo["p50_ttft_ms"],
-                       "light_mixed_p50_ttft_ms": s_mixed["p50_ttft_ms"],
-                       "heavy_p99_ttft_ms": s_heavy["p99_ttft_ms"],
-                       "heavy_output_throughput": s_heavy["output_throughput"],
-                       "heavy_request_throughput": s_heavy["request_throughput"],
-                       "failed": s_solo["failed"] + s_mixed["failed"] + s_heavy["failed"],
-                       "saturation": check}
-        out[f"{policy}_light_p99_ttft_ratio"] = (s_mixed["p99_ttft_ms"] /
-                                                 s_solo["p99_ttft_ms"])
+        out[policy] = _policy_row(summarize(solo, d_solo), summarize(mixed, d_mixed),
+                                  summarize(hv, d_hv), check)
+        out[f"{policy}_light_p99_ttft_ratio"] = (out[policy]["light_mixed_p99_ttft_ms"] /
+                                                 out[policy]["light_solo_p99_ttft_ms"])
     out["light_rate_req_s"], out["heavy_rate_req_s"] = rate, rate * k
     short = [f"{p}: {out[p]['saturation']['verdict'][len('inconclusive: '):]}"
              for p in policies if out[p]["saturation"]["verdict"] != "conclusive"]
     out["verdict"] = "conclusive" if not short else "inconclusive: " + "; ".join(short)
     return out
+
+
+def _policy_row(s_solo: dict[str, Any], s_mixed: dict[str, Any], s_heavy: dict[str, Any],
+                check: dict[str, Any]) -> dict[str, Any]:
+    """One policy's result: the light tenant alone and mixed, what the heavy tenant got, and
+    the saturation check that says whether the comparison tested anything."""
+    return {"light_solo_p99_ttft_ms": s_solo["p99_ttft_ms"],
+            "light_mixed_p99_ttft_ms": s_mixed["p99_ttft_ms"],
+            "light_solo_p50_ttft_ms": s_solo["p50_ttft_ms"],
+            "light_mixed_p50_ttft_ms": s_mixed["p50_ttft_ms"],
+            "heavy_p99_ttft_ms": s_heavy["p99_ttft_ms"],
+            "heavy_output_throughput": s_heavy["output_throughput"],
+            "heavy_request_throughput": s_heavy["request_throughput"],
+            "failed": s_solo["failed"] + s_mixed["failed"] + s_heavy["failed"],
+            "saturation": check}
 
 
 def _saturating_mix(url: str, light: list, heavy: list, rate: float, cfg: dict[str, Any],

@@ -25,16 +25,18 @@ def router_error(status: int, message: str, code: str) -> JSONResponse:
                                    "code": code}}, status_code=status)
 
 
+def _replica(by_name: dict[str, Any], name: str) -> Any:
+    """The upstream an operator named, or a 404 listing the names there are (a typo)."""
+    if name not in by_name:
+        return router_error(404, f"no replica named {name!r}; valid: "
+                            f"{', '.join(by_name)}", "unknown_replica")
+    return by_name[name]
+
+
 def add_admin_routes(app: FastAPI, by_name: dict[str, Any], health: HealthTracker,
                      metrics: Any) -> None:
     """The operator's routes on ``app`` over the router's upstreams (``by_name``), breakers
     and metrics."""
-
-    def replica(name: str) -> Any:
-        if name not in by_name:
-            return router_error(404, f"no replica named {name!r}; valid: "
-                                f"{', '.join(by_name)}", "unknown_replica")
-        return by_name[name]
 
     @app.get("/admin/replicas")
     async def replicas() -> list[dict[str, Any]]:
@@ -46,7 +48,7 @@ def add_admin_routes(app: FastAPI, by_name: dict[str, Any], health: HealthTracke
     async def drain(name: str, action: str) -> Response:
         """``drain``: out of rotation (streams in flight finish); ``undrain``: back in, with a
         fresh breaker (the operator says it is back)."""
-        u = replica(name)
+        u = _replica(by_name, name)
         if isinstance(u, Response):
             return u
         if action not in ("drain", "undrain"):

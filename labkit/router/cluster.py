@@ -20,6 +20,7 @@ router puts it back with a fresh breaker. Clients see no error at any point.
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import time
 from collections.abc import Iterable, Sequence
@@ -190,27 +191,7 @@ class Cluster:
 def main(argv: list[str] | None = None) -> int:
     """``labkit cluster up N [--policy P] [--model M] [--port P]``: start, print, wait for
     Ctrl-C (or SIGTERM), stop everything."""
-    import argparse
-    import signal
-
-    from labkit.router.policies import POLICIES
-
-    p = argparse.ArgumentParser(prog="labkit cluster", description="N labkit serve replicas "
-                                "and a router on loopback, stopped together on Ctrl-C.")
-    sub = p.add_subparsers(dest="action", required=True)
-    up = sub.add_parser("up", help="start N replicas and a router")
-    up.add_argument("n", type=int, metavar="N", nargs="?", default=None,
-                    help="replicas (colocated); or give --prefill and --decode instead")
-    up.add_argument("--prefill", type=int, default=None, metavar="P",
-                    help="prefill instances of a disaggregated cluster (with --decode)")
-    up.add_argument("--decode", type=int, default=None, metavar="D",
-                    help="decode instances of a disaggregated cluster (with --prefill)")
-    up.add_argument("--policy", default="prefix-affinity", choices=list(POLICIES))
-    up.add_argument("--model", default="labkit-tiny")
-    up.add_argument("--port", type=int, default=8000, help="the router's port")
-    up.add_argument("--replica-arg", action="append", default=None, metavar="ARG",
-                    help="extra argument for every `labkit serve` (repeat), e.g. "
-                    "--replica-arg=--max-num-seqs --replica-arg=8")
+    p = _parser()
     args = p.parse_args(argv)
     pd = args.prefill is not None or args.decode is not None
     if pd and (args.n is not None or args.prefill is None or args.decode is None):
@@ -218,15 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     if not pd and (args.n is None or args.n < 1):
         p.error(f"N must be >= 1, got {args.n}")
     extra = DEFAULT_REPLICA_ARGS if args.replica_arg is None else tuple(args.replica_arg)
-
-    def on_term(sig: int, frame: Any) -> None:
-        # once: a second signal must not interrupt the stopping of the children
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, on_term)
+    _stop_on_signals()
     if pd:
         from labkit.router.pd_cluster import PDCluster
 
@@ -252,3 +225,40 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("stopped", flush=True)
     return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The ``labkit cluster`` command line (``up``, colocated or disaggregated)."""
+    from labkit.router.policies import POLICIES
+
+    p = argparse.ArgumentParser(prog="labkit cluster", description="N labkit serve replicas "
+                                "and a router on loopback, stopped together on Ctrl-C.")
+    sub = p.add_subparsers(dest="action", required=True)
+    up = sub.add_parser("up", help="start N replicas and a router")
+    up.add_argument("n", type=int, metavar="N", nargs="?", default=None,
+                    help="replicas (colocated); or give --prefill and --decode instead")
+    up.add_argument("--prefill", type=int, default=None, metavar="P",
+                    help="prefill instances of a disaggregated cluster (with --decode)")
+    up.add_argument("--decode", type=int, default=None, metavar="D",
+                    help="decode instances of a disaggregated cluster (with --prefill)")
+    up.add_argument("--policy", default="prefix-affinity", choices=list(POLICIES))
+    up.add_argument("--model", default="labkit-tiny")
+    up.add_argument("--port", type=int, default=8000, help="the router's port")
+    up.add_argument("--replica-arg", action="append", default=None, metavar="ARG",
+                    help="extra argument for every `labkit serve` (repeat), e.g. "
+                    "--replica-arg=--max-num-seqs --replica-arg=8")
+    return p
+
+
+def _stop_on_signals() -> None:
+    """SIGTERM and Ctrl-C stop the cluster the same way (KeyboardInterrupt), and only once."""
+    import signal
+
+    def on_term(sig: int, frame: Any) -> None:
+        # once: a second signal must not interrupt the stopping of the children
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)

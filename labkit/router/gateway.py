@@ -243,6 +243,16 @@ def create_gateway_app(config: GatewayConfig, policy: str = "least-outstanding",
     app = FastAPI(title="labkit gateway", lifespan=lifespan)
     app.state.gateway, app.state.health, app.state.upstreams = gw, health, ups
     app.state.policy, app.state.model_cards, app.state.failovers = None, {}, relay.failovers
+    _add_completion_routes(app, gw, relay, in_rotation)
+    _add_status_routes(app, gw, health, metrics, in_rotation)
+    add_admin_routes(app, by_name, health, metrics)
+    return app
+
+
+def _add_completion_routes(app: FastAPI, gw: Gateway, relay: Relay,
+                           in_rotation: Callable[[Sequence[Upstream]], list[Upstream]]) -> None:
+    """The OpenAI routes: each request admitted by the gateway (key, rate, model, pool), then
+    relayed inside the pool it was given."""
 
     async def forward(request: Request, path: str) -> Response:
         raw = await request.body()
@@ -266,6 +276,12 @@ def create_gateway_app(config: GatewayConfig, policy: str = "least-outstanding",
     async def chat(request: Request) -> Response:
         return await forward(request, "/v1/chat/completions")
 
+
+def _add_status_routes(app: FastAPI, gw: Gateway, health: HealthTracker, metrics: RouterMetrics,
+                       in_rotation: Callable[[Sequence[Upstream]], list[Upstream]]) -> None:
+    """What clients, probes and scrapers read: the models served, health, the metrics."""
+    ups = gw.upstreams
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": m, "object": "model", "created": 0,
@@ -279,9 +295,6 @@ def create_gateway_app(config: GatewayConfig, policy: str = "least-outstanding",
     @app.get("/metrics")
     async def prom() -> Response:
         return Response(generate_latest(metrics.registry), media_type="text/plain")
-
-    add_admin_routes(app, by_name, health, metrics)
-    return app
 
 
 async def _relay(relay: Relay, request: Request, path: str, raw: bytes, body: dict[str, Any],

@@ -22,12 +22,14 @@ counters in Prometheus text.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -46,6 +48,29 @@ from labkit.router.relay import Relay, RouterMetrics, Upstream
 __all__ = ["Upstream", "create_app", "main", "route_key"]
 
 
+@dataclass
+class _Router:
+    """What one router app's routes and background loops share."""
+
+    ups: list[Upstream]
+    cands: list[Upstream]
+    canary: Canary | None
+    health: HealthTracker
+    metrics: RouterMetrics
+    client: httpx.AsyncClient
+    probe_interval_s: float | None
+    probe_timeout_s: float
+    by_name: dict[str, Upstream] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.by_name = {u.name: u for u in [*self.ups, *self.cands]}
+
+    def in_rotation(self, pool: Sequence[Upstream] | None = None) -> list[Upstream]:
+        """The upstreams of ``pool`` (default: the replicas) that may take traffic now."""
+        pool = self.ups if pool is None else pool
+        return [u for u in self.health.available(pool) if not u.draining]
+
+
 def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
                health: HealthTracker | None = None, backoff: Backoff | None = None,
                timeout_s: float = 600.0, probe_interval_s: float | None = None,
@@ -59,6 +84,35 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
     many times one stream may be resumed. With
     ``canary_urls`` (``canary-i``), a candidate set that ``canary`` (``labkit.router.canary``)
     gives a share of the traffic; each request is routed, retried and resumed inside its arm."""
+    ups, cands, canary = _upstreams(urls, canary_urls, canary, probe_interval_s,
+                                    probe_timeout_s)
+    pol = get_policy(policy) if isinstance(policy, str) else policy
+    cpol = get_policy(policy) if isinstance(policy, str) else pol  # its own ring for candidates
+    health = health or HealthTracker([u.name for u in ups])
+    backoff = backoff or Backoff(rng=random.Random(0))
+    metrics = RouterMetrics()
+    if canary is not None:
+        canary.attach(metrics.registry)
+    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
+    r = _Router(ups, cands, canary, health, metrics, client, probe_interval_s, probe_timeout_s)
+    app = FastAPI(title="labkit router", lifespan=_lifespan(r))
+    relay = Relay(client, health, backoff, metrics,
+                  lambda pool: cpol if pool is cands else app.state.policy, r.in_rotation, ups,
+                  max_failovers)
+    app.state.upstreams, app.state.health, app.state.policy = ups, health, pol
+    app.state.failovers, app.state.canary, app.state.candidates = relay.failovers, canary, cands
+    app.state.model_cards = {}  # replica name -> its /v1/models data (_models_loop)
+    _add_completion_routes(app, r, relay)
+    _add_status_routes(app, r)
+    add_admin_routes(app, r.by_name, health, metrics)
+    return app
+
+
+def _upstreams(urls: Sequence[str], canary_urls: Sequence[str], canary: Canary | None,
+               probe_interval_s: float | None, probe_timeout_s: float,
+               ) -> tuple[list[Upstream], list[Upstream], Canary | None]:
+    """The replicas and the canary's candidates (a canary by default when candidates are
+    given), refusing settings that cannot work before anything starts."""
     if not urls:
         raise ValueError("give at least one replica URL")
     if probe_interval_s is not None and probe_interval_s <= 0:
@@ -71,148 +125,146 @@ def create_app(urls: Sequence[str], policy: str | Any = "round-robin",
         canary = Canary()
     if canary is not None and not cands:
         raise ValueError("a canary needs at least one candidate replica URL (canary_urls)")
-    by_name = {u.name: u for u in [*ups, *cands]}
-    pol = get_policy(policy) if isinstance(policy, str) else policy
-    cpol = get_policy(policy) if isinstance(policy, str) else pol  # its own ring for candidates
-    health = health or HealthTracker([u.name for u in ups])
-    backoff = backoff or Backoff(rng=random.Random(0))
-    metrics = RouterMetrics()
-    if canary is not None:
-        canary.attach(metrics.registry)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
+    return ups, cands, canary
 
-    async def probe_loop() -> None:
-        while True:
-            for u in by_name.values():
-                try:
-                    ok = (await client.get(u.url + "/health",
-                                           timeout=probe_timeout_s)).status_code == 200
-                except httpx.TransportError:
-                    ok = False
-                if not ok:
-                    metrics.probe_failures.labels(u.name).inc()
-                health.probe(u.name, ok)
-                metrics.open.labels(u.name).set(health.breakers[u.name].state != "closed")
-            await asyncio.sleep(probe_interval_s)
 
-    async def models_loop() -> None:
-        """Read each replica's ``/v1/models`` once (retrying until it answers): which names
-        are base models, for a policy that tells adapters apart (``adapter-affinity``)."""
-        while len(app.state.model_cards) < len(by_name):
-            for u in by_name.values():
-                if u.name in app.state.model_cards:
-                    continue
-                with contextlib.suppress(httpx.TransportError, ValueError, KeyError):
-                    r = await client.get(u.url + "/v1/models", timeout=probe_timeout_s)
-                    if 400 <= r.status_code < 500:  # no such route, or it needs a key
-                        app.state.model_cards[u.name] = []
-                    elif r.status_code == 200:
-                        app.state.model_cards[u.name] = r.json()["data"]
-                        if hasattr(app.state.policy, "observe_models"):
-                            app.state.policy.observe_models(app.state.model_cards[u.name])
-            await asyncio.sleep(probe_interval_s or 1.0)
+async def _probe_loop(r: _Router) -> None:
+    """Active ``GET /health`` probes into the breakers: a dead or draining replica leaves
+    rotation before a client has to find out, and a recovered one comes back."""
+    while True:
+        for u in r.by_name.values():
+            try:
+                ok = (await r.client.get(u.url + "/health",
+                                         timeout=r.probe_timeout_s)).status_code == 200
+            except httpx.TransportError:
+                ok = False
+            if not ok:
+                r.metrics.probe_failures.labels(u.name).inc()
+            r.health.probe(u.name, ok)
+            r.metrics.open.labels(u.name).set(r.health.breakers[u.name].state != "closed")
+        await asyncio.sleep(r.probe_interval_s)
+
+
+async def _models_loop(app: FastAPI, r: _Router) -> None:
+    """Read each replica's ``/v1/models`` once (retrying until it answers): which names
+    are base models, for a policy that tells adapters apart (``adapter-affinity``)."""
+    while len(app.state.model_cards) < len(r.by_name):
+        for u in r.by_name.values():
+            if u.name in app.state.model_cards:
+                continue
+            with contextlib.suppress(httpx.TransportError, ValueError, KeyError):
+                resp = await r.client.get(u.url + "/v1/models", timeout=r.probe_timeout_s)
+                if 400 <= resp.status_code < 500:  # no such route, or it needs a key
+                    app.state.model_cards[u.name] = []
+                elif resp.status_code == 200:
+                    app.state.model_cards[u.name] = resp.json()["data"]
+                    if hasattr(app.state.policy, "observe_models"):
+                        app.state.policy.observe_models(app.state.model_cards[u.name])
+        await asyncio.sleep(r.probe_interval_s or 1.0)
+
+
+def _lifespan(r: _Router) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    """The app's background loops run while it serves: started with it, stopped (and the
+    client closed) when it stops."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        prober = asyncio.create_task(probe_loop()) if probe_interval_s else None
-        models = asyncio.create_task(models_loop())
+        prober = asyncio.create_task(_probe_loop(r)) if r.probe_interval_s else None
+        models = asyncio.create_task(_models_loop(app, r))
         analysis = None  # the canary's PromQL analysis loop, when it reads Prometheus
-        if canary is not None and canary.promql is not None:
-            analysis = asyncio.create_task(canary.promql_loop())
+        if r.canary is not None and r.canary.promql is not None:
+            analysis = asyncio.create_task(r.canary.promql_loop())
         yield
         for task in (prober, analysis, models):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        await client.aclose()
+        await r.client.aclose()
 
-    app = FastAPI(title="labkit router", lifespan=lifespan)
+    return lifespan
 
-    def in_rotation(pool: Sequence[Upstream] = ups) -> list[Upstream]:
-        return [u for u in health.available(pool) if not u.draining]
 
-    relay = Relay(client, health, backoff, metrics,
-                  lambda pool: cpol if pool is cands else app.state.policy, in_rotation, ups,
-                  max_failovers)
-    app.state.upstreams, app.state.health, app.state.policy = ups, health, pol
-    app.state.failovers, app.state.canary, app.state.candidates = relay.failovers, canary, cands
-    app.state.model_cards = {}  # replica name -> its /v1/models data (models_loop)
-
-    async def forward(request: Request, path: str) -> Response:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            return _error(400, "request body is not valid JSON", "invalid_json")
-        if not isinstance(body, dict):
-            return _error(400, "request body must be a JSON object", "invalid_json")
-        key = route_key(body)
-        arm, pool, t0 = None, ups, time.monotonic()
-        if canary is not None:
-            try:
-                arm, pool = canary.pick(key.user, request.headers, ups, cands)
-            except ValueError as exc:
-                return _error(400, str(exc), "invalid_canary_header")
-        headers = {k: v for k, v in request.headers.items()
-                   if k.lower() in ("authorization", "content-type", "x-request-id")}
-        chat = path.endswith("/chat/completions")
-        if not body.get("stream"):
-            return await relay.buffered(request, path, raw, key, headers, pool, canary,
-                                        arm, t0)
-        state = None if not_resumable(body, chat) else StreamResume(body, chat)
-        got = await relay.connect(path, raw if state is None else state.upstream_body(),
-                                  key, headers, set(), pool)
-        if isinstance(got, Response):
-            if arm is not None:
-                canary.record(arm, False)
-            return got
-        resp, up = got
-        media = resp.headers.get("content-type", "application/json")
-        out_headers = {"x-labkit-replica": up.name, **({"x-labkit-canary": arm} if arm else {})}
-        if state is None or resp.status_code != 200 or not media.startswith("text/event-stream"):
-            body_iter, status = relay.stream(resp, up), resp.status_code
-        else:
-            body_iter = relay.resumable(state, resp, up, key, headers, pool)
-            status = 200
-            out_headers["Cache-Control"] = "no-cache"
-        if arm is not None:
-            body_iter = canary.watch(body_iter, arm, t0, status)
-        return StreamingResponse(body_iter, status_code=status, media_type=media,
-                                 headers=out_headers)
+def _add_completion_routes(app: FastAPI, r: _Router, relay: Relay) -> None:
+    """The OpenAI routes the router forwards to a replica (``_forward``)."""
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await forward(request, "/v1/completions")
+        return await _forward(r, relay, request, "/v1/completions")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await forward(request, "/v1/chat/completions")
+        return await _forward(r, relay, request, "/v1/chat/completions")
+
+
+async def _forward(r: _Router, relay: Relay, request: Request, path: str) -> Response:
+    """One client request through the relay, inside its canary arm's pool: buffered, or
+    streamed (resumable on another replica when the stream allows it)."""
+    canary = r.canary
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return _error(400, "request body is not valid JSON", "invalid_json")
+    if not isinstance(body, dict):
+        return _error(400, "request body must be a JSON object", "invalid_json")
+    key = route_key(body)
+    arm, pool, t0 = None, r.ups, time.monotonic()
+    if canary is not None:
+        try:
+            arm, pool = canary.pick(key.user, request.headers, r.ups, r.cands)
+        except ValueError as exc:
+            return _error(400, str(exc), "invalid_canary_header")
+    headers = {k: v for k, v in request.headers.items()
+               if k.lower() in ("authorization", "content-type", "x-request-id")}
+    chat = path.endswith("/chat/completions")
+    if not body.get("stream"):
+        return await relay.buffered(request, path, raw, key, headers, pool, canary, arm, t0)
+    state = None if not_resumable(body, chat) else StreamResume(body, chat)
+    got = await relay.connect(path, raw if state is None else state.upstream_body(),
+                              key, headers, set(), pool)
+    if isinstance(got, Response):
+        if arm is not None:
+            canary.record(arm, False)
+        return got
+    resp, up = got
+    media = resp.headers.get("content-type", "application/json")
+    out_headers = {"x-labkit-replica": up.name, **({"x-labkit-canary": arm} if arm else {})}
+    if state is None or resp.status_code != 200 or not media.startswith("text/event-stream"):
+        body_iter, status = relay.stream(resp, up), resp.status_code
+    else:
+        body_iter = relay.resumable(state, resp, up, key, headers, pool)
+        status = 200
+        out_headers["Cache-Control"] = "no-cache"
+    if arm is not None:
+        body_iter = canary.watch(body_iter, arm, t0, status)
+    return StreamingResponse(body_iter, status_code=status, media_type=media,
+                             headers=out_headers)
+
+
+def _add_status_routes(app: FastAPI, r: _Router) -> None:
+    """What probes, operators and scrapers read: health, the canary's state, the metrics."""
 
     @app.get("/health")
     async def healthz() -> Response:
-        ok = in_rotation()
-        return JSONResponse({"replicas": health.states()}, status_code=200 if ok else 503)
+        ok = r.in_rotation()
+        return JSONResponse({"replicas": r.health.states()}, status_code=200 if ok else 503)
 
     @app.get("/canary")
     async def canary_status() -> Response:
-        if canary is None:
+        if r.canary is None:
             return _error(404, "no canary configured (labkit router --canary URL)", "no_canary")
-        return JSONResponse(canary.status())
+        return JSONResponse(r.canary.status())
 
     @app.get("/metrics")
     async def prom() -> Response:
-        return Response(generate_latest(metrics.registry), media_type="text/plain")
-
-    add_admin_routes(app, by_name, health, metrics)
-    return app
+        return Response(generate_latest(r.metrics.registry), media_type="text/plain")
 
 
 def main(argv: list[str] | None = None) -> int:
     """``labkit router --replica URL --replica URL [--policy P] [--host H] [--port P]``;
     with ``--prefill URL --decode URL`` the disaggregated proxy (:mod:`labkit.router.disagg`);
     with ``--gateway CONFIG.json`` the model gateway (:mod:`labkit.router.gateway`)."""
-    import argparse
     import sys
 
     if "--prefill" in (sys.argv[1:] if argv is None else argv):
@@ -226,9 +278,33 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from labkit.router.canary_cli import add_canary_args, canary_from_args
-    from labkit.router.policies import POLICIES
+    from labkit.router.canary_cli import canary_from_args
     from labkit.utils import freeze_gc_heap
+
+    p = _parser()
+    args = p.parse_args(argv)
+    if args.probe_interval < 0 or args.max_failovers < 0 or not args.probe_timeout > 0:
+        p.error("--probe-interval and --max-failovers must be >= 0, --probe-timeout > 0")
+    try:
+        health = HealthTracker(failure_threshold=args.failure_threshold,
+                               recovery_s=args.recovery)
+        kw = _policy_kwargs(args.policy_arg)
+        app = create_app(args.replica, get_policy(args.policy, **kw), health=health,
+                         probe_interval_s=args.probe_interval or None,
+                         probe_timeout_s=args.probe_timeout,
+                         max_failovers=args.max_failovers, canary_urls=args.canary or (),
+                         canary=canary_from_args(args))
+    except (ValueError, TypeError) as e:
+        p.error(str(e))
+    freeze_gc_heap()  # this process is the router's alone: no full collections of startup
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The ``labkit router`` command line (the plain router's flags and the canary's)."""
+    from labkit.router.canary_cli import add_canary_args
+    from labkit.router.policies import POLICIES
 
     p = argparse.ArgumentParser(prog="labkit router", description=__doc__.splitlines()[0])
     p.add_argument("--replica", action="append", required=True, metavar="URL",
@@ -249,25 +325,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recovery", type=float, default=5.0, metavar="S",
                    help="how long an open breaker waits before a trial request")
     add_canary_args(p)
-    args = p.parse_args(argv)
-    if args.probe_interval < 0 or args.max_failovers < 0 or not args.probe_timeout > 0:
-        p.error("--probe-interval and --max-failovers must be >= 0, --probe-timeout > 0")
-    try:
-        health = HealthTracker(failure_threshold=args.failure_threshold,
-                               recovery_s=args.recovery)
-        kw = {}
-        for a in args.policy_arg:
-            k, sep, v = a.partition("=")
-            if not sep:
-                raise ValueError(f"--policy-arg takes KEY=VALUE, got {a!r}")
-            kw[k.replace("-", "_")] = json.loads(v)
-        app = create_app(args.replica, get_policy(args.policy, **kw), health=health,
-                         probe_interval_s=args.probe_interval or None,
-                         probe_timeout_s=args.probe_timeout,
-                         max_failovers=args.max_failovers, canary_urls=args.canary or (),
-                         canary=canary_from_args(args))
-    except (ValueError, TypeError) as e:
-        p.error(str(e))
-    freeze_gc_heap()  # this process is the router's alone: no full collections of startup
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    return 0
+    return p
+
+
+def _policy_kwargs(pairs: list[str]) -> dict[str, Any]:
+    """``--policy-arg KEY=VALUE`` flags as the policy's keyword arguments (values in JSON)."""
+    kw = {}
+    for a in pairs:
+        k, sep, v = a.partition("=")
+        if not sep:
+            raise ValueError(f"--policy-arg takes KEY=VALUE, got {a!r}")
+        kw[k.replace("-", "_")] = json.loads(v)
+    return kw

@@ -234,19 +234,29 @@ class Relay:
                     f"not resumed: {why}" if why else
                     f"the stream failed on {self.max_failovers + 1} replicas; giving up"))
                 return
-            t0, dead, sent = time.monotonic(), up.name, len(state.sent_ids)
-            cont = state.resume_body(mml)
-            got = await self.connect(state.path("/v1/chat/completions" if state.chat else
-                                                "/v1/completions"), cont, key, headers, {dead},
-                                     pool)
-            if isinstance(got, Response):
-                yield state.error_tail(f"{dead} failed mid-stream ({err}) and no replica could "
-                                       f"continue it: {json.loads(got.body)['error']['message']}")
+            got = await self._resume_elsewhere(state, mml, up.name, err, key, headers, pool)
+            if isinstance(got, bytes):
+                yield got
                 return
             resp, up = got
-            self.failovers.append({"time": time.time(), "id": (state.head or {}).get("id"),
-                                   "from": dead, "to": up.name, "tokens_sent": sent,
-                                   "error": err, "reconnect_s": time.monotonic() - t0})
+
+    async def _resume_elsewhere(self, state: StreamResume, mml: int | None, dead: str, err: str,
+                                key: RouteKey, headers: dict[str, str], pool: Sequence[Upstream],
+                                ) -> tuple[httpx.Response, Upstream] | bytes:
+        """Send the continuation to another replica than ``dead``: its open response (the
+        failover recorded), or the error tail that ends the client's stream if none answers."""
+        t0, sent = time.monotonic(), len(state.sent_ids)
+        cont = state.resume_body(mml)
+        got = await self.connect(state.path("/v1/chat/completions" if state.chat else
+                                            "/v1/completions"), cont, key, headers, {dead}, pool)
+        if isinstance(got, Response):
+            return state.error_tail(f"{dead} failed mid-stream ({err}) and no replica could "
+                                    f"continue it: {json.loads(got.body)['error']['message']}")
+        resp, up = got
+        self.failovers.append({"time": time.time(), "id": (state.head or {}).get("id"),
+                               "from": dead, "to": up.name, "tokens_sent": sent,
+                               "error": err, "reconnect_s": time.monotonic() - t0})
+        return resp, up
 
     async def max_model_len(self) -> int | None:
         """The replicas' context length (``/v1/models``), asked once: a chat continuation

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server over AsyncLLM (FastAPI): routes, admission, errors.
 
-Every request passes the same gates, cheapest first, and each refusal is an OpenAI error body:
+Every request passes the same gates (:mod:`labkit.serve.admission`), cheapest first, and each
+refusal is an OpenAI error body:
 
 1. ``Authorization: Bearer KEY``          -> 401 unless it matches a key (constant time); with
    ``--api-key`` set this guards every ``/v1`` route, ``/v1/models`` included, as vLLM's
@@ -39,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,20 +47,20 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import HTTPConnection
 
-from labkit.serve import protocol, serving
+from labkit.serve import serving
+from labkit.serve.admission import admit as _admit
+from labkit.serve.admission import unauthorized as _unauthorized
 from labkit.serve.async_llm import AsyncLLM
-from labkit.serve.body import ClientGone, ReadTimedOut, read_body
+from labkit.serve.body import ClientGone, ReadTimedOut
 from labkit.serve.body import peer as _peer
 from labkit.serve.cancel import LiveCalls, install_cancel_routes
 from labkit.serve.chat import chatml
 from labkit.serve.limits import Authenticator
 from labkit.serve.lora_routes import LoRARegistry, install_lora_routes
 from labkit.serve.metrics import ServerMetrics
-from labkit.serve.model_card import assign_seed, model_card, seeder
-from labkit.serve.protocol import APIError, bad
-from labkit.serve.structured import add_error
+from labkit.serve.model_card import model_card, seeder
+from labkit.serve.protocol import APIError
 from labkit.serve.weight_routes import install_weight_routes
 from labkit.serve.ws import install_ws_routes
 from labkit.utils import freeze_gc_heap
@@ -140,97 +140,10 @@ class ServerState:
                  "closed", _peer(client), what, self.config.request_read_timeout)
 
 
-def _reject(state: ServerState, reason: str) -> None:
-    state.counts["rejected"] += 1
-    state.metrics.rejected.labels(state.config.model_name, reason).inc()
-
-
 def error_response(e: APIError, state: ServerState | None = None) -> JSONResponse:
     if state is not None:
         state.metrics.errors.labels(state.config.model_name, str(e.status)).inc()
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
-def _retry_after(seconds: float) -> dict[str, str]:
-    return {"Retry-After": str(max(1, math.ceil(seconds)))}
-
-
-def _tokenize(state: ServerState, parsed: protocol.ParsedRequest) -> list[list[int]]:
-    tok = state.tokenizer
-    out = []
-    for p in parsed.prompts:
-        if isinstance(p, list) and p and isinstance(p[0], dict):  # chat messages
-            p = state.render_chat(p)
-        if isinstance(p, str):
-            if tok is None:
-                raise bad("this model has no tokenizer: send prompts as token ids", "prompt")
-            p = tok.encode(p)
-        out.append(list(p))
-    limit = state.max_model_len
-    for ids in out:
-        mt = parsed.params.max_tokens if parsed.max_tokens_given else 1
-        if len(ids) + mt > limit:
-            raise bad(f"this model's maximum context length is {limit} tokens; the request "
-                      f"has {len(ids)} prompt tokens and asks for {mt} more", "prompt"
-                      if len(ids) >= limit else "max_tokens", "context_length_exceeded")
-    if not parsed.max_tokens_given:  # chat default: the rest of the context
-        parsed.params.max_tokens = max(1, limit - max(len(i) for i in out))
-    return out
-
-
-async def _admit(state: ServerState, request: HTTPConnection, kind: str,
-                 body: dict | None = None) -> serving.Call:
-    """Run gates 1-8 and submit; returns the accepted call or raises APIError. ``body``: the
-    request's JSON already read (the WebSocket route's first message), else read here."""
-    cfg, m = state.config, state.metrics
-    tenant = state.auth.tenant(request.headers.get("authorization"))  # V1KeyGuard checked it
-    if tenant is None:
-        raise _unauthorized()
-    if state.draining:
-        _reject(state, "draining")
-        raise APIError(503, "the server is shutting down", "server_unavailable", None,
-                       "draining", _retry_after(5))
-    d = body if body is not None else protocol.parse_json(await read_body(request,
-                                                                          cfg.max_body_bytes))
-    lora = state.loras.resolve(d.get("model"))  # a served adapter's name (lora_routes)
-    parsed = protocol.parse_request(d, kind, served_model=lora.lora_name if lora else
-                                    cfg.model_name,
-                                    vocab_size=state.vocab_size, max_n=cfg.max_n)
-    assign_seed(state.seeds, parsed.params)  # --seed: unseeded requests get one, in order
-    parsed.extra["return_token_ids"] = protocol._bool(d, "return_token_ids")
-    ids = _tokenize(state, parsed)
-    parsed.extra["prompt_token_ids"] = ids  # echoed with return_token_ids (router failover)
-    seqs = parsed.params.n * len(ids)
-    if cfg.max_waiting is not None and state.num_queued(seqs) > cfg.max_waiting:
-        _reject(state, "queue_full")
-        raise APIError(429, f"the queue is full ({cfg.max_waiting} sequences may wait beyond "
-                       "the running batch); retry later", "rate_limit_exceeded", None,
-                       "queue_full", _retry_after(1))
-    cost = sum(len(i) for i in ids) + parsed.params.max_tokens * parsed.params.n * len(ids)
-    wait = state.auth.limit(tenant, cost)
-    if wait:
-        _reject(state, "rate_limit")
-        if math.isinf(wait):
-            raise bad(f"this request costs {cost} tokens, more than the key's token bucket "
-                      "ever holds: lower max_tokens or n", "max_tokens", "rate_limit_cost")
-        raise APIError(429, f"rate limit for this key exceeded; retry in {wait:.2f} s",
-                       "rate_limit_exceeded", None, "rate_limit", _retry_after(wait))
-    call = serving.Call(parsed, [], [len(i) for i in ids], time.monotonic(),
-                        cfg.queue_timeout, cfg.request_timeout, protocol.new_id(kind),
-                        protocol.now_s(), tokenizer=state.tokenizer)
-    try:  # all at once: counted in flight before the next request's admission check
-        call.streams = await state.llm.add_requests([
-            (state.new_request_id(), p_ids, parsed.params, parsed.priority, tenant, lora)
-            for p_ids in ids])
-    except ValueError as e:  # add_requests aborted the ones it had added
-        raise bad(*add_error(e, parsed.structured_field)) from None
-    state.counts["accepted"] += 1
-    state.live.add(call, tenant)  # cancellable by its id (labkit.serve.cancel)
-    parsed.extra["lora_request"] = lora
-    state.loras.started(lora)
-    m.accepted.labels(cfg.model_name).inc()
-    m.prompt_tokens.labels(cfg.model_name).inc(sum(call.prompt_lens))
-    return call
 
 
 def _finish(state: ServerState, call: serving.Call) -> None:
@@ -328,11 +241,6 @@ class V1KeyGuard:
         await self.app(scope, receive, send)
 
 
-def _unauthorized() -> APIError:
-    return APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
-                    "authentication_error", None, "invalid_api_key")
-
-
 def build_app(llm: AsyncLLM, tokenizer: Any, config: ServeConfig | None = None,
               chat_template: Any = None) -> FastAPI:
     """The FastAPI app; starting it (uvicorn) starts the engine core, stopping it stops it."""
@@ -352,18 +260,7 @@ def build_app(llm: AsyncLLM, tokenizer: Any, config: ServeConfig | None = None,
     app = FastAPI(title="labkit serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     state = app.state.serve = ServerState(llm, tokenizer, config, chat_template)
     app.add_middleware(V1KeyGuard, state=state)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = "not_found" if exc.status_code == 404 else None
-        return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}:"
-                                       f" {exc.detail}", "invalid_request_error", None, code),
-                              state)
-
-    @app.exception_handler(Exception)
-    async def server_error(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}",
-                                       "server_error"), state)
+    _add_error_handlers(app, state)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -385,10 +282,34 @@ def build_app(llm: AsyncLLM, tokenizer: Any, config: ServeConfig | None = None,
     install_ws_routes(app, lambda ws, d, kind: _admit(state, ws, kind, d),
                       lambda call: _finish(state, call),
                       state.metrics.itl.labels(config.model_name).observe, config.stream_interval)
+    _add_status_routes(app, state)
+    return app
+
+
+def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
+    """Framework errors (unknown route, wrong method) and bugs answer OpenAI error bodies too,
+    counted like the server's own refusals."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}:"
+                                       f" {exc.detail}", "invalid_request_error", None, code),
+                              state)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}",
+                                       "server_error"), state)
+
+
+def _add_status_routes(app: FastAPI, state: ServerState) -> None:
+    """What probes and scrapers read, open without a key: ``/health`` (503 while draining or
+    once the engine stopped) and ``/metrics``."""
 
     @app.get("/health")
     async def health() -> Response:
-        if state.draining or not llm.is_running:
+        if state.draining or not state.llm.is_running:
             return PlainTextResponse("draining" if state.draining else "engine stopped", 503)
         return PlainTextResponse("ok")
 
@@ -396,5 +317,3 @@ def build_app(llm: AsyncLLM, tokenizer: Any, config: ServeConfig | None = None,
     async def metrics() -> Response:
         return Response(state.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    return app

@@ -1,4 +1,4 @@
-"""The OpenAI wire format: parse and check request bodies, shape responses and SSE chunks.
+"""The OpenAI wire format: parse and check request bodies (answers: :mod:`labkit.serve.replies`).
 
 Parsing is done by hand rather than by pydantic models so that every client mistake becomes an
 ``APIError`` with OpenAI's error body (``{"error": {"message", "type", "param", "code"}}``), a 4xx
@@ -32,14 +32,15 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from labkit.engine.sampling_params import SamplingParams
 from labkit.errors import SamplingParamsError
 from labkit.serve.logprobs import FieldError, LogprobsAsk, parse_logprobs
+
+# the answers' shapes, re-exported: protocol.sse, protocol.chunk... (labkit.serve.replies)
+from labkit.serve.replies import chunk, new_id, now_s, response, sse, usage, usage_chunk  # noqa: F401
 from labkit.serve.structured import FIELDS as STRUCTURED_FIELDS
 from labkit.serve.structured import parse_structured
 
@@ -263,29 +264,8 @@ def parse_request(d: dict[str, Any], kind: str, *, served_model: str,
     if model != served_model:
         raise APIError(404, f"the model {model!r} does not exist; this server serves "
                        f"{served_model!r}", "invalid_request_error", "model", "model_not_found")
-    for name in UNSUPPORTED:
-        if d.get(name) not in (None, False) and not (name == "best_of" and d[name] == 1):
-            raise bad(f"{name} is not supported by labkit's server", name, "unsupported")
-    for name in ZERO_ONLY:
-        if _num(d, name, 0.0, -2.0, 2.0) != 0.0:
-            raise bad(f"{name} is not supported by labkit's server (only 0)", name,
-                      "unsupported")
-    for name, neutral in NEUTRAL_ONLY.items():
-        x = d.get(name)
-        if x is not None and (isinstance(x, bool) or x != neutral):
-            raise bad(f"{name} is not supported by labkit's server (only {neutral:g}, which "
-                      f"changes nothing), got {x!r}", name, "unsupported")
-    ignored = [k for k in d if k not in KNOWN and k not in UNSUPPORTED and
-               k not in ZERO_ONLY and k not in NEUTRAL_ONLY]
-    if kind == "chat":
-        prompts: list[Any] = [messages_of(d.get("messages"))]
-        mt_name = "max_completion_tokens" if d.get("max_completion_tokens") is not None \
-            else "max_tokens"
-    else:
-        if "prompt" not in d:
-            raise bad("prompt is required", "prompt")
-        prompts = _prompts(d["prompt"], vocab_size)
-        mt_name = "max_tokens"
+    ignored = _refuse_unsupported(d)
+    prompts, mt_name = _prompts_of(d, kind, vocab_size)
     default_mt = None if kind == "chat" else 16
     try:
         ask = parse_logprobs(d, kind)
@@ -297,17 +277,8 @@ def parse_request(d: dict[str, Any], kind: str, *, served_model: str,
     top_k = _int(d, "top_k", 0, -1)
     seed = _int(d, "seed", None, -(2**63), 2**63 - 1)
     stream = _bool(d, "stream")
-    so = d.get("stream_options")
-    if so is not None and (not isinstance(so, dict) or not stream):
-        raise bad("stream_options is an object and only allowed with stream=true",
-                  "stream_options")
-    so = so or {}
-    include_usage = _bool(so, "include_usage")
-    continuous = so.get("continuous_usage_stats")
-    if continuous is not None and not isinstance(continuous, bool):
-        raise bad(f"stream_options.continuous_usage_stats must be true or false, got "
-                  f"{continuous!r}", "stream_options.continuous_usage_stats")
-    ignored += [f"stream_options.{k}" for k in so if k not in STREAM_OPTIONS]
+    include_usage, continuous, so_ignored = _stream_options(d, stream)
+    ignored += so_ignored
     user = d.get("user")
     if user is not None and not isinstance(user, str):
         raise bad(f"user must be a string, got {user!r}", "user")
@@ -334,65 +305,54 @@ def parse_request(d: dict[str, Any], kind: str, *, served_model: str,
                          echo_only=max_tokens == 0, structured_field=constraint_field)
 
 
-# ---- responses ------------------------------------------------------------------------------
-def new_id(kind: str) -> str:
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+def _refuse_unsupported(d: dict[str, Any]) -> list[str]:
+    """Refuse the fields that would change the answer and that labkit does not implement (a
+    client asking for them must not get a different answer silently); returns the unknown
+    fields, which are only ignored."""
+    for name in UNSUPPORTED:
+        if d.get(name) not in (None, False) and not (name == "best_of" and d[name] == 1):
+            raise bad(f"{name} is not supported by labkit's server", name, "unsupported")
+    for name in ZERO_ONLY:
+        if _num(d, name, 0.0, -2.0, 2.0) != 0.0:
+            raise bad(f"{name} is not supported by labkit's server (only 0)", name,
+                      "unsupported")
+    for name, neutral in NEUTRAL_ONLY.items():
+        x = d.get(name)
+        if x is not None and (isinstance(x, bool) or x != neutral):
+            raise bad(f"{name} is not supported by labkit's server (only {neutral:g}, which "
+                      f"changes nothing), got {x!r}", name, "unsupported")
+    return [k for k in d if k not in KNOWN and k not in UNSUPPORTED and
+            k not in ZERO_ONLY and k not in NEUTRAL_ONLY]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def response(kind: str, rid: str, model: str, created: int, texts: list[str],
-             reasons: list[str | None], use: dict[str, int]) -> dict[str, Any]:
+def _prompts_of(d: dict[str, Any], kind: str, vocab_size: int | None
+                ) -> tuple[list[Any], str]:
+    """The prompts (chat: its one messages list) and the field that bounds the answer's
+    length: chat's ``max_completion_tokens`` wins over its older ``max_tokens``."""
     if kind == "chat":
-        choices = [{"index": i, "message": {"role": "assistant", "content": t},
-                    "logprobs": None, "finish_reason": r}
-                   for i, (t, r) in enumerate(zip(texts, reasons))]
-        obj = "chat.completion"
+        prompts: list[Any] = [messages_of(d.get("messages"))]
+        mt_name = "max_completion_tokens" if d.get("max_completion_tokens") is not None \
+            else "max_tokens"
     else:
-        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
-                   for i, (t, r) in enumerate(zip(texts, reasons))]
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
-            "usage": use}
+        if "prompt" not in d:
+            raise bad("prompt is required", "prompt")
+        prompts = _prompts(d["prompt"], vocab_size)
+        mt_name = "max_tokens"
+    return prompts, mt_name
 
 
-def chunk(kind: str, rid: str, model: str, created: int, index: int, text: str | None,
-          reason: str | None, *, role: bool = False, with_usage: bool = False,
-          use: dict[str, int] | None = None) -> dict[str, Any]:
-    """One SSE chunk for one choice; ``text=None`` with a reason is the closing chunk.
-    ``with_usage``: the chunk carries ``usage`` (``use``, or null as OpenAI sends it on every
-    chunk but the last)."""
-    if kind == "chat":
-        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else \
-            ({} if text is None else {"content": text})
-        c: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None,
-                             "finish_reason": reason}
-        obj = "chat.completion.chunk"
-    else:
-        c = {"index": index, "text": text or "", "logprobs": None,
-             "finish_reason": reason}
-        obj = "text_completion"
-    out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [c]}
-    if with_usage:
-        out["usage"] = use  # None: OpenAI's usage: null on every chunk but the last
-    return out
-
-
-def usage_chunk(kind: str, rid: str, model: str, created: int,
-                use: dict[str, int]) -> dict[str, Any]:
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": use}
-
-
-def sse(payload: dict[str, Any] | str) -> bytes:
-    """One Server-Sent Event exactly as OpenAI frames it: ``data: <json>`` and a blank line."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
-
-
-def now_s() -> int:
-    return int(time.time())
+def _stream_options(d: dict[str, Any], stream: bool) -> tuple[bool, Any, list[str]]:
+    """``stream_options`` (only with ``stream=true``): ``include_usage``,
+    ``continuous_usage_stats``, and the unknown options, ignored as unknown fields are."""
+    so = d.get("stream_options")
+    if so is not None and (not isinstance(so, dict) or not stream):
+        raise bad("stream_options is an object and only allowed with stream=true",
+                  "stream_options")
+    so = so or {}
+    include_usage = _bool(so, "include_usage")
+    continuous = so.get("continuous_usage_stats")
+    if continuous is not None and not isinstance(continuous, bool):
+        raise bad(f"stream_options.continuous_usage_stats must be true or false, got "
+                  f"{continuous!r}", "stream_options.continuous_usage_stats")
+    return include_usage, continuous, [f"stream_options.{k}" for k in so
+                                       if k not in STREAM_OPTIONS]

@@ -73,6 +73,69 @@ def _base(http: str | type) -> type:
     raise ValueError(f"http must be auto, h11 or httptools, got {http!r}")
 
 
+class _ReadTimer:
+    """The timer's bookkeeping, the same over h11 and httptools: mixed in before uvicorn's
+    protocol class by :func:`read_timeout_protocol`, which sets ``read_timeout`` and
+    ``_rt_report``."""
+
+    read_timeout: float
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self._rt_timer: asyncio.TimerHandle | None = None
+        self._rt_cycle: Any = None  # the timed request's cycle, once its headers are in
+        self._rt_began = False  # a byte of the timed request has arrived
+        super().connection_made(transport)  # type: ignore[misc]
+        self._rt_arm(began=False)
+
+    def data_received(self, data: bytes) -> None:
+        cycle = self.cycle
+        if self._rt_timer is None and (cycle is None or cycle.response_complete):
+            self._rt_arm(began=True)  # the first byte of a next request (keep-alive)
+        self._rt_began = True
+        super().data_received(data)  # type: ignore[misc]
+        cycle = self.cycle
+        if self._rt_timer is not None and cycle is not None and \
+                cycle is not self._rt_cycle_before:
+            self._rt_cycle = cycle  # its headers are in
+        if self._rt_cycle is not None and not self._rt_cycle.more_body:
+            self._rt_disarm()  # and its body: the request is whole
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._rt_disarm()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def _rt_arm(self, began: bool) -> None:
+        self._rt_began, self._rt_cycle = began, None
+        self._rt_cycle_before = self.cycle  # a cycle made after this is the timed one
+        self._rt_timer = self.loop.call_later(self.read_timeout, self._rt_expired)
+
+    def _rt_disarm(self) -> None:
+        if self._rt_timer is not None:
+            self._rt_timer.cancel()
+            self._rt_timer = None
+        self._rt_cycle = None
+
+    def _rt_expired(self) -> None:
+        self._rt_timer = None
+        transport, cycle = self.transport, self._rt_cycle
+        if transport is None or transport.is_closing():
+            return
+        if cycle is not None and cycle.response_started:
+            return  # the app is answering already (e.g. 413): let it finish
+        before = self._rt_cycle_before
+        answered = cycle is None and before is not None and before.more_body
+        if self._rt_began and not answered:  # (answered: the rest of a refused body)
+            what = "request body" if cycle is not None else "request headers"
+            if cycle is not None:
+                cycle.scope[READ_TIMED_OUT] = True
+            transport.write(response_408(self.read_timeout, what))
+            self._rt_report(what)
+        transport.close()
+
+    def _rt_report(self, what: str) -> None:
+        """Tell the server a 408 was sent (``what``: the part that was late)."""
+
+
 def read_timeout_protocol(timeout: float, http: str | type = "auto",
                           on_timeout: Callable[[Any, str], None] | None = None) -> type:
     """uvicorn's HTTP protocol class ``http`` (``"auto"``, ``"h11"``, ``"httptools"`` or a
@@ -81,61 +144,12 @@ def read_timeout_protocol(timeout: float, http: str | type = "auto",
     ``on_timeout(client, what)`` runs when a 408 is sent (``what``: the part that was late)."""
     base = _base(http)
 
-    class ReadTimeoutProtocol(base):  # type: ignore[misc, valid-type]
+    class ReadTimeoutProtocol(_ReadTimer, base):  # type: ignore[misc, valid-type]
         read_timeout = timeout
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            self._rt_timer: asyncio.TimerHandle | None = None
-            self._rt_cycle: Any = None  # the timed request's cycle, once its headers are in
-            self._rt_began = False  # a byte of the timed request has arrived
-            super().connection_made(transport)
-            self._rt_arm(began=False)
-
-        def data_received(self, data: bytes) -> None:
-            cycle = self.cycle
-            if self._rt_timer is None and (cycle is None or cycle.response_complete):
-                self._rt_arm(began=True)  # the first byte of a next request (keep-alive)
-            self._rt_began = True
-            super().data_received(data)
-            cycle = self.cycle
-            if self._rt_timer is not None and cycle is not None and \
-                    cycle is not self._rt_cycle_before:
-                self._rt_cycle = cycle  # its headers are in
-            if self._rt_cycle is not None and not self._rt_cycle.more_body:
-                self._rt_disarm()  # and its body: the request is whole
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._rt_disarm()
-            super().connection_lost(exc)
-
-        def _rt_arm(self, began: bool) -> None:
-            self._rt_began, self._rt_cycle = began, None
-            self._rt_cycle_before = self.cycle  # a cycle made after this is the timed one
-            self._rt_timer = self.loop.call_later(self.read_timeout, self._rt_expired)
-
-        def _rt_disarm(self) -> None:
-            if self._rt_timer is not None:
-                self._rt_timer.cancel()
-                self._rt_timer = None
-            self._rt_cycle = None
-
-        def _rt_expired(self) -> None:
-            self._rt_timer = None
-            transport, cycle = self.transport, self._rt_cycle
-            if transport is None or transport.is_closing():
-                return
-            if cycle is not None and cycle.response_started:
-                return  # the app is answering already (e.g. 413): let it finish
-            before = self._rt_cycle_before
-            answered = cycle is None and before is not None and before.more_body
-            if self._rt_began and not answered:  # (answered: the rest of a refused body)
-                what = "request body" if cycle is not None else "request headers"
-                if cycle is not None:
-                    cycle.scope[READ_TIMED_OUT] = True
-                transport.write(response_408(self.read_timeout, what))
-                if on_timeout is not None:
-                    on_timeout(self.client, what)
-            transport.close()
+        def _rt_report(self, what: str) -> None:
+            if on_timeout is not None:
+                on_timeout(self.client, what)
 
     ReadTimeoutProtocol.__name__ = ReadTimeoutProtocol.__qualname__ = \
         f"ReadTimeout{base.__name__}"

@@ -246,6 +246,14 @@ def _content_chunk(call: Call, delta: tuple, use: dict[str, int] | None) -> dict
     return ch
 
 
+def _usage_so_far(call: Call, c: int) -> dict[str, int] | None:
+    """continuous_usage_stats: vLLM's usage on every chunk, for the chunk's choice (its
+    prompt's tokens and the tokens that choice generated so far); else null."""
+    if not call.parsed.continuous_usage:
+        return None
+    return protocol.usage(call.prompt_lens[c // call.n], len(call.token_ids.get(c, ())))
+
+
 async def stream_events(call: Call, itl: Callable[[float], None] | None = None,
                         interval: int = 1, encode: Callable[[Any], Any] = protocol.sse
                         ) -> AsyncIterator[Any]:
@@ -267,18 +275,11 @@ async def stream_events(call: Call, itl: Callable[[float], None] | None = None,
             ch["choices"][0]["prompt_token_ids"] = p.extra["prompt_token_ids"][c // call.n]
         return ch
 
-    def use(c: int) -> dict[str, int] | None:
-        """continuous_usage_stats: vLLM's usage on every chunk, for the chunk's choice (its
-        prompt's tokens and the tokens that choice generated so far); else null."""
-        if not p.continuous_usage:
-            return None
-        return protocol.usage(call.prompt_lens[c // call.n], len(call.token_ids.get(c, ())))
-
     if kind == "chat":
         for c in range(len(call.streams) * call.n):
             yield encode(with_prompt_ids(protocol.chunk(
                 kind, call.id, p.model, call.created, c, None, None, role=True,
-                with_usage=p.include_usage, use=use(c)), c))
+                with_usage=p.include_usage, use=_usage_so_far(call, c)), c))
     try:
         async for i, item in merged(call):
             for delta in account(call, i, item, itl):
@@ -290,7 +291,7 @@ async def stream_events(call: Call, itl: Callable[[float], None] | None = None,
                         not ((p.logprobs.echo or p.logprobs.prompt_k is not None)
                              and c not in call.started):
                     continue  # nothing a client can see yet (held-back tail, partial UTF-8)
-                ch = _content_chunk(call, merged_delta, use(c))
+                ch = _content_chunk(call, merged_delta, _usage_so_far(call, c))
                 yield encode(with_prompt_ids(ch, c))
         call.outcome = call.outcome or "finished"  # a cancel (outcome set) stays an abort
     except (Timeout, Exception) as e:  # noqa: BLE001 - reported to the client as an event
