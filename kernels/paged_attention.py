@@ -234,45 +234,21 @@ def paged_attention_decode(
     many keys (None: all of them). ``sinks`` [Hq]: gpt-oss's sink logits, one more term in each
     head's softmax denominator (``labkit.model.sinks``).
     """
-    check_window(sliding_window)
-    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, sinks)
-    check(q.dim() == 3, f"q must be [num_seqs, num_q_heads, head_dim], got {tuple(q.shape)}")
-    check(q.shape[0] == block_tables.shape[0], "q and block_tables disagree on num_seqs")
-    check_context_lens(block_tables, context_lens, k_cache, min_len=1)
+    _check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale,
+                         sliding_window, sinks)
     # the kernel indexes a table row and the lengths with unit stride
     block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
     context_lens = context_lens.contiguous()
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
-    if block_n is None:  # tokens are gathered one by one, so any power of two works
-        block_n = max(next_pow2(block_size), 64 if head_dim <= 128 else 32)
-    check(block_n >= 16 and block_n == next_pow2(block_n),
-          f"block_n must be a power of two >= 16, got {block_n}")
-    max_context = block_tables.shape[1] * block_size
-    if num_splits is None:
-        num_sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
-                   if q.is_cuda else None)
-        num_splits = default_num_splits(num_seqs, num_kv_heads, max_context, block_n, num_sms)
-    check(num_splits >= 1, f"num_splits must be >= 1, got {num_splits}")
-    tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(max_context, tokens_per_split) if max_context else 1
-
+    block_n, num_splits, tokens_per_split = _decode_tiling(q, k_cache, block_tables, block_n,
+                                                           num_splits)
     out = torch.empty_like(q)
     split = num_splits > 1
-    if split:
-        part = torch.empty(num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32,
-                           device=q.device)
-        lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32,
-                          device=q.device)
-        o, strides_o, strides_l = part, (part.stride(0), part.stride(1), part.stride(2)), (
-            lse.stride(0), lse.stride(1))
-    else:
-        lse = out  # unused
-        o, strides_o, strides_l = out, (out.stride(0), out.stride(1), 0), (0, 0)
+    o, lse, strides_o, strides_l = _split_outputs(out, num_splits)
     sinks_arg = q if sinks is None else sinks.contiguous()
-    grid = (num_seqs, num_kv_heads, num_splits)
-    _paged_decode_kernel[grid](
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         o, lse, q, kernel_view(k_cache), kernel_view(v_cache), block_tables, context_lens,
         *scale_args(k_cache, k_scale, v_scale)[:2], sinks_arg,
         scale * LOG2E, tokens_per_split, sliding_window or 0,
@@ -289,14 +265,71 @@ def paged_attention_decode(
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:
-        _merge_splits_kernel[(num_seqs, num_q_heads)](
-            out, part, lse, sinks_arg, num_splits,
-            out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),
-            lse.stride(0), lse.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim),
-            SPLITS_PAD=max(2, next_pow2(num_splits)), HAS_SINKS=sinks is not None,
-        )
+        _merge_splits(out, o, lse, sinks_arg, num_splits, sinks is not None)
     return out
+
+
+def _check_decode_inputs(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+    sliding_window: int | None, sinks: torch.Tensor | None,
+) -> None:
+    """One query token per sequence and every context non-empty and within its table row: the
+    kernel trusts both (on a GPU the caller guarantees the lengths)."""
+    check_window(sliding_window)
+    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, sinks)
+    check(q.dim() == 3, f"q must be [num_seqs, num_q_heads, head_dim], got {tuple(q.shape)}")
+    check(q.shape[0] == block_tables.shape[0], "q and block_tables disagree on num_seqs")
+    check_context_lens(block_tables, context_lens, k_cache, min_len=1)
+
+
+def _decode_tiling(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
+                   block_n: int | None, num_splits: int | None) -> tuple[int, int, int]:
+    """(BLOCK_N, num_splits, tokens_per_split): each split a whole number of BLOCK_N tiles,
+    and as many splits as that leaves non-empty (so the merge never reads an unwritten one)."""
+    num_seqs, _, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if block_n is None:  # tokens are gathered one by one, so any power of two works
+        block_n = max(next_pow2(block_size), 64 if head_dim <= 128 else 32)
+    check(block_n >= 16 and block_n == next_pow2(block_n),
+          f"block_n must be a power of two >= 16, got {block_n}")
+    max_context = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
+                   if q.is_cuda else None)
+        num_splits = default_num_splits(num_seqs, num_kv_heads, max_context, block_n, num_sms)
+    check(num_splits >= 1, f"num_splits must be >= 1, got {num_splits}")
+    tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max_context, tokens_per_split) if max_context else 1
+    return block_n, num_splits, tokens_per_split
+
+
+def _split_outputs(out: torch.Tensor, num_splits: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """Where the decode kernel writes: with one split straight into ``out`` (no log-sum-exp);
+    with more, fp32 partial outputs and log-sum-exps per split for the merge kernel.
+    Returns (o, lse, o's strides, lse's strides)."""
+    if num_splits == 1:
+        return out, out, (out.stride(0), out.stride(1), 0), (0, 0)  # lse unused
+    num_seqs, num_q_heads, head_dim = out.shape
+    part = torch.empty(num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32,
+                       device=out.device)
+    lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=out.device)
+    return part, lse, (part.stride(0), part.stride(1), part.stride(2)), (lse.stride(0),
+                                                                          lse.stride(1))
+
+
+def _merge_splits(out: torch.Tensor, part: torch.Tensor, lse: torch.Tensor,
+                  sinks_arg: torch.Tensor, num_splits: int, has_sinks: bool) -> None:
+    """Launch the merge: one program per (sequence, q head) combines the splits into ``out``."""
+    num_seqs, num_q_heads, head_dim = out.shape
+    _merge_splits_kernel[(num_seqs, num_q_heads)](
+        out, part, lse, sinks_arg, num_splits,
+        out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),
+        lse.stride(0), lse.stride(1),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim),
+        SPLITS_PAD=max(2, next_pow2(num_splits)), HAS_SINKS=has_sinks,
+    )
 
 
 def paged_attention_decode_ref(

@@ -205,45 +205,19 @@ def paged_prefill_attention(
     with float8_e4m3fn caches (``fp8_kv``). ``sliding_window``: query position p sees keys
     p - window + 1 .. p (None: 0 .. p). ``sinks`` [Hq]: gpt-oss's per-head sink logits.
     """
-    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, sinks)
-    check_window(sliding_window)
-    check(q.dim() == 3, f"q must be [num_tokens, num_q_heads, head_dim], got {tuple(q.shape)}")
+    _check_prefill_inputs(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+                          max_query_len, k_scale, v_scale, sinks, sliding_window)
     num_seqs = block_tables.shape[0]
-    check(query_start_loc.dim() == 1 and query_start_loc.numel() == num_seqs + 1,
-          f"query_start_loc must have num_seqs + 1 = {num_seqs + 1} entries, "
-          f"got {query_start_loc.numel()}")
-    check_dtype(query_start_loc, "query_start_loc", INDEX_DTYPES)
-    check(query_start_loc.device == q.device, "query_start_loc must be on q's device")
-    check_context_lens(block_tables, context_lens, k_cache, min_len=0)
     _, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     query_start_loc, context_lens = query_start_loc.contiguous(), context_lens.contiguous()
     block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
-    if on_host(query_start_loc, context_lens) and num_seqs:
-        q_lens = query_start_loc[1:].long() - query_start_loc[:-1].long()
-        check(int(query_start_loc[0]) == 0 and int(query_start_loc[-1]) == q.shape[0]
-              and bool((q_lens >= 0).all()),
-              f"query_start_loc must rise from 0 to num_tokens = {q.shape[0]}, got "
-              f"{query_start_loc.tolist()}")
-        check(bool((q_lens <= context_lens.long()).all()),
-              f"each sequence's new tokens (q_lens {q_lens.tolist()}) must be <= its "
-              f"context_lens {context_lens.tolist()} (they are part of the context)")
-        check(max_query_len is None or max_query_len >= int(q_lens.max()),
-              f"max_query_len {max_query_len} < the longest q_len {int(q_lens.max())}")
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_seqs else 0
     out = torch.empty_like(q)
     if max_query_len == 0 or q.shape[0] == 0:
         return out
-    if block_m is None:
-        block_m = 16 if max_query_len <= 16 else 64
-    if block_n is None:
-        block_n = 64
-    for name, val in (("block_m", block_m), ("block_n", block_n)):
-        check(val >= 16 and val == next_pow2(val), f"{name} must be a power of two >= 16, "
-              f"got {val}")
-    if num_warps is None:
-        num_warps = 4 if block_m <= 64 else 8
+    block_m, block_n, num_warps = _prefill_tiles(max_query_len, block_m, block_n, num_warps)
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_q_heads)
     _paged_prefill_kernel[grid](
         out, q, kernel_view(k_cache), kernel_view(v_cache), block_tables, query_start_loc,
@@ -262,6 +236,54 @@ def paged_prefill_attention(
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
+
+
+def _check_prefill_inputs(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor, context_lens: torch.Tensor, max_query_len: int | None,
+    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, sinks: torch.Tensor | None,
+    sliding_window: int | None,
+) -> None:
+    """Shapes, dtypes and devices always; on CPU tensors also the packed layout itself
+    (query_start_loc rising from 0 to N, each q_len within its context and max_query_len),
+    since a wrong value there would read or write outside the tensors."""
+    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, sinks)
+    check_window(sliding_window)
+    check(q.dim() == 3, f"q must be [num_tokens, num_q_heads, head_dim], got {tuple(q.shape)}")
+    num_seqs = block_tables.shape[0]
+    check(query_start_loc.dim() == 1 and query_start_loc.numel() == num_seqs + 1,
+          f"query_start_loc must have num_seqs + 1 = {num_seqs + 1} entries, "
+          f"got {query_start_loc.numel()}")
+    check_dtype(query_start_loc, "query_start_loc", INDEX_DTYPES)
+    check(query_start_loc.device == q.device, "query_start_loc must be on q's device")
+    check_context_lens(block_tables, context_lens, k_cache, min_len=0)
+    if on_host(query_start_loc, context_lens) and num_seqs:
+        q_lens = query_start_loc[1:].long() - query_start_loc[:-1].long()
+        check(int(query_start_loc[0]) == 0 and int(query_start_loc[-1]) == q.shape[0]
+              and bool((q_lens >= 0).all()),
+              f"query_start_loc must rise from 0 to num_tokens = {q.shape[0]}, got "
+              f"{query_start_loc.tolist()}")
+        check(bool((q_lens <= context_lens.long()).all()),
+              f"each sequence's new tokens (q_lens {q_lens.tolist()}) must be <= its "
+              f"context_lens {context_lens.tolist()} (they are part of the context)")
+        check(max_query_len is None or max_query_len >= int(q_lens.max()),
+              f"max_query_len {max_query_len} < the longest q_len {int(q_lens.max())}")
+
+
+def _prefill_tiles(max_query_len: int, block_m: int | None, block_n: int | None,
+                   num_warps: int | None) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps): a 16-row query tile when every sequence's new tokens fit
+    it (chunked decode-like steps), 64 rows otherwise; the warps follow the tile."""
+    if block_m is None:
+        block_m = 16 if max_query_len <= 16 else 64
+    if block_n is None:
+        block_n = 64
+    for name, val in (("block_m", block_m), ("block_n", block_n)):
+        check(val >= 16 and val == next_pow2(val), f"{name} must be a power of two >= 16, "
+              f"got {val}")
+    if num_warps is None:
+        num_warps = 4 if block_m <= 64 else 8
+    return block_m, block_n, num_warps
 
 
 def paged_prefill_attention_ref(

@@ -89,6 +89,33 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     ``k_scale``/``v_scale`` [num_blocks, block_size, Hkv] that receive each written (token,
     head)'s scale.
     """
+    _check_inputs(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    n, heads, dim = key.shape
+    if n == 0:
+        return
+    slot_mapping = slot_mapping.contiguous()  # the kernel reads entry n at offset n
+    if on_host(slot_mapping):
+        num_slots = k_cache.shape[0] * k_cache.shape[1]
+        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+        check(lo >= -1 and hi < num_slots, f"slot_mapping entries must be -1 (padding) or a "
+              f"slot in [0, {num_slots}), got min {lo}, max {hi}")
+    _reshape_and_cache_kernel[(n,)](
+        key, value, kernel_view(k_cache), kernel_view(v_cache), slot_mapping,
+        *scale_args(k_cache, k_scale, v_scale)[:2],
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *scale_args(k_cache, k_scale, v_scale)[2:],
+        NUM_HEADS=heads, HEAD_DIM=dim, HEADS_PAD=next_pow2(heads), DIM_PAD=next_pow2(dim),
+        BLOCK_SIZE=k_cache.shape[1],
+    )
+
+
+def _check_inputs(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor | None,
+                  v_scale: torch.Tensor | None) -> None:
+    """Shapes, dtypes, strides and devices the kernel's pointer arithmetic assumes: a mismatch
+    would scatter garbage silently, so it is a named error here."""
     check(key.dim() == 3 and key.shape == value.shape,
           f"key and value must both be [N, num_kv_heads, head_dim], got {tuple(key.shape)} "
           f"and {tuple(value.shape)}")
@@ -111,25 +138,6 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     check_dtype(slot_mapping, "slot_mapping", INDEX_DTYPES)
     check(len({t.device for t in (key, value, k_cache, v_cache, slot_mapping)}) == 1,
           "key, value, the caches and slot_mapping must be on one device")
-    n, heads, dim = key.shape
-    if n == 0:
-        return
-    slot_mapping = slot_mapping.contiguous()  # the kernel reads entry n at offset n
-    if on_host(slot_mapping):
-        num_slots = k_cache.shape[0] * k_cache.shape[1]
-        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
-        check(lo >= -1 and hi < num_slots, f"slot_mapping entries must be -1 (padding) or a "
-              f"slot in [0, {num_slots}), got min {lo}, max {hi}")
-    _reshape_and_cache_kernel[(n,)](
-        key, value, kernel_view(k_cache), kernel_view(v_cache), slot_mapping,
-        *scale_args(k_cache, k_scale, v_scale)[:2],
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        *scale_args(k_cache, k_scale, v_scale)[2:],
-        NUM_HEADS=heads, HEAD_DIM=dim, HEADS_PAD=next_pow2(heads), DIM_PAD=next_pow2(dim),
-        BLOCK_SIZE=k_cache.shape[1],
-    )
 
 
 def reshape_and_cache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

@@ -49,8 +49,16 @@ def randint32(gen: torch.Generator, device: str, *shape: int) -> torch.Tensor:
 
 def check_all(report: Report, sizes: dict, device: str, gen: torch.Generator) -> None:
     """Every kernel against its plain-PyTorch reference at one realistic size, fresh inputs."""
-    from labkit.kernels import nf4, paged_attention, paged_prefill, rms_norm, rotary_embedding
-    from labkit.kernels import reshape_and_cache as rc
+    _check_paged_attention(report, sizes, device, gen)
+    _check_cache_write(report, sizes, device, gen)
+    _check_norm_rope(report, sizes, device, gen)
+    _check_dequant(report, sizes, device, gen)
+
+
+def _check_paged_attention(report: Report, sizes: dict, device: str,
+                           gen: torch.Generator) -> None:
+    """Decode (single pass and split-KV) on ragged contexts, prefill on a staggered batch."""
+    from labkit.kernels import paged_attention, paged_prefill
 
     hq, hkv, d = sizes["heads"]
     bs = sizes["block_size"]
@@ -73,6 +81,13 @@ def check_all(report: Report, sizes: dict, device: str, gen: torch.Generator) ->
     report("paged_prefill_attention", f"{nseq} seqs q_len={qlen} ctx<={ctx} bf16",
             rel_err(out, ref), 1e-2)
 
+
+def _check_cache_write(report: Report, sizes: dict, device: str, gen: torch.Generator) -> None:
+    """reshape_and_cache into shuffled slots with -1 padding: the caches must be bit-equal."""
+    from labkit.kernels import reshape_and_cache as rc
+
+    _, hkv, d = sizes["heads"]
+    bs = sizes["block_size"]
     n = sizes["cache_tokens"]
     key, val = (torch.randn(n, hkv, d, generator=gen, device=device).to(BF16)
                 for _ in range(2))
@@ -85,6 +100,13 @@ def check_all(report: Report, sizes: dict, device: str, gen: torch.Generator) ->
     report("reshape_and_cache", f"N={n} (with -1 slots)",
             float(not (torch.equal(kc, kc2) and torch.equal(vc, vc2))), 0.0)
 
+
+def _check_norm_rope(report: Report, sizes: dict, device: str, gen: torch.Generator) -> None:
+    """Fused RMSNorm (+ residual add) and in-place RoPE on random positions, bf16."""
+    from labkit.kernels import rms_norm, rotary_embedding
+
+    hq, hkv, d = sizes["heads"]
+    n = sizes["cache_tokens"]
     rows, hidden = sizes["norm"]
     x, r = (torch.randn(rows, hidden, generator=gen, device=device).to(BF16)
             for _ in range(2))
@@ -100,6 +122,11 @@ def check_all(report: Report, sizes: dict, device: str, gen: torch.Generator) ->
     rotary_embedding.rotary_embedding(pos, qq, kk, cache)
     report("rotary_embedding", f"N={n} Hq={hq} Hkv={hkv} D={d} bf16",
             max(rel_err(qq, qr), rel_err(kk, kr)), 1e-2)
+
+
+def _check_dequant(report: Report, sizes: dict, device: str, gen: torch.Generator) -> None:
+    """The quantized matmuls at M = 1 (GEMV kernels) and M > 1 (GEMM), and NF4 dequantize."""
+    from labkit.kernels import nf4
 
     m, k = sizes["check"]["dequant"]
     for rows in (1, m):  # M = 1 runs the GEMV kernels, M > 1 the tensor-core GEMM
@@ -146,8 +173,15 @@ def check_odd_shapes(report: Report, device: str, gen: torch.Generator) -> None:
     GQA 7 (Qwen2-0.5B: 14 q over 2 kv heads), blocks of 8 and 32, ragged contexts, prefix-hit
     prefill, GEMV/GEMM on N no tile divides and K of three groups, norm/RoPE widths that are
     not powers of two. Small, so it adds seconds, on the device the timings come from."""
-    from labkit.kernels import dequant_matmul as dq
-    from labkit.kernels import paged_attention, paged_prefill, rms_norm, rotary_embedding
+    _odd_paged_attention(report, device, gen)
+    _odd_dequant(report, device, gen)
+    _odd_norm_rope(report, device, gen)
+    check_moe_and_lora(report, device, gen)
+
+
+def _odd_paged_attention(report: Report, device: str, gen: torch.Generator) -> None:
+    """Decode and prefix-hit prefill at GQA 7 / head_dim 80 / head_dim 96, blocks of 8-32."""
+    from labkit.kernels import paged_attention, paged_prefill
 
     f16 = torch.float16
     for (hq, hkv, d), bs in (((14, 2, 64), 8), ((8, 8, 80), 32), ((12, 4, 96), 16)):
@@ -167,6 +201,12 @@ def check_odd_shapes(report: Report, device: str, gen: torch.Generator) -> None:
         report("paged_prefill_attention", f"Hq={hq} Hkv={hkv} D={d} bs={bs} prefix hit fp16",
                rel_err(out, ref), 5e-3)
 
+
+def _odd_dequant(report: Report, device: str, gen: torch.Generator) -> None:
+    """Every quantized matmul on N = 200 (no tile divides it) and K of three groups."""
+    from labkit.kernels import dequant_matmul as dq
+
+    f16 = torch.float16
     k, n, gs = 192, 200, 64
     x = torch.randn(3, k, generator=gen, device=device).to(f16)
     sc = (torch.rand(k // gs, n, generator=gen, device=device) * 0.01 + 1e-3).to(f16)
@@ -186,6 +226,12 @@ def check_odd_shapes(report: Report, device: str, gen: torch.Generator) -> None:
             report(name, f"M={rows} K={k} N={n} fp16",
                    rel_err(fn(x[:rows], *args), x[:rows].float() @ w_ref.float()), 5e-3)
 
+
+def _odd_norm_rope(report: Report, device: str, gen: torch.Generator) -> None:
+    """RMSNorm at Qwen2-0.5B's widths (896, 4864) and RoPE at head_dim 80, fp16."""
+    from labkit.kernels import rms_norm, rotary_embedding
+
+    f16 = torch.float16
     for width in (896, 4864):
         xs, res = (torch.randn(5, width, generator=gen, device=device).to(f16) for _ in range(2))
         w = torch.rand(width, generator=gen, device=device).to(f16) + 0.5
@@ -201,7 +247,6 @@ def check_odd_shapes(report: Report, device: str, gen: torch.Generator) -> None:
     rotary_embedding.rotary_embedding(pos, qq, kk, cache)
     report("rotary_embedding", "N=9 Hq=14 Hkv=2 D=80 fp16", max(rel_err(qq, qr), rel_err(kk, kr)),
            5e-3)
-    check_moe_and_lora(report, device, gen)
 
 
 def check_moe_and_lora(report: Report, device: str, gen: torch.Generator) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from torch import nn
 
 from labkit.compress.distill import Probe, probe_agreement
+from labkit.model.config import ModelConfig
 from labkit.model.loader import load_pretrained
 from labkit.train.card import shipped_metrics
 
@@ -28,23 +29,47 @@ def write_distill_card(out: str | Path, name: str, student: nn.Module, teacher: 
                        log: dict, data, probe: Probe) -> dict:
     """README.md + distill_log.json (+ train_log.json, the fields every shipped card has)."""
     out = Path(out)
-    tc, kd = log["train_config"], log["distill"]
+    tc = log["train_config"]
     shipped = shipped_metrics(out, data.heldout, tc["seq_len"], tc["eval_max_tokens"])
     loaded, _ = load_pretrained(out)
     agree = probe_agreement(loaded, teacher, probe)
     t_loss = shipped_metrics(log.get("teacher_dir", log["teacher"]), data.heldout,
                              tc["seq_len"], tc["eval_max_tokens"], 1)["heldout_loss_fp16_weights"]
     cfg = loaded.config
+    summary = _summary(shipped, t_loss, agree, log["eval"][0])
+    lines = _facts_table(name, cfg, log, shipped, agree, summary, len(probe))
+    lines += ["", "Command:", "", "```", log["command"], "```", ""]
+    lines += _agreement_curve(log["eval"])
+    lines += ["", "Greedy completions (48 new tokens, float32 on CPU):", ""]
+    for s in shipped["samples"]:
+        lines += ["```python", s["prompt"] + s["completion"], "```", ""]
+    (out / "README.md").write_text("\n".join(lines).rstrip() + "\n")
+    full = {**log, "shipped": shipped, "summary": summary, "num_parameters": cfg.num_parameters(),
+            "data": data.meta, "model_config": cfg.to_hf_dict()}
+    (out / "distill_log.json").write_text(json.dumps(full, indent=1) + "\n")
+    (out / "train_log.json").write_text(json.dumps(full, indent=1) + "\n")
+    return summary
+
+
+def _summary(shipped: dict, t_loss: float, agree: dict, first: dict) -> dict:
+    """The headline numbers: perplexities of student and teacher, α before and after, and the
+    acceptance rate α predicts at γ = 2 and 4."""
+    return {"heldout_loss_fp16_weights": shipped["heldout_loss_fp16_weights"],
+            "heldout_perplexity": math.exp(shipped["heldout_loss_fp16_weights"]),
+            "teacher_heldout_perplexity": math.exp(t_loss),
+            "probe_alpha": agree["top1_agreement"], "probe_kl": agree["kl"],
+            "probe_alpha_at_start": first.get("top1_agreement"),
+            **{f"expected_acceptance_gamma{g}":
+               expected_acceptance_rate(agree["top1_agreement"], g) for g in (2, 4)}}
+
+
+def _facts_table(name: str, cfg: ModelConfig, log: dict, shipped: dict, agree: dict, summary: dict,
+                 probe_len: int) -> list[str]:
+    """Title, provenance and the facts table, every number measured or read from the log."""
+    tc, kd = log["train_config"], log["distill"]
     n_params = cfg.num_parameters()
     first = log["eval"][0]
-    summary = {"heldout_loss_fp16_weights": shipped["heldout_loss_fp16_weights"],
-               "heldout_perplexity": math.exp(shipped["heldout_loss_fp16_weights"]),
-               "teacher_heldout_perplexity": math.exp(t_loss),
-               "probe_alpha": agree["top1_agreement"], "probe_kl": agree["kl"],
-               "probe_alpha_at_start": first.get("top1_agreement"),
-               **{f"expected_acceptance_gamma{g}":
-                  expected_acceptance_rate(agree["top1_agreement"], g) for g in (2, 4)}}
-    lines = [
+    return [
         f"# {name}", "",
         f"A {n_params / 1e6:.2f} M-parameter Llama-architecture student **distilled** from "
         f"`{log['teacher']}` by `labkit distill` (labkit.compress.distill) on the lab's corpus "
@@ -58,13 +83,7 @@ def write_distill_card(out: str | Path, name: str, student: nn.Module, teacher: 
         f"| loss | {kd['direction']} KL, temperature {kd['temperature']:g} (x T²), hard-label "
         f"weight {kd['hard_weight']:g}"
         f"{' (label: the teacher argmax)' if kd.get('hard_label') == 'teacher' else ''} |",
-        *([f"| data | {log['teacher_text_fraction']:.0%} of each batch's rows from "
-           f"{log['spec_data_rows']:,} continuations written by the teacher itself "
-           f"(DistillSpec-style; {log['spec_data_sampled']:.0%} sampled at temperature "
-           f"{log['spec_data_temperature']:g}, the rest greedy) of line-start prompts of 1-3 "
-           "lines cut from the TRAIN split; prompts containing any line of the evaluation "
-           "prompt sets (`code_prompts`, `spec_code_prompts`) were dropped; the other rows: "
-           "corpus windows |"] if log.get("spec_data_rows") else []),
+        *_spec_data_rows(log),
         f"| steps | {log['steps']} x batch {tc['batch_size']} x {tc['seq_len']} tokens = "
         f"{log['tokens_seen']:,} tokens, AdamW lr {tc['lr']:g} (warm-up {tc['warmup_steps']}, "
         f"cosine), seed {tc['seed']} |",
@@ -75,32 +94,38 @@ def write_distill_card(out: str | Path, name: str, student: nn.Module, teacher: 
         f"{summary['heldout_perplexity']:.2f}; teacher "
         f"{summary['teacher_heldout_perplexity']:.2f}) |",
         f"| top-1 agreement with the teacher (α) on its greedy continuations of "
-        f"{len(probe)} code prompts | {agree['top1_agreement']:.3f} (before distillation "
+        f"{probe_len} code prompts | {agree['top1_agreement']:.3f} (before distillation "
         f"{first.get('top1_agreement', float('nan')):.3f}) |",
         f"| acceptance rate theory predicts from α (γ = 2 / 4) | "
         f"{summary['expected_acceptance_gamma2']:.3f} / "
         f"{summary['expected_acceptance_gamma4']:.3f} — measured in the engine by "
         "`labkit bench spec` |",
         f"| software | torch {log.get('torch_version', '?')}, Python "
-        f"{log.get('python_version', '?')} |",
-        "", "Command:", "", "```", log["command"], "```", "",
-        "Agreement and held-out loss during distillation:", "",
-        "| step | tokens | held-out loss | top-1 agreement α | KL(teacher‖student) |",
-        "|---|---|---|---|---|"]
-    evals = log["eval"]
+        f"{log.get('python_version', '?')} |"]
+
+
+def _spec_data_rows(log: dict) -> list[str]:
+    """The data row of a DistillSpec run (teacher-written rows mixed in); none otherwise."""
+    if not log.get("spec_data_rows"):
+        return []
+    return [f"| data | {log['teacher_text_fraction']:.0%} of each batch's rows from "
+            f"{log['spec_data_rows']:,} continuations written by the teacher itself "
+            f"(DistillSpec-style; {log['spec_data_sampled']:.0%} sampled at temperature "
+            f"{log['spec_data_temperature']:g}, the rest greedy) of line-start prompts of 1-3 "
+            "lines cut from the TRAIN split; prompts containing any line of the evaluation "
+            "prompt sets (`code_prompts`, `spec_code_prompts`) were dropped; the other rows: "
+            "corpus windows |"]
+
+
+def _agreement_curve(evals: list[dict]) -> list[str]:
+    """Held-out loss, α and KL during distillation, thinned to about 12 rows plus the last."""
     keep = evals if len(evals) <= 12 else evals[:: math.ceil(len(evals) / 12)] + [evals[-1]]
-    lines += [f"| {e['step']} | {e['tokens_seen']:,} | {e['heldout_loss']:.4f} | "
-              f"{e.get('top1_agreement', float('nan')):.3f} | {e.get('kl', float('nan')):.3f} |"
-              for e in keep]
-    lines += ["", "Greedy completions (48 new tokens, float32 on CPU):", ""]
-    for s in shipped["samples"]:
-        lines += ["```python", s["prompt"] + s["completion"], "```", ""]
-    (out / "README.md").write_text("\n".join(lines).rstrip() + "\n")
-    full = {**log, "shipped": shipped, "summary": summary, "num_parameters": n_params,
-            "data": data.meta, "model_config": cfg.to_hf_dict()}
-    (out / "distill_log.json").write_text(json.dumps(full, indent=1) + "\n")
-    (out / "train_log.json").write_text(json.dumps(full, indent=1) + "\n")
-    return summary
+    return ["Agreement and held-out loss during distillation:", "",
+            "| step | tokens | held-out loss | top-1 agreement α | KL(teacher‖student) |",
+            "|---|---|---|---|---|"] + [
+        f"| {e['step']} | {e['tokens_seen']:,} | {e['heldout_loss']:.4f} | "
+        f"{e.get('top1_agreement', float('nan')):.3f} | {e.get('kl', float('nan')):.3f} |"
+        for e in keep]
 
 
 def distill_chart(log: dict):

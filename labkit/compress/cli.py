@@ -20,8 +20,13 @@ import platform
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from labkit.compress.distill import Probe
+    from labkit.train.trainer import TrainConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,29 +128,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     from labkit.compress.card import write_distill_card
-    from labkit.compress.distill import (
-        DistillConfig,
-        distill,
-        greedy_continuations,
-    )
+    from labkit.compress.distill import DistillConfig, distill
     from labkit.model.loader import load_pretrained, resolve_model_path
-    from labkit.sim.workloads import prompt_texts
     from labkit.train.data import load_token_data, prepare_data
     from labkit.train.export import export_hf
-    from labkit.train.trainer import TrainConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)
     teacher, tok = load_pretrained(args.teacher)
     tdir = resolve_model_path(args.teacher)
     data = load_token_data(args.data or prepare_data(tokenizer_dir=tdir))
-    prompts = [tok.encode(t) for t in prompt_texts(args.probe_prompts)[:args.probe_count]]
-    probe = greedy_continuations(teacher, prompts, args.probe_tokens)
-    cfg = TrainConfig(seq_len=args.seq_len, batch_size=args.batch_size,
-                      max_steps=args.max_steps, time_budget_s=args.time_budget, lr=args.lr,
-                      warmup_steps=args.warmup_steps, eval_every=args.eval_every,
-                      eval_max_tokens=args.eval_max_tokens, log_every=5, seed=args.seed,
-                      weight_decay=0.0)
+    probe = _make_probe(args, teacher, tok)
+    cfg = _train_config(args)
     kd = DistillConfig(args.temperature, args.direction, args.hard_weight, args.hard_label)
     text = make_text(args, teacher, tok, data)
     if args.eagle:
@@ -155,19 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     student, init = make_student(args, teacher)
     print(f"labkit distill: {args.teacher} -> student from {init}, "
           f"{sum(p.numel() for p in student.parameters()):,} parameters", file=sys.stderr)
+    fraction = args.teacher_text_fraction if text is not None else 0.0
     student, log = distill(student, teacher, cfg, kd, data.train, data.heldout, probe,
                            on_eval=lambda r: print(json.dumps(r), file=sys.stderr, flush=True),
-                           text=text, text_fraction=args.teacher_text_fraction if text
-                           is not None else 0.0)
-    log.update(teacher_text_rows=args.teacher_text_rows, spec_data_rows=args.spec_data,
-               spec_data_sampled=args.spec_data_sampled,
-               spec_data_temperature=args.spec_data_temperature,
-               teacher_text_fraction=args.teacher_text_fraction if text is not None else 0.0,
-               student_init=init,
-               teacher=args.teacher, command="labkit distill " + shlex.join(argv),
-               torch_version=torch.__version__,
-               python_version=platform.python_version(),
-               device_name=f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)")
+                           text=text, text_fraction=fraction)
+    _add_provenance(log, args, argv, init, fraction)
     export_hf(student, student.config, tdir, args.out)
     write_distill_card(args.out, args.name or args.out.name, student, teacher, log, data,
                        probe)
@@ -180,6 +166,43 @@ def main(argv: list[str] | None = None) -> int:
                       "heldout_perplexity": round(math.exp(last["heldout_loss"]), 3),
                       "top1_agreement": last.get("top1_agreement")}))
     return 0
+
+
+def _make_probe(args: argparse.Namespace, teacher: torch.nn.Module, tok) -> Probe:
+    """The teacher's greedy continuations of the first ``--probe-count`` prompts of
+    ``--probe-prompts``: top-1 agreement on them is the draft's greedy acceptance α."""
+    from labkit.compress.distill import greedy_continuations
+    from labkit.sim.workloads import prompt_texts
+
+    prompts = [tok.encode(t) for t in prompt_texts(args.probe_prompts)[:args.probe_count]]
+    return greedy_continuations(teacher, prompts, args.probe_tokens)
+
+
+def _train_config(args: argparse.Namespace) -> TrainConfig:
+    """labkit.train's schedule and batches, with the flags' sizes (no weight decay: the
+    student is pulled towards the teacher, not towards zero)."""
+    from labkit.train.trainer import TrainConfig
+
+    return TrainConfig(seq_len=args.seq_len, batch_size=args.batch_size,
+                       max_steps=args.max_steps, time_budget_s=args.time_budget, lr=args.lr,
+                       warmup_steps=args.warmup_steps, eval_every=args.eval_every,
+                       eval_max_tokens=args.eval_max_tokens, log_every=5, seed=args.seed,
+                       weight_decay=0.0)
+
+
+def _add_provenance(log: dict, args: argparse.Namespace, argv: list[str], init: str,
+                    fraction: float) -> None:
+    """What the card needs beyond the training log: the data mix, the start, the command and
+    the software it ran on."""
+    log.update(teacher_text_rows=args.teacher_text_rows, spec_data_rows=args.spec_data,
+               spec_data_sampled=args.spec_data_sampled,
+               spec_data_temperature=args.spec_data_temperature,
+               teacher_text_fraction=fraction,
+               student_init=init,
+               teacher=args.teacher, command="labkit distill " + shlex.join(argv),
+               torch_version=torch.__version__,
+               python_version=platform.python_version(),
+               device_name=f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)")
 
 
 if __name__ == "__main__":

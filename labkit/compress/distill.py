@@ -169,29 +169,16 @@ def distill(student: nn.Module, teacher: nn.Module, cfg: TrainConfig, kd: Distil
     optimizer step (pruning's healing re-applies its masks there).
     ``cfg.time_budget_s`` stops after that many seconds (the schedule then assumes max_steps).
     """
-    device = torch.device(cfg.device)
-    teacher.to(device).eval()
-    student.to(device).train()
-    decay = [p for p in student.parameters() if p.dim() >= 2 and p.requires_grad]
-    no_decay = [p for p in student.parameters() if p.dim() < 2 and p.requires_grad]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=cfg.lr, betas=cfg.betas)
+    opt = _setup(student, teacher, cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
     max_steps = cfg.max_steps or 10**9
     log: dict = {"train": [], "eval": [], "train_config": asdict(cfg), "distill": asdict(kd)}
     t0 = time.perf_counter()
 
     def run_eval(step: int) -> None:
-        row = {"step": step, "tokens_seen": step * cfg.batch_size * cfg.seq_len,
-               "elapsed_s": time.perf_counter() - t0,
-               "heldout_loss": evaluate(student, heldout_ids, cfg.seq_len, cfg.batch_size,
-                                        cfg.eval_max_tokens)}
-        if probe is not None:
-            row.update(probe_agreement(student, teacher, [(x.to(device), n) for x, n in probe]))
-        log["eval"].append(row)
+        log["eval"].append(_eval_row(student, teacher, heldout_ids, probe, cfg, step, t0))
         if on_eval is not None:
-            on_eval(row)
+            on_eval(log["eval"][-1])
 
     run_eval(0)
     bar = tqdm(total=cfg.max_steps, desc="distill", unit="step", disable=not progress)
@@ -202,22 +189,12 @@ def distill(student: nn.Module, teacher: nn.Module, cfg: TrainConfig, kd: Distil
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg, max_steps)
         x, y = _mixed_batch(train_ids, text, text_fraction, cfg, gen)
-        with torch.no_grad():
-            t_logits = teacher(x)
-        loss = distill_loss(student(x), t_logits, y, kd)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), cfg.grad_clip)
-        opt.step()
-        if after_step is not None:
-            after_step(student)
+        loss = _distill_step(student, teacher, opt, x, y, kd, cfg.grad_clip, after_step)
         step += 1
         running += float(loss.detach())
         bar.update(1)
         if step % cfg.log_every == 0:
-            log["train"].append({"step": step, "loss": running / cfg.log_every,
-                                 "elapsed_s": time.perf_counter() - t0})
-            bar.set_postfix(loss=f"{running / cfg.log_every:.3f}")
+            _log_train(log, bar, step, running / cfg.log_every, t0)
             running = 0.0
         if step % cfg.eval_every == 0:
             run_eval(step)
@@ -225,10 +202,65 @@ def distill(student: nn.Module, teacher: nn.Module, cfg: TrainConfig, kd: Distil
     if not log["eval"] or log["eval"][-1]["step"] != step:
         run_eval(step)
     student.eval()
+    return student, _finish_log(log, step, cfg, t0)
+
+
+def _setup(student: nn.Module, teacher: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """Both models on the device (the teacher frozen in eval mode) and AdamW over the
+    student's trainable parameters, without weight decay on norms and biases."""
+    device = torch.device(cfg.device)
+    teacher.to(device).eval()
+    student.to(device).train()
+    decay = [p for p in student.parameters() if p.dim() >= 2 and p.requires_grad]
+    no_decay = [p for p in student.parameters() if p.dim() < 2 and p.requires_grad]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=cfg.lr, betas=cfg.betas)
+
+
+def _eval_row(student: nn.Module, teacher: nn.Module, heldout_ids: torch.Tensor,
+              probe: Probe | None, cfg: TrainConfig, step: int, t0: float) -> dict:
+    """The student's held-out loss at ``step`` and, with a probe, its top-1 agreement and KL
+    with the teacher: the curve the card and ``on_eval`` show."""
+    row = {"step": step, "tokens_seen": step * cfg.batch_size * cfg.seq_len,
+           "elapsed_s": time.perf_counter() - t0,
+           "heldout_loss": evaluate(student, heldout_ids, cfg.seq_len, cfg.batch_size,
+                                    cfg.eval_max_tokens)}
+    if probe is not None:
+        device = torch.device(cfg.device)
+        row.update(probe_agreement(student, teacher, [(x.to(device), n) for x, n in probe]))
+    return row
+
+
+def _distill_step(student: nn.Module, teacher: nn.Module, opt: torch.optim.Optimizer,
+                  x: torch.Tensor, y: torch.Tensor, kd: DistillConfig, grad_clip: float,
+                  after_step: Callable[[nn.Module], None] | None) -> torch.Tensor:
+    """One optimizer step of the student towards the teacher's logits on the same windows
+    (the teacher without gradients); returns the distillation loss."""
+    with torch.no_grad():
+        t_logits = teacher(x)
+    loss = distill_loss(student(x), t_logits, y, kd)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(student.parameters(), grad_clip)
+    opt.step()
+    if after_step is not None:
+        after_step(student)
+    return loss
+
+
+def _log_train(log: dict, bar: tqdm, step: int, mean: float, t0: float) -> None:
+    """Record the mean distillation loss since the last entry."""
+    log["train"].append({"step": step, "loss": mean, "elapsed_s": time.perf_counter() - t0})
+    bar.set_postfix(loss=f"{mean:.3f}")
+
+
+def _finish_log(log: dict, step: int, cfg: TrainConfig, t0: float) -> dict:
+    """The run's totals and the final held-out perplexity."""
     log.update(steps=step, tokens_seen=step * cfg.batch_size * cfg.seq_len,
                wall_time_s=time.perf_counter() - t0,
                heldout_perplexity=math.exp(log["eval"][-1]["heldout_loss"]))
-    return student, log
+    return log
 
 
 def drop_layers(model: nn.Module, keep: list[int]) -> nn.Module:

@@ -18,6 +18,7 @@ import json
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -144,42 +145,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.finish:
         finish(args.out, args.chart)
         return 0
-    from labkit.compress.recipe import heal, prune_and_refit
+    from labkit.compress.recipe import heal
     from labkit.model.loader import load_pretrained, resolve_model_path
     from labkit.quant.calib import corpus_windows
-    from labkit.quant.evaluate import log_probs, mean_kl, perplexity_from_logprobs
     from labkit.train.data import load_token_data, prepare_data
     from labkit.train.export import export_hf
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    recipe = PruneRecipe(sparsity=args.sparsity, head_fraction=args.head_fraction,
-                         importance=args.importance, calib_windows=args.calib_windows,
-                         heal_steps=args.heal_steps, batch_size=args.batch_size,
-                         seq_len=args.seq_len, lr=args.lr, warmup_steps=args.warmup_steps,
-                         seed=args.seed)
+    recipe = _recipe(args)
     t0 = time.perf_counter()
     dense, tok = load_pretrained(args.model)
     tdir = resolve_model_path(args.model)
     data = load_token_data(args.data or prepare_data(tokenizer_dir=tdir))
     ev = corpus_windows(tok, "heldout", args.eval_windows, 256)
     calib = corpus_windows(tok, "train", recipe.calib_windows, recipe.calib_len, seed=1)
-    ref = log_probs(dense, ev)
-
-    def metrics(m) -> dict:
-        lp = log_probs(m, ev)
-        return {"perplexity": perplexity_from_logprobs(lp, ev), "kl": mean_kl(ref, lp)}
-
+    metrics = _metrics_against(dense, ev)
     command = "labkit prune " + shlex.join(argv)
     if args.resume:
         pruned, log, base = _resumed(args.resume, command, recipe)
     else:
-        pruned, counts = prune_and_refit(dense, calib, recipe)
-        log = {"model": args.model, "command": command, "recipe": asdict(recipe),
-               "dense": metrics(dense), "one_shot": metrics(counts.pop("one_shot")),
-               "refit": metrics(pruned), "counts": counts, "curve": [],
-               "eval": f"{args.eval_windows} held-out windows x 256 tokens",
-               "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__}
+        pruned, log = _pruned_and_refit(dense, calib, recipe, metrics, args, command)
         base = {"step": 0, "tokens": 0, "wall_time_s": 0.0}
     print(json.dumps({k: log[k] for k in ("dense", "one_shot", "refit", "counts")}),
           file=sys.stderr, flush=True)
@@ -200,6 +186,46 @@ def main(argv: list[str] | None = None) -> int:
     _write_log(args.out, log, t0, base["wall_time_s"])
     finish(args.out, args.chart)
     return 0
+
+
+def _recipe(args: argparse.Namespace) -> PruneRecipe:
+    """The flags as the recipe ``prune_and_refit`` and ``heal`` read (and the log records)."""
+    return PruneRecipe(sparsity=args.sparsity, head_fraction=args.head_fraction,
+                       importance=args.importance, calib_windows=args.calib_windows,
+                       heal_steps=args.heal_steps, batch_size=args.batch_size,
+                       seq_len=args.seq_len, lr=args.lr, warmup_steps=args.warmup_steps,
+                       seed=args.seed)
+
+
+def _metrics_against(dense: torch.nn.Module,
+                     ev: torch.Tensor) -> Callable[[torch.nn.Module], dict]:
+    """Perplexity on the held-out windows ``ev`` and mean KL from the dense model there (its
+    log-probs computed once, here)."""
+    from labkit.quant.evaluate import log_probs, mean_kl, perplexity_from_logprobs
+
+    ref = log_probs(dense, ev)
+
+    def metrics(m: torch.nn.Module) -> dict:
+        lp = log_probs(m, ev)
+        return {"perplexity": perplexity_from_logprobs(lp, ev), "kl": mean_kl(ref, lp)}
+
+    return metrics
+
+
+def _pruned_and_refit(dense: torch.nn.Module, calib: torch.Tensor, recipe: PruneRecipe,
+                      metrics: Callable[[torch.nn.Module], dict], args: argparse.Namespace,
+                      command: str) -> tuple[torch.nn.Module, dict]:
+    """Prune and refit ``dense``; the log opens with the dense, one-shot and refit metrics
+    (the healing curve starts from the refit)."""
+    from labkit.compress.recipe import prune_and_refit
+
+    pruned, counts = prune_and_refit(dense, calib, recipe)
+    log = {"model": args.model, "command": command, "recipe": asdict(recipe),
+           "dense": metrics(dense), "one_shot": metrics(counts.pop("one_shot")),
+           "refit": metrics(pruned), "counts": counts, "curve": [],
+           "eval": f"{args.eval_windows} held-out windows x 256 tokens",
+           "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__}
+    return pruned, log
 
 
 def _resumed(src: Path, command: str, recipe: PruneRecipe) -> tuple[torch.nn.Module, dict, dict]:

@@ -61,22 +61,54 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
                                 f"H {tuple(H.shape)}")
     if not 0 < damp < 1:
         raise QuantizationError(f"damp must be in (0, 1), got {damp}")
-    N, K = W.shape
+    K = W.shape[1]
     gs = resolve_group_size(K, group_size, group_fallback)
     W0 = W.detach().double().clone()
+    W, H, Href = _without_dead_inputs(W0, H)
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order \
+        else torch.arange(K)
+    W, H = W[:, perm], H[perm][:, perm]
+    Hinv = _hessian_inverse(H, damp)
+    codes, scales, zeros, loss = _quantize_blocks(W, Hinv, gs, bits, sym, block_size)
+
+    inv = torch.argsort(perm)
+    codes = codes[:, inv]
+    g_idx = (torch.arange(K) // gs)[inv].to(torch.int32)
+    quant = GroupQuant(codes.to(torch.uint8), torch.stack(scales).float(),
+                       torch.stack(zeros).to(torch.int32), g_idx, bits, gs)
+    from labkit.quant.rtn import quantize_rtn
+
+    rtn = quantize_rtn(W0.float(), bits, gs, sym).dequantize().double()
+    return GPTQResult(quant, loss, _hloss(W0 - rtn, Href),
+                      _hloss(W0 - quant.dequantize().double(), Href))
+
+
+def _without_dead_inputs(W0: torch.Tensor, H: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An input that never fires (zero diagonal) gets H_ii = 1 and a zero weight, so H stays
+    invertible; returns (W, H, a copy of that H for the final losses), in float64."""
     H = H.double().clone()
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
     W = W0.clone()
     W[:, dead] = 0
-    Href = H.clone()
+    return W, H, H.clone()
 
-    perm = torch.argsort(torch.diag(H), descending=True) if act_order \
-        else torch.arange(K)
-    W, H = W[:, perm], H[perm][:, perm]
-    H += damp * torch.mean(torch.diag(H)) * torch.eye(K, dtype=H.dtype)
-    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
 
+def _hessian_inverse(H: torch.Tensor, damp: float) -> torch.Tensor:
+    """Upper Cholesky factor of the damped H⁻¹: its rows hold every successive H⁻¹ row the
+    column-by-column updates need, and dampening keeps the factorisation stable."""
+    K = H.shape[0]
+    H = H + damp * torch.mean(torch.diag(H)) * torch.eye(K, dtype=H.dtype)
+    return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+
+
+def _quantize_blocks(W: torch.Tensor, Hinv: torch.Tensor, gs: int, bits: int, sym: bool,
+                     block_size: int) -> tuple[torch.Tensor, list, list, float]:
+    """Quantize ``W``'s columns in order (updated in place), each one's error pushed onto the
+    columns after it: within a block one column at a time, onto the rest with one matmul per
+    block (lazy batch). Returns (codes, scales, zeros per group, GPTQ's objective)."""
+    N, K = W.shape
     codes = torch.zeros(N, K, dtype=torch.float64)
     scales, zeros = [], []
     loss = 0.0
@@ -101,14 +133,4 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
             W1[:, i:] -= err[:, None] @ Hinv1[i, i:][None, :]
             Err1[:, i] = err
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
-
-    inv = torch.argsort(perm)
-    codes = codes[:, inv]
-    g_idx = (torch.arange(K) // gs)[inv].to(torch.int32)
-    quant = GroupQuant(codes.to(torch.uint8), torch.stack(scales).float(),
-                       torch.stack(zeros).to(torch.int32), g_idx, bits, gs)
-    from labkit.quant.rtn import quantize_rtn
-
-    rtn = quantize_rtn(W0.float(), bits, gs, sym).dequantize().double()
-    return GPTQResult(quant, loss, _hloss(W0 - rtn, Href),
-                      _hloss(W0 - quant.dequantize().double(), Href))
+    return codes, scales, zeros, loss

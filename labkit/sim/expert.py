@@ -50,7 +50,7 @@ import numpy as np
 
 from labkit.sim.parallel import LINKS, LinkPreset, ring_allreduce_s
 from labkit.sim.presets import GiB as GIB
-from labkit.sim.presets import GPUPreset, MoEPreset, get_gpu, get_model_preset
+from labkit.sim.presets import GPUPreset, ModelPreset, MoEPreset, get_gpu, get_model_preset
 
 
 def all_to_all_bytes(tokens: int, top_k: int, hidden: int, dtype_bytes: int) -> int:
@@ -235,6 +235,20 @@ def _memory(m: MoEPreset, g: GPUPreset, n: int, attention: str, copy_bytes: floa
     return weights, fits, why, kv_tok, int(holders * (budget - weights) // kv_tok) if fits else 0
 
 
+def _check_layout(m: ModelPreset, attention: str, gpus: int, gpus_per_node: int, tokens: int,
+                  context: int, redundant: int) -> None:
+    """Refuse what expert parallelism cannot cost: a dense model, an unknown attention layout,
+    a count below 1, experts (or copies) that do not divide over the GPUs."""
+    if not isinstance(m, MoEPreset):
+        raise ValueError(f"{m.name} is dense: expert parallelism needs a mixture of experts")
+    if attention not in ("dp", "tp") or min(gpus, gpus_per_node, tokens, context) < 1:
+        raise ValueError("attention must be 'dp' or 'tp'; gpus, gpus_per_node, tokens and "
+                         "context must be >= 1")
+    if m.num_experts % gpus or redundant % gpus:
+        raise ValueError(f"{m.num_experts} experts (+{redundant} copies) do not divide over "
+                         f"{gpus} GPUs")
+
+
 def ep_plan(model: MoEPreset | str, gpu: GPUPreset | str, gpus: int, *,
             gpus_per_node: int = 8, tokens: int = 4096, attention: str = "dp",
             load: list[float] | None = None, skew: float = 1.0, seed: int = 0,
@@ -245,14 +259,7 @@ def ep_plan(model: MoEPreset | str, gpu: GPUPreset | str, gpus: int, *,
     all-reduce, and the imbalance of ``load`` (rows per expert; default sampled with ``skew``
     and ``seed`` for ``tokens`` tokens) before and after EPLB with ``redundant`` copies."""
     m, g = get_model_preset(model), get_gpu(gpu)
-    if not isinstance(m, MoEPreset):
-        raise ValueError(f"{m.name} is dense: expert parallelism needs a mixture of experts")
-    if attention not in ("dp", "tp") or min(gpus, gpus_per_node, tokens, context) < 1:
-        raise ValueError("attention must be 'dp' or 'tp'; gpus, gpus_per_node, tokens and "
-                         "context must be >= 1")
-    if m.num_experts % gpus or redundant % gpus:
-        raise ValueError(f"{m.num_experts} experts (+{redundant} copies) do not divide over "
-                         f"{gpus} GPUs")
+    _check_layout(m, attention, gpus, gpus_per_node, tokens, context, redundant)
     n, nodes = gpus, -(-gpus // gpus_per_node)
     per_gpu = (m.num_experts + redundant) // n
     copy_bytes = m.moe_layers * m.expert_params * m.dtype_bytes * redundant / n

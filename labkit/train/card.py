@@ -68,17 +68,29 @@ def write_card(model_dir: str | Path, name: str, log: dict, data_meta: dict, com
                shipped: dict) -> None:
     """README.md + train_log.json in `model_dir`."""
     out = Path(model_dir)
+    lines = [*_intro(name, log), "", *_facts_table(log, data_meta, shipped), "", "Command:", "",
+             "```", command, "```"]
+    lines += _run_notes(log, data_meta, command)
+    lines += _eval_table(log["eval"])
+    lines += _moe_sections(log, shipped)
+    lines += ["", "Greedy completions (`labkit.model.generate.generate`, 48 new tokens, "
+              "float32 on CPU):", ""]
+    for s in shipped["samples"]:
+        lines += ["```python", s["prompt"] + s["completion"], "```", ""]
+    lines += [""]
+    (out / "README.md").write_text("\n".join(lines).rstrip() + "\n")
+    (out / "train_log.json").write_text(json.dumps({**log, "shipped": shipped,
+                                                    "data": data_meta, "command": command},
+                                                   indent=1) + "\n")
+
+
+def _intro(name: str, log: dict) -> list[str]:
+    """Title and what the model is for: a reader meets the purpose before the numbers."""
     cfg = log["model_config"]
-    last_eval = log["eval"][-1]
-    loss16 = shipped["heldout_loss_fp16_weights"]
-    tc = log["train_config"]
-    tokens_per_s = log["tokens_seen"] / max(log["wall_time_s"], 1e-9)
-    epochs = log["tokens_seen"] / max(1, data_meta["train_tokens"])
-    emb = cfg["vocab_size"] * cfg["hidden_size"]
     moe = bool(cfg.get("num_local_experts") or cfg.get("num_experts"))
     arch = cfg["architectures"][0].removesuffix("ForCausalLM")
     kind = "mixture-of-experts" if moe else "model"
-    lines = [
+    return [
         f"# {name}",
         "",
         f"A {_fmt_params(log['num_parameters'])}-parameter {arch}-architecture {kind} trained by "
@@ -87,7 +99,19 @@ def write_card(model_dir: str | Path, name: str, log: dict, data_meta: dict, com
          "router, its expert load, its kernels; its text is far from labkit-tiny's."
          if moe else "It exists so the lab runs with no downloads: it writes plausible-looking "
          "Python, not correct programs."),
-        "",
+    ]
+
+
+def _facts_table(log: dict, data_meta: dict, shipped: dict) -> list[str]:
+    """The run's facts, each read from the log, the data's metadata or the shipped weights."""
+    cfg = log["model_config"]
+    last_eval = log["eval"][-1]
+    loss16 = shipped["heldout_loss_fp16_weights"]
+    tc = log["train_config"]
+    tokens_per_s = log["tokens_seen"] / max(log["wall_time_s"], 1e-9)
+    epochs = log["tokens_seen"] / max(1, data_meta["train_tokens"])
+    emb = cfg["vocab_size"] * cfg["hidden_size"]
+    return [
         "| | |",
         "|---|---|",
         f"| parameters | {log['num_parameters']:,} ({_fmt_params(emb)} in the tied embedding) |",
@@ -117,13 +141,12 @@ def write_card(model_dir: str | Path, name: str, log: dict, data_meta: dict, com
         f"| tokenizer | byte-level BPE, sha256 `{data_meta['tokenizer_sha256'][:16]}` |",
         f"| software | torch {log.get('torch_version', '?')}, "
         f"Python {log.get('python_version', '?')} |",
-        "",
-        "Command:",
-        "",
-        "```",
-        command,
-        "```",
     ]
+
+
+def _run_notes(log: dict, data_meta: dict, command: str) -> list[str]:
+    """How to repeat the run: where ``--data`` came from, the step count a time budget fixed."""
+    lines: list[str] = []
     if "--data" in command:
         lines += ["", "`--data` names a directory made by `labkit train --prepare-only` (corpus "
                   f"of Python {data_meta['python_version']}); without it `labkit train` builds "
@@ -133,23 +156,18 @@ def write_card(model_dir: str | Path, name: str, log: dict, data_meta: dict, com
         lines += ["", f"The time budget resolved to `--max-steps {r['max_steps']}` after timing "
                   f"{r['step_s'] * 1e3:.1f} ms per step; pass that flag instead of "
                   "`--time-budget` to repeat the run step for step."]
-    lines += ["", "Held-out loss during training:", "", "| step | tokens seen | held-out loss |",
-              "|---|---|---|"]
-    evals = log["eval"]
+    return lines
+
+
+def _eval_table(evals: list[dict]) -> list[str]:
+    """The held-out curve, thinned to about 12 rows (the last evaluation always kept)."""
+    lines = ["", "Held-out loss during training:", "", "| step | tokens seen | held-out loss |",
+             "|---|---|---|"]
     keep = evals if len(evals) <= 12 else evals[:: math.ceil(len(evals) / 12)]
     if keep[-1] is not evals[-1]:
         keep.append(evals[-1])
-    lines += [f"| {e['step']} | {e['tokens_seen']:,} | {e['heldout_loss']:.4f} |" for e in keep]
-    lines += _moe_sections(log, shipped)
-    lines += ["", "Greedy completions (`labkit.model.generate.generate`, 48 new tokens, "
-              "float32 on CPU):", ""]
-    for s in shipped["samples"]:
-        lines += ["```python", s["prompt"] + s["completion"], "```", ""]
-    lines += [""]
-    (out / "README.md").write_text("\n".join(lines).rstrip() + "\n")
-    (out / "train_log.json").write_text(json.dumps({**log, "shipped": shipped,
-                                                    "data": data_meta, "command": command},
-                                                   indent=1) + "\n")
+    return lines + [f"| {e['step']} | {e['tokens_seen']:,} | {e['heldout_loss']:.4f} |"
+                    for e in keep]
 
 
 def _moe_rows(cfg: dict, log: dict) -> list[str]:

@@ -17,12 +17,17 @@ import platform
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from labkit.train.data import DEFAULT_CACHE, load_token_data, prepare_data
-from labkit.train.presets import PRESETS, get_preset
+from labkit.train.data import DEFAULT_CACHE, TokenData, load_token_data, prepare_data
+from labkit.train.presets import PRESETS, Preset, get_preset
 from labkit.train.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from labkit.model.llama import LlamaForCausalLM
+    from labkit.train.trainer import TrainConfig
 
 SHIPPED_DIR = Path("datasets") / "models"
 
@@ -73,14 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.preset = "smoke"
     preset = get_preset(args.preset)
-    for name in ("max_steps", "batch_size", "seq_len", "warmup_steps", "eval_every",
-                 "vocab_size", "eval_max_tokens"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error("--device cuda asked for, but torch sees no CUDA device")
+    device = _checked_device(parser, args)
 
     if args.data is None:
         include = list(preset.include) if preset.include else None
@@ -94,26 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     vocab = load_tokenizer(args.data).get_vocab_size()
     preset = get_preset(args.preset, vocab_size=vocab)
 
-    from labkit.train.card import compare_models, shipped_metrics, write_card
-    from labkit.train.export import export_hf
-    from labkit.train.trainer import TrainConfig, train
+    from labkit.train.trainer import train
 
-    max_steps = args.max_steps
-    max_epochs = args.max_epochs if args.max_epochs is not None else preset.max_epochs
-    batch = args.batch_size or preset.batch_size
-    seq_len = args.seq_len or preset.seq_len
-    if max_steps is None and args.time_budget is None:
-        if max_epochs is None:
-            max_steps = 400  # the smoke preset: a few minutes on a laptop CPU
-        else:
-            max_steps = max(1, int(max_epochs * data.train.numel() / (batch * seq_len)))
-    cfg = TrainConfig(
-        seq_len=seq_len, batch_size=batch, max_steps=max_steps, time_budget_s=args.time_budget,
-        max_epochs=max_epochs, lr=args.lr or preset.lr,
-        warmup_steps=args.warmup_steps or preset.warmup_steps,
-        eval_every=args.eval_every or preset.eval_every, eval_max_tokens=args.eval_max_tokens,
-        checkpoint_every=args.checkpoint_every, stop_after=args.stop_after, seed=args.seed,
-        device=device, aux_loss_coef=preset.aux_loss_coef, z_loss_coef=preset.z_loss_coef)
+    cfg = _train_config(args, preset, data.train.numel(), device)
     if device == "cpu" and preset.name != "smoke" and args.max_steps is None:
         print(f"note: {preset.name} takes hours on a CPU (it was trained on a GPU); try "
               "--smoke, or --max-steps N for a shorter run", file=sys.stderr)
@@ -134,20 +115,66 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if preset.model.moe_layers:
         log["active_parameters"] = preset.model.num_parameters(active=True)
+    _ship(model, preset, args, data, log, out, cfg.seq_len, "labkit train " + shlex.join(argv))
+    return 0
+
+
+def _checked_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """Refuse nonsense sizes and a CUDA device torch cannot see before any data is built."""
+    for name in ("max_steps", "batch_size", "seq_len", "warmup_steps", "eval_every",
+                 "vocab_size", "eval_max_tokens"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda asked for, but torch sees no CUDA device")
+    return device
+
+
+def _train_config(args: argparse.Namespace, preset: Preset, train_tokens: int,
+                  device: str) -> TrainConfig:
+    """The preset's settings with the flags' overrides; with neither --max-steps nor
+    --time-budget, max_steps is max_epochs worth of batches (400 for the smoke preset)."""
+    from labkit.train.trainer import TrainConfig
+
+    max_steps = args.max_steps
+    max_epochs = args.max_epochs if args.max_epochs is not None else preset.max_epochs
+    batch = args.batch_size or preset.batch_size
+    seq_len = args.seq_len or preset.seq_len
+    if max_steps is None and args.time_budget is None:
+        if max_epochs is None:
+            max_steps = 400  # the smoke preset: a few minutes on a laptop CPU
+        else:
+            max_steps = max(1, int(max_epochs * train_tokens / (batch * seq_len)))
+    return TrainConfig(
+        seq_len=seq_len, batch_size=batch, max_steps=max_steps, time_budget_s=args.time_budget,
+        max_epochs=max_epochs, lr=args.lr or preset.lr,
+        warmup_steps=args.warmup_steps or preset.warmup_steps,
+        eval_every=args.eval_every or preset.eval_every, eval_max_tokens=args.eval_max_tokens,
+        checkpoint_every=args.checkpoint_every, stop_after=args.stop_after, seed=args.seed,
+        device=device, aux_loss_coef=preset.aux_loss_coef, z_loss_coef=preset.z_loss_coef)
+
+
+def _ship(model: LlamaForCausalLM, preset: Preset, args: argparse.Namespace, data: TokenData,
+          log: dict, out: Path, seq_len: int, command: str) -> None:
+    """Export the finished model, measure it as a user loads it, write its card, print a
+    one-line JSON summary."""
+    from labkit.train.card import compare_models, shipped_metrics, write_card
+    from labkit.train.export import export_hf
+
     export_hf(model, preset.model, args.data, out)
     shipped = shipped_metrics(out, data.heldout, seq_len, args.eval_max_tokens,
                               args.sample_tokens)
     if args.compare_with:
         shipped["compare"] = compare_models(args.compare_with, data.heldout, seq_len,
                                             args.eval_max_tokens)
-    command = "labkit train " + shlex.join(argv)
     write_card(out, preset.name, log, data.meta, command, shipped)
     summary = {"out": str(out), "steps": log["steps"], "tokens_seen": log["tokens_seen"],
                "wall_time_s": round(log["wall_time_s"], 1),
                "heldout_loss": log["eval"][-1]["heldout_loss"],
                "heldout_loss_fp16_weights": shipped["heldout_loss_fp16_weights"]}
     print(json.dumps(summary))
-    return 0
 
 
 if __name__ == "__main__":

@@ -152,11 +152,19 @@ def _save_checkpoint(path: Path, state: dict) -> None:
     tmp.replace(path)  # atomic: an interrupted save never leaves a half-written checkpoint
 
 
-def train(model_config: ModelConfig, cfg: TrainConfig, train_ids: torch.Tensor,
-          heldout_ids: torch.Tensor, checkpoint_path: str | Path,
-          resume: bool = False) -> tuple[LlamaForCausalLM, dict]:
-    """Train a fresh (or resumed) model; returns it with the run log (steps, losses, timings)."""
-    device = torch.device(cfg.device)
+@dataclass
+class _Run:
+    """A run's state: what a checkpoint saves (with the model config) and resuming restores."""
+    model: LlamaForCausalLM
+    opt: torch.optim.Optimizer
+    gen: torch.Generator
+    log: dict
+    step: int = 0
+    max_steps: int | None = None
+
+
+def _check_inputs(model_config: ModelConfig, cfg: TrainConfig, train_ids: torch.Tensor) -> None:
+    """Refuse a stream the model cannot train on before any weight is built."""
     if train_ids.numel() <= cfg.seq_len + 1:
         raise ValueError(f"train stream has {train_ids.numel()} tokens, fewer than one window "
                          f"of seq_len {cfg.seq_len}")
@@ -165,7 +173,12 @@ def train(model_config: ModelConfig, cfg: TrainConfig, train_ids: torch.Tensor,
                          f"{model_config.max_position_embeddings}")
     if int(train_ids.max()) >= model_config.vocab_size:
         raise ValueError("token ids exceed the model's vocab_size; tokenizer and model disagree")
-    checkpoint_path = Path(checkpoint_path)
+
+
+def _new_run(model_config: ModelConfig, cfg: TrainConfig, train_ids: torch.Tensor,
+             heldout_ids: torch.Tensor, device: torch.device) -> _Run:
+    """Seeded weights, AdamW (no decay on norms and biases) and the batch generator, in the
+    order the seed is drawn from, so the same seed gives the same model."""
     torch.manual_seed(cfg.seed)
     model = LlamaForCausalLM(model_config)
     init_weights(model)
@@ -176,103 +189,150 @@ def train(model_config: ModelConfig, cfg: TrainConfig, train_ids: torch.Tensor,
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=cfg.lr, betas=cfg.betas, fused=device.type == "cuda")
     gen = torch.Generator().manual_seed(cfg.seed)
-    step, max_steps = 0, cfg.max_steps
     log = {"train": [], "eval": [], "train_config": asdict(cfg),
            "model_config": model_config.to_hf_dict(),
            "num_parameters": model_config.num_parameters(), "train_tokens": train_ids.numel(),
            "heldout_tokens": heldout_ids.numel(), "wall_time_s": 0.0, "resumed_at": []}
+    return _Run(model, opt, gen, log, 0, cfg.max_steps)
+
+
+def _resume(run: _Run, path: Path, model_config: ModelConfig, device: torch.device) -> None:
+    """Continue from the checkpoint: same weights, optimizer moments and batch stream."""
+    state = torch.load(path, map_location=device, weights_only=False)
+    if state["model_config"] != model_config.to_hf_dict():
+        raise ValueError(f"checkpoint {path} is for a different model config")
+    run.model.load_state_dict(state["model"])
+    run.opt.load_state_dict(state["optimizer"])
+    run.gen.set_state(state["generator"])
+    run.step, run.max_steps, run.log = state["step"], state["max_steps"], state["log"]
+    run.log["resumed_at"].append(run.step)
+
+
+def _checkpoint(path: Path, run: _Run, model_config: ModelConfig) -> None:
+    """Everything :func:`_resume` needs to draw the batches the uninterrupted run would."""
+    _save_checkpoint(path, {
+        "model": run.model.state_dict(), "optimizer": run.opt.state_dict(),
+        "generator": run.gen.get_state(), "step": run.step, "max_steps": run.max_steps,
+        "log": run.log, "model_config": model_config.to_hf_dict()})
+
+
+def _run_eval(run: _Run, cfg: TrainConfig, heldout_ids: torch.Tensor) -> float:
+    """Log the held-out loss at this step; returns its seconds (the time budget counts them)."""
+    t = time.perf_counter()
+    loss = evaluate(run.model, heldout_ids, cfg.seq_len, cfg.batch_size, cfg.eval_max_tokens)
+    run.log["eval"].append({"step": run.step, "heldout_loss": loss,
+                            "tokens_seen": run.step * (cfg.batch_size * cfg.seq_len)})
+    return time.perf_counter() - t
+
+
+def _resolve_max_steps(run: _Run, cfg: TrainConfig, step_s: float, heldout_ids: torch.Tensor,
+                       train_tokens: int, t_start: float) -> None:
+    """Fix max_steps so the steps left, with their share of evaluations, fill the time budget
+    (capped at max_epochs); logged, so ``--max-steps`` repeats the run exactly."""
+    eval_s = _run_eval(run, cfg, heldout_ids)
+    left = cfg.time_budget_s - (time.perf_counter() - t_start)
+    max_steps = run.step + max(1, int(left / (step_s + eval_s / cfg.eval_every)))
+    if cfg.max_epochs is not None:
+        cap = int(cfg.max_epochs * train_tokens / (cfg.batch_size * cfg.seq_len))
+        max_steps = max(run.step + 1, min(max_steps, cap))
+    run.max_steps = max_steps
+    run.log["resolved_max_steps"] = {"max_steps": max_steps, "at_step": run.step,
+                                     "step_s": step_s, "eval_s": eval_s}
+
+
+def _optimizer_step(run: _Run, cfg: TrainConfig, train_ids: torch.Tensor, lr: float,
+                    aux_running: torch.Tensor) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """One AdamW step on a fresh batch: LM loss (+ the MoE auxiliary losses, summed into
+    ``aux_running``), clipped gradients; returns (LM loss, aux losses, gradient norm)."""
+    for g in run.opt.param_groups:
+        g["lr"] = lr
+    x, y = sample_batch(train_ids, cfg, run.gen)
+    loss = lm_loss(run.model, x, y)
+    aux = moe_aux_losses(run.model)
+    total = loss
+    if aux:
+        total = loss + cfg.aux_loss_coef * aux["balance"] + cfg.z_loss_coef * aux["z"]
+        aux_running += torch.stack([aux["balance"].detach(), aux["z"].detach()])
+    run.opt.zero_grad(set_to_none=True)
+    total.backward()
+    gnorm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
+    run.opt.step()
+    return loss, aux, gnorm
+
+
+def _log_train(run: _Run, cfg: TrainConfig, lr: float, gnorm: torch.Tensor, aux: dict,
+               running: torch.Tensor, aux_running: torch.Tensor, n_running: int,
+               t_start: float) -> float:
+    """Append the mean losses since the last entry and zero the sums (they stay on the device
+    between entries: one sync per log line, not per step); returns the mean loss."""
+    mean = float(running) / n_running
+    entry = {"step": run.step, "loss": mean, "lr": lr, "grad_norm": float(gnorm),
+             "tokens_seen": run.step * (cfg.batch_size * cfg.seq_len),
+             "elapsed_s": time.perf_counter() - t_start}
+    if aux:
+        entry["balance_loss"], entry["z_loss"] = (aux_running / n_running).tolist()
+    run.log["train"].append(entry)
+    running.zero_()
+    aux_running.zero_()
+    return mean
+
+
+def train(model_config: ModelConfig, cfg: TrainConfig, train_ids: torch.Tensor,
+          heldout_ids: torch.Tensor, checkpoint_path: str | Path,
+          resume: bool = False) -> tuple[LlamaForCausalLM, dict]:
+    """Train a fresh (or resumed) model; returns it with the run log (steps, losses, timings)."""
+    device = torch.device(cfg.device)
+    _check_inputs(model_config, cfg, train_ids)
+    checkpoint_path = Path(checkpoint_path)
+    run = _new_run(model_config, cfg, train_ids, heldout_ids, device)
     if resume and checkpoint_path.is_file():
-        state = torch.load(checkpoint_path, map_location=device, weights_only=False)
-        if state["model_config"] != model_config.to_hf_dict():
-            raise ValueError(f"checkpoint {checkpoint_path} is for a different model config")
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        gen.set_state(state["generator"])
-        step, max_steps, log = state["step"], state["max_steps"], state["log"]
-        log["resumed_at"].append(step)
+        _resume(run, checkpoint_path, model_config, device)
     train_ids, heldout_ids = train_ids.to(device), heldout_ids.to(device)
-    tokens_per_step = cfg.batch_size * cfg.seq_len
-
-    def checkpoint() -> None:
-        _save_checkpoint(checkpoint_path, {
-            "model": model.state_dict(), "optimizer": opt.state_dict(),
-            "generator": gen.get_state(), "step": step, "max_steps": max_steps, "log": log,
-            "model_config": model_config.to_hf_dict()})
-
-    def run_eval() -> float:
-        t = time.perf_counter()
-        loss = evaluate(model, heldout_ids, cfg.seq_len, cfg.batch_size, cfg.eval_max_tokens)
-        log["eval"].append({"step": step, "heldout_loss": loss,
-                            "tokens_seen": step * tokens_per_step})
-        return time.perf_counter() - t
-
-    t_start = time.perf_counter() - log["wall_time_s"]
-    if step == 0:
-        run_eval()
+    t_start = time.perf_counter() - run.log["wall_time_s"]
+    if run.step == 0:
+        _run_eval(run, cfg, heldout_ids)
     # max_steps from the time budget: time `calib` warm steps (and a warm evaluation), before
     # warm-up ends when warmup_steps >= 4, so the cosine schedule is the same as with --max-steps.
     calib, t_calib, calib_from = max(1, min(10, cfg.warmup_steps - 3)), None, 0
-    bar = tqdm(total=max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
+    bar = tqdm(total=run.max_steps, initial=run.step, desc="train", unit="step", dynamic_ncols=True)
     running, n_running = torch.zeros((), device=device), 0
     aux_running = torch.zeros(2, device=device)
-    while max_steps is None or step < max_steps:
-        if max_steps is None and t_calib is None and step >= 3:
+    while run.max_steps is None or run.step < run.max_steps:
+        if run.max_steps is None and t_calib is None and run.step >= 3:
             _sync(device)
-            t_calib, calib_from = time.perf_counter(), step
-        elif max_steps is None and t_calib is not None and step - calib_from == calib:
+            t_calib, calib_from = time.perf_counter(), run.step
+        elif run.max_steps is None and t_calib is not None and run.step - calib_from == calib:
             _sync(device)
             step_s = (time.perf_counter() - t_calib) / calib
-            eval_s = run_eval()
-            left = cfg.time_budget_s - (time.perf_counter() - t_start)
-            max_steps = step + max(1, int(left / (step_s + eval_s / cfg.eval_every)))
-            if cfg.max_epochs is not None:
-                cap = int(cfg.max_epochs * train_ids.numel() / tokens_per_step)
-                max_steps = max(step + 1, min(max_steps, cap))
-            log["resolved_max_steps"] = {"max_steps": max_steps, "at_step": step,
-                                         "step_s": step_s, "eval_s": eval_s}
-            bar.total = max_steps
+            _resolve_max_steps(run, cfg, step_s, heldout_ids, train_ids.numel(), t_start)
+            bar.total = run.max_steps
             bar.refresh()
-        lr = lr_at(step, cfg, max_steps or 10**9)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        x, y = sample_batch(train_ids, cfg, gen)
-        loss = lm_loss(model, x, y)
-        aux = moe_aux_losses(model)
-        total = loss
-        if aux:
-            total = loss + cfg.aux_loss_coef * aux["balance"] + cfg.z_loss_coef * aux["z"]
-            aux_running += torch.stack([aux["balance"].detach(), aux["z"].detach()])
-        opt.zero_grad(set_to_none=True)
-        total.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
+        lr = lr_at(run.step, cfg, run.max_steps or 10**9)
+        loss, aux, gnorm = _optimizer_step(run, cfg, train_ids, lr, aux_running)
         running += loss.detach()
         n_running += 1
-        step += 1
+        run.step += 1
         bar.update(1)
-        if step % cfg.log_every == 0 or step == max_steps:
-            mean = float(running) / n_running
-            entry = {"step": step, "loss": mean, "lr": lr, "grad_norm": float(gnorm),
-                     "tokens_seen": step * tokens_per_step,
-                     "elapsed_s": time.perf_counter() - t_start}
-            if aux:
-                entry["balance_loss"], entry["z_loss"] = (aux_running / n_running).tolist()
-            log["train"].append(entry)
-            running.zero_()
-            aux_running.zero_()
+        if run.step % cfg.log_every == 0 or run.step == run.max_steps:
+            mean = _log_train(run, cfg, lr, gnorm, aux, running, aux_running, n_running, t_start)
             n_running = 0
             bar.set_postfix(loss=f"{mean:.3f}", lr=f"{lr:.2e}")
-        if step % cfg.eval_every == 0 or step == max_steps:
-            run_eval()
-            bar.set_postfix(heldout=f"{log['eval'][-1]['heldout_loss']:.3f}")
-        log["wall_time_s"] = time.perf_counter() - t_start
-        if step == max_steps or step % cfg.checkpoint_every == 0 or step == cfg.stop_after:
-            checkpoint()
-        if step == cfg.stop_after:
+        if run.step % cfg.eval_every == 0 or run.step == run.max_steps:
+            _run_eval(run, cfg, heldout_ids)
+            bar.set_postfix(heldout=f"{run.log['eval'][-1]['heldout_loss']:.3f}")
+        run.log["wall_time_s"] = time.perf_counter() - t_start
+        if run.step in (run.max_steps, cfg.stop_after) or run.step % cfg.checkpoint_every == 0:
+            _checkpoint(checkpoint_path, run, model_config)
+        if run.step == cfg.stop_after:
             break
     bar.close()
-    log["steps"] = step
-    log["max_steps"] = max_steps
-    log["tokens_seen"] = step * tokens_per_step
-    log["finished"] = step == max_steps
-    return model, log
+    return run.model, _finish_log(run, cfg)
+
+
+def _finish_log(run: _Run, cfg: TrainConfig) -> dict:
+    """The run's totals, and whether it reached max_steps (False: stopped, resume later)."""
+    run.log["steps"] = run.step
+    run.log["max_steps"] = run.max_steps
+    run.log["tokens_seen"] = run.step * (cfg.batch_size * cfg.seq_len)
+    run.log["finished"] = run.step == run.max_steps
+    return run.log
