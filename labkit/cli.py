@@ -49,8 +49,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_generate(args: argparse.Namespace) -> int:
-    from labkit.model.loader import CheckpointError, load_pretrained
+def _check_generate_args(args: argparse.Namespace) -> None:
+    """Refuse bad sampling settings and an empty prompt as usage errors, before any loading."""
     from labkit.model.sampling import validate_sampling
 
     try:
@@ -61,6 +61,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         args.parser.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if not args.prompt:
         args.parser.error("PROMPT is empty: give some text to continue")
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from labkit.model.loader import CheckpointError, load_pretrained
+
+    _check_generate_args(args)
     from labkit.parallel.launch import exit_rank, torchrun_env, worker_loop
 
     launched = torchrun_env()  # torchrun started us: rank 0 drives, the others serve it
@@ -154,16 +160,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from labkit.bench import BENCHMARKS
-
-    p = argparse.ArgumentParser(prog="labkit", description="labkit: learn how LLM inference "
-                                "gets fast by running real code.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    info = sub.add_parser("info", help="versions, device, interpreter, shipped models")
-    info.set_defaults(func=_cmd_info)
-
+def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    """``generate``: the one subcommand with many flags of its own (sampling, device, TP)."""
     g = sub.add_parser("generate", help="stream a completion from a model")
     g.add_argument("prompt", metavar="PROMPT")
     g.add_argument("--model", default="labkit-tiny",
@@ -183,27 +181,31 @@ def build_parser() -> argparse.ArgumentParser:
                    "and move tokens to them by all-to-all (labkit.parallel.expert)")
     g.set_defaults(func=_cmd_generate, parser=g)
 
-    t = sub.add_parser("train", help="train the shipped tiny models", add_help=False)
-    t.add_argument("rest", nargs=argparse.REMAINDER)
-    t.set_defaults(func=lambda a: _delegate("labkit.train.cli", a.rest))
 
-    ft = sub.add_parser("finetune", help="train a LoRA / QLoRA adapter: labkit finetune --lora",
-                        add_help=False)
-    ft.add_argument("rest", nargs=argparse.REMAINDER)
-    ft.set_defaults(func=lambda a: _delegate("labkit.train.lora_cli", a.rest))
+def _add_passthrough_parser(sub: argparse._SubParsersAction, name: str, module: str,
+                            help: str) -> None:
+    """A subcommand whose own module parses its flags: listed in ``--help``, run by ``module``."""
+    sp = sub.add_parser(name, help=help, add_help=False)
+    sp.add_argument("rest", nargs=argparse.REMAINDER)
+    sp.set_defaults(func=lambda a: _delegate(module, a.rest))
 
-    lo = sub.add_parser("lora", help="LoRA adapters: labkit lora merge --base B --adapter A "
-                        "--out O [--quantize gptq]", add_help=False)
-    lo.add_argument("rest", nargs=argparse.REMAINDER)
-    lo.set_defaults(func=lambda a: _delegate("labkit.lora.cli", a.rest))
 
-    d = sub.add_parser("distill", help="distill a student from a teacher", add_help=False)
-    d.add_argument("rest", nargs=argparse.REMAINDER)
-    d.set_defaults(func=lambda a: _delegate("labkit.compress.cli", a.rest))
+def _add_training_parsers(sub: argparse._SubParsersAction) -> None:
+    """The subcommands that make models: train, finetune, lora, distill, prune."""
+    _add_passthrough_parser(sub, "train", "labkit.train.cli", "train the shipped tiny models")
+    _add_passthrough_parser(sub, "finetune", "labkit.train.lora_cli",
+                            "train a LoRA / QLoRA adapter: labkit finetune --lora")
+    _add_passthrough_parser(sub, "lora", "labkit.lora.cli", "LoRA adapters: labkit lora merge "
+                            "--base B --adapter A --out O [--quantize gptq]")
+    _add_passthrough_parser(sub, "distill", "labkit.compress.cli",
+                            "distill a student from a teacher")
+    _add_passthrough_parser(sub, "prune", "labkit.compress.prune_cli",
+                            "prune + refit + heal a model")
 
-    pr = sub.add_parser("prune", help="prune + refit + heal a model", add_help=False)
-    pr.add_argument("rest", nargs=argparse.REMAINDER)
-    pr.set_defaults(func=lambda a: _delegate("labkit.compress.prune_cli", a.rest))
+
+def _add_bench_and_export_parsers(sub: argparse._SubParsersAction) -> None:
+    """``bench NAME`` and ``export gguf``: their arguments are checked here, not delegated."""
+    from labkit.bench import BENCHMARKS
 
     b = sub.add_parser("bench", help=f"run a benchmark: {', '.join(BENCHMARKS)}")
     b.add_argument("name", metavar="NAME", help=f"one of: {', '.join(BENCHMARKS)}")
@@ -218,28 +220,32 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--type", default="f16", choices=["f32", "f16", "q8_0", "q4_0", "q4_k_m"])
     e.set_defaults(func=_cmd_export)
 
-    sv = sub.add_parser("serve", help="OpenAI-compatible server: labkit serve MODEL --port P",
-                        add_help=False)
-    sv.add_argument("rest", nargs=argparse.REMAINDER)
-    sv.set_defaults(func=lambda a: _delegate("labkit.serve.launcher", a.rest))
 
-    d = sub.add_parser("drill", help="interview drills by topic", add_help=False)
-    d.add_argument("rest", nargs=argparse.REMAINDER)
-    d.set_defaults(func=lambda a: _delegate("labkit.exercises.drills", a.rest))
+def _add_serving_parsers(sub: argparse._SubParsersAction) -> None:
+    """The rest, in ``--help``'s order: serving (serve, router, cluster), drills, profiling."""
+    _add_passthrough_parser(sub, "serve", "labkit.serve.launcher",
+                            "OpenAI-compatible server: labkit serve MODEL --port P")
+    _add_passthrough_parser(sub, "drill", "labkit.exercises.drills", "interview drills by topic")
+    _add_passthrough_parser(sub, "router", "labkit.router.proxy",
+                            "route over labkit serve replicas")
+    _add_passthrough_parser(sub, "profile", "labkit.engine.profile_cli",
+                            "where a step's time goes: labkit profile MODEL --batch N --steps K "
+                            "[--trace PATH]")
+    _add_passthrough_parser(sub, "cluster", "labkit.router.cluster",
+                            "N replicas + a router: labkit cluster up N")
 
-    r = sub.add_parser("router", help="route over labkit serve replicas", add_help=False)
-    r.add_argument("rest", nargs=argparse.REMAINDER)
-    r.set_defaults(func=lambda a: _delegate("labkit.router.proxy", a.rest))
 
-    pf = sub.add_parser("profile", help="where a step's time goes: labkit profile MODEL "
-                        "--batch N --steps K [--trace PATH]", add_help=False)
-    pf.set_defaults(func=lambda a: _delegate("labkit.engine.profile_cli", a.rest))
-    pf.add_argument("rest", nargs=argparse.REMAINDER)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="labkit", description="labkit: learn how LLM inference "
+                                "gets fast by running real code.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    cl = sub.add_parser("cluster", help="N replicas + a router: labkit cluster up N",
-                        add_help=False)
-    cl.add_argument("rest", nargs=argparse.REMAINDER)
-    cl.set_defaults(func=lambda a: _delegate("labkit.router.cluster", a.rest))
+    info = sub.add_parser("info", help="versions, device, interpreter, shipped models")
+    info.set_defaults(func=_cmd_info)
+    _add_generate_parser(sub)
+    _add_training_parsers(sub)
+    _add_bench_and_export_parsers(sub)
+    _add_serving_parsers(sub)
     return p
 
 

@@ -189,20 +189,42 @@ def sim_sweep(sigmas: tuple[float, ...], num_requests: int, batch_size: int = 64
     return rows
 
 
-def run(model: str | Path = "labkit-tiny", quick: bool = True, seed: int = 0,
-        sizes: dict[str, Any] | None = None, device: str = "cpu") -> dict[str, Any]:
-    """Everything above; returns the JSON payload (also used by the tests at toy sizes)."""
-    from labkit.model.loader import load_pretrained, resolve_model_path
+def _requests(path: Path, cfg: dict[str, Any],
+              seed: int) -> tuple[list[list[int]], list[int], int]:
+    """(prompts, max_tokens, eos id) of the workload, each request's output capped so prompt
+    plus output fits the model's context."""
+    from labkit.model.loader import load_pretrained
 
-    cfg = {**(QUICK if quick else FULL), **(sizes or {})}
-    path = resolve_model_path(model)
     ref_model, tok = load_pretrained(path)
     eos = tok.eos_token_id if tok.eos_token_id is not None else 0
     prompts, max_tokens = make_requests(tok, cfg["num_requests"], cfg["output_mean"],
                                         cfg["output_max"], seed=seed)
     ctx = ref_model.config.max_position_embeddings
     max_tokens = [min(m, ctx - len(p)) for p, m in zip(prompts, max_tokens)]
-    del ref_model
+    return prompts, max_tokens, eos
+
+
+def _best_runs(systems: dict[str, Callable[[], dict[str, Any]]],
+               repeats: int) -> dict[str, dict[str, Any]]:
+    """Interleaved repeats, best wall time of each: other jobs' load on a shared machine comes
+    and goes, and the fastest pass is the one least disturbed by it."""
+    runs: dict[str, dict[str, Any]] = {}
+    order = [(r, name) for r in range(repeats) for name in systems]
+    for _, name in tqdm(order, desc="batching", leave=False):
+        res = systems[name]()
+        if name not in runs or res["wall_s"] < runs[name]["wall_s"]:
+            runs[name] = res
+    return runs
+
+
+def run(model: str | Path = "labkit-tiny", quick: bool = True, seed: int = 0,
+        sizes: dict[str, Any] | None = None, device: str = "cpu") -> dict[str, Any]:
+    """Everything above; returns the JSON payload (also used by the tests at toy sizes)."""
+    from labkit.model.loader import resolve_model_path
+
+    cfg = {**(QUICK if quick else FULL), **(sizes or {})}
+    path = resolve_model_path(model)
+    prompts, max_tokens, eos = _requests(path, cfg, seed)
     b = cfg["batch_size"]
     systems = {
         "continuous": lambda: run_labkit(path, prompts, max_tokens, "continuous", b,
@@ -210,14 +232,7 @@ def run(model: str | Path = "labkit-tiny", quick: bool = True, seed: int = 0,
         "static": lambda: run_labkit(path, prompts, max_tokens, "static", b, device=device),
         "hf": lambda: run_hf(path, prompts, max_tokens, b, eos, device=device),
     }
-    # Interleaved repeats, best wall time of each: other jobs' load on a shared machine comes
-    # and goes, and the fastest pass is the one least disturbed by it.
-    runs: dict[str, dict[str, Any]] = {}
-    order = [(r, name) for r in range(cfg["repeats"]) for name in systems]
-    for _, name in tqdm(order, desc="batching", leave=False):
-        res = systems[name]()
-        if name not in runs or res["wall_s"] < runs[name]["wall_s"]:
-            runs[name] = res
+    runs = _best_runs(systems, cfg["repeats"])
     match = [a == h for a, h in zip(runs["continuous"]["outputs"], runs["hf"]["outputs"])]
     static_match = runs["static"]["outputs"] == runs["continuous"]["outputs"]
     sweep = sim_sweep(tuple(cfg["sweep_sigmas"]), cfg["sweep_requests"], cfg["sweep_batch"],

@@ -300,26 +300,33 @@ def compare(variants: dict[str, Variant], baseline: str | None = None, *, min_ro
         raise ValueError(f"compare needs at least two variants including the baseline "
                          f"{baseline!r}; got {names}")
     timings: dict[str, list[Timing]] = {n: [] for n in names}
-    results: dict[str, Any] = {}
     t_start = time.perf_counter()
-    c = Comparison(baseline, {n: [] for n in names if n != baseline}, timings, results,
+    c = Comparison(baseline, {n: [] for n in names if n != baseline}, timings, {},
                    max_spread, max_load)
     clock = time.thread_time if threads == 1 else time.process_time
     with torch_threads(threads):
         if warmup:
             for n in names:
                 variants[n]()()
-        for r in range(max_rounds):
-            for n in names if r % 2 == 0 else names[::-1]:
-                work = variants[n]()
-                results[n], t = timed(work, cpu_clock=clock)
-                timings[n].append(t)
-            for n in c.speedups:
-                c.speedups[n].append(timings[baseline][-1].cpu_s / max(timings[n][-1].cpu_s, 1e-9))
-            if r + 1 >= min_rounds:
-                if all(c.spread(n) <= max_spread / 2 for n in c.speedups):
-                    break
-                if time.perf_counter() - t_start > max_seconds:
-                    c.time_cap_hit = True
-                    break
+        _run_rounds(c, variants, t_start, min_rounds, max_rounds, max_seconds, clock)
     return c
+
+
+def _run_rounds(c: Comparison, variants: dict[str, Variant], t_start: float, min_rounds: int,
+                max_rounds: int, max_seconds: float, clock: Callable[[], float]) -> None:
+    """Interleaved rounds into ``c`` until every speed-up is stable or a cap is hit: each round
+    runs every variant once (A B, then B A), so a slow phase hits both sides of a ratio."""
+    names, baseline, timings = list(variants), c.baseline, c.timings
+    for r in range(max_rounds):
+        for n in names if r % 2 == 0 else names[::-1]:
+            work = variants[n]()
+            c.results[n], t = timed(work, cpu_clock=clock)
+            timings[n].append(t)
+        for n in c.speedups:
+            c.speedups[n].append(timings[baseline][-1].cpu_s / max(timings[n][-1].cpu_s, 1e-9))
+        if r + 1 >= min_rounds:
+            if all(c.spread(n) <= c.max_spread / 2 for n in c.speedups):
+                break
+            if time.perf_counter() - t_start > max_seconds:
+                c.time_cap_hit = True
+                break

@@ -197,24 +197,12 @@ def refresh_shipped(path: str) -> dict[str, Any]:
     return payload
 
 
-def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
-    from labkit.compress.prune import apply_masks, importance, prune_masked
-    from labkit.compress.recipe import heal, prune_and_refit
-    from labkit.model.loader import load_pretrained
-    from labkit.quant.calib import corpus_windows
+def _pruning_cache(dense, calib, s: dict, metrics):
+    """``pruned(imp, head_fraction, sparsity)``, memoised: the allocation, the sweep and the
+    structured rows ask for the same refits, and each costs an importance pass and a solve."""
+    from labkit.compress.prune import importance
+    from labkit.compress.recipe import prune_and_refit
 
-    s = QUICK if quick else FULL
-    torch.manual_seed(0)
-    dense, tok = load_pretrained("labkit-tiny")
-    eval_tokens = corpus_windows(tok, "heldout", *s["eval"])
-    calib = corpus_windows(tok, "train", *s["calib"], seed=1)
-    train_stream = corpus_windows(tok, "train", s["heal_windows"], s["seq"] + 1,
-                                  seed=2).flatten()
-    metrics = _evaluator(dense, eval_tokens)
-
-    dec = _decoder_params(dense)
-    rows, models = [], {"dense": dense}
-    rows.append({"method": "dense", "pattern": "dense", **metrics(dense), "sparsity": 0.0})
     scores, cache = {}, {}
 
     def pruned(imp: str, head_fraction: float, sparsity: float):
@@ -227,9 +215,17 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
             pm, counts = prune_and_refit(dense, calib, rec, scores[imp])
             cache[key] = (pm, counts, metrics(counts.pop("one_shot")), metrics(pm))
         return cache[key]
+    return pruned
 
-    allocation = _allocation(pruned, s)
-    sweep = _sweep(pruned, s)
+
+def _prune_and_heal(rows: list[dict], models: dict, dense, pruned, train_stream, s: dict,
+                    metrics, progress: bool) -> None:
+    """One row and model per method (structured by three importances, unstructured, 2:4):
+    pruned, then healed by the same short distillation, so only the pruning differs."""
+    from labkit.compress.prune import apply_masks, prune_masked
+    from labkit.compress.recipe import heal
+
+    dec = _decoder_params(dense)
     todo = [(f"structured_{m}", "structured", m) for m in ("magnitude", "activation",
                                                             "gradient")] + \
         [("unstructured_magnitude", "magnitude", None), ("2:4", "2:4", None)]
@@ -256,6 +252,27 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
                      "heal_tokens": after["tokens"], "seconds": time.perf_counter() - t0})
         print(f"{name}: ppl {before['perplexity']:.3f} -> healed {after['perplexity']:.3f}",
               flush=True)
+
+
+def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
+    from labkit.model.loader import load_pretrained
+    from labkit.quant.calib import corpus_windows
+
+    s = QUICK if quick else FULL
+    torch.manual_seed(0)
+    dense, tok = load_pretrained("labkit-tiny")
+    eval_tokens = corpus_windows(tok, "heldout", *s["eval"])
+    calib = corpus_windows(tok, "train", *s["calib"], seed=1)
+    train_stream = corpus_windows(tok, "train", s["heal_windows"], s["seq"] + 1,
+                                  seed=2).flatten()
+    metrics = _evaluator(dense, eval_tokens)
+
+    rows, models = [], {"dense": dense}
+    rows.append({"method": "dense", "pattern": "dense", **metrics(dense), "sparsity": 0.0})
+    pruned = _pruning_cache(dense, calib, s, metrics)
+    allocation = _allocation(pruned, s)
+    sweep = _sweep(pruned, s)
+    _prune_and_heal(rows, models, dense, pruned, train_stream, s, metrics, progress)
     shipped = None if quick else _shipped_row(dense, metrics)
     if shipped is not None:
         rows.append(shipped[0])

@@ -175,29 +175,10 @@ def _dequant_shape(b: Bench, m: int, k: int, dq) -> None:
 
 def sec_memory_bound(b: Bench) -> None:
     """NF4 dequantize, reshape_and_cache, rms_norm and rotary: GB/s against copy bandwidth."""
-    from labkit.kernels import nf4, rms_norm, rotary_embedding
     from labkit.kernels import reshape_and_cache as rc
+    from labkit.kernels import rms_norm, rotary_embedding
 
-    rows, cols = b.sizes["nf4"]
-    numel = rows * cols
-    packed = torch.randint(0, 256, (numel // 2,), dtype=torch.uint8, device=b.device,
-                           generator=b.gen)
-    absmax = torch.rand(numel // 64, generator=b.gen, device=b.device)
-    t = b.measure(partial(nf4.nf4_dequantize, blocksize=64, shape=(rows, cols)), packed, absmax)
-    base = b.measure(partial(nf4.nf4_dequantize_ref, blocksize=64, shape=(rows, cols)), packed,
-                     absmax)
-    nbytes = numel // 2 + 2 * numel + 4 * numel // 64
-    b.add("nf4_dequantize", f"{rows}x{cols} bs=64 ->fp16", t, "torch lookup", base,
-          nbytes=nbytes)
-    try:
-        from bitsandbytes.functional import QuantState, dequantize_4bit
-        qs = QuantState(absmax=absmax, shape=torch.Size((rows, cols)), blocksize=64,
-                        code=nf4._code(packed.device), quant_type="nf4", dtype=torch.float16)
-        bnb = b.measure(lambda p: dequantize_4bit(p.view(-1, 1), qs), packed)
-        b.add("nf4_dequantize", f"{rows}x{cols} bs=64 ->fp16", t, "bitsandbytes", bnb,
-              nbytes=nbytes)
-    except ImportError:
-        print("  bitsandbytes not installed: NF4 compared with the torch lookup only")
+    _nf4_dequantize_case(b)
 
     hq, hkv, d = b.sizes["heads"]
     bs, n = b.sizes["block_size"], b.sizes["cache_tokens"]
@@ -233,6 +214,33 @@ def sec_memory_bound(b: Bench) -> None:
           "torch eager",
           b.measure(lambda q, k: rotary_embedding.rotary_embedding_ref(pos, q, k, cache), qq, kk),
           nbytes=2 * (qq.numel() + kk.numel()) * 2)
+
+
+def _nf4_dequantize_case(b: Bench) -> None:
+    """NF4 dequantize against the torch lookup and, where installed, bitsandbytes: the one
+    memory-bound kernel with a library to beat."""
+    from labkit.kernels import nf4
+
+    rows, cols = b.sizes["nf4"]
+    numel = rows * cols
+    packed = torch.randint(0, 256, (numel // 2,), dtype=torch.uint8, device=b.device,
+                           generator=b.gen)
+    absmax = torch.rand(numel // 64, generator=b.gen, device=b.device)
+    t = b.measure(partial(nf4.nf4_dequantize, blocksize=64, shape=(rows, cols)), packed, absmax)
+    base = b.measure(partial(nf4.nf4_dequantize_ref, blocksize=64, shape=(rows, cols)), packed,
+                     absmax)
+    nbytes = numel // 2 + 2 * numel + 4 * numel // 64
+    b.add("nf4_dequantize", f"{rows}x{cols} bs=64 ->fp16", t, "torch lookup", base,
+          nbytes=nbytes)
+    try:
+        from bitsandbytes.functional import QuantState, dequantize_4bit
+        qs = QuantState(absmax=absmax, shape=torch.Size((rows, cols)), blocksize=64,
+                        code=nf4._code(packed.device), quant_type="nf4", dtype=torch.float16)
+        bnb = b.measure(lambda p: dequantize_4bit(p.view(-1, 1), qs), packed)
+        b.add("nf4_dequantize", f"{rows}x{cols} bs=64 ->fp16", t, "bitsandbytes", bnb,
+              nbytes=nbytes)
+    except ImportError:
+        print("  bitsandbytes not installed: NF4 compared with the torch lookup only")
 
 
 def sec_tuning(b: Bench) -> None:

@@ -23,6 +23,7 @@ written by ``peft`` when it is installed, else by :mod:`labkit.lora.writer`.
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,34 @@ def _ids(outs: list[Any]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def _systems(lora_llm: Any, base_llm: Any, prompts: list[list[int]], loras: list[Any],
+             sp: Any, k: int) -> dict[str, Callable[[], list[list[int]]]]:
+    """The three ways to serve the requests: every adapter in one mixed batch, one adapter's
+    requests per batch in turn, and the base model alone (the cost LoRA adds is over it)."""
+    n = len(prompts)
+    groups = [[i for i in range(n) if i % k == a] for a in range(k)]
+
+    def mixed() -> list[list[int]]:
+        return _ids(lora_llm.generate(prompt_token_ids=prompts, sampling_params=sp,
+                                      lora_request=loras, use_tqdm=False))
+
+    def sequential() -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in prompts]
+        for g in groups:  # one adapter's requests per batch, in turn
+            got = lora_llm.generate(prompt_token_ids=[prompts[i] for i in g],
+                                    sampling_params=sp, lora_request=loras[g[0]],
+                                    use_tqdm=False)
+            for i, ids in zip(g, _ids(got)):
+                out[i] = ids
+        return out
+
+    def base() -> list[list[int]]:
+        return _ids(base_llm.generate(prompt_token_ids=prompts, sampling_params=sp,
+                                      use_tqdm=False))
+
+    return {"mixed": mixed, "sequential": sequential, "base": base}
+
+
 def run(model: str | Path = "labkit-tiny", quick: bool = True, sizes: dict[str, Any] | None = None,
         seed: int = 0, writer: str = "auto") -> dict[str, Any]:
     """Everything above; returns the JSON payload (the tests call it at toy sizes)."""
@@ -114,27 +143,7 @@ def run(model: str | Path = "labkit-tiny", quick: bool = True, sizes: dict[str, 
                        **common)
         base_llm = LLM(model=str(path), **common)
         bar.update(1)
-        groups = [[i for i in range(n) if i % k == a] for a in range(k)]
-
-        def mixed() -> list[list[int]]:
-            return _ids(lora_llm.generate(prompt_token_ids=prompts, sampling_params=sp,
-                                          lora_request=loras, use_tqdm=False))
-
-        def sequential() -> list[list[int]]:
-            out: list[list[int]] = [[] for _ in prompts]
-            for g in groups:  # one adapter's requests per batch, in turn
-                got = lora_llm.generate(prompt_token_ids=[prompts[i] for i in g],
-                                        sampling_params=sp, lora_request=loras[g[0]],
-                                        use_tqdm=False)
-                for i, ids in zip(g, _ids(got)):
-                    out[i] = ids
-            return out
-
-        def base() -> list[list[int]]:
-            return _ids(base_llm.generate(prompt_token_ids=prompts, sampling_params=sp,
-                                          use_tqdm=False))
-
-        fns = {"mixed": mixed, "sequential": sequential, "base": base}
+        fns = _systems(lora_llm, base_llm, prompts, loras, sp, k)
         for f in fns.values():  # warm-up: adapters read from disk, first-call costs paid
             f()
         bar.update(1)

@@ -65,31 +65,13 @@ def _chart(rows: list[dict], path: str) -> None:
     print(f"wrote {path}")
 
 
-def run(model_name: str = "labkit-tiny", quick: bool = False,
-        progress: bool = True) -> dict[str, Any]:
-    from labkit.bench.quant_speed import compare_decode, matmul_share
-    from labkit.model.loader import load_pretrained
-    from labkit.quant import (
-        Int8ContiguousKVCache,
-        awq_quantize_model,
-        gptq_quantize_model,
-        quantize_model,
-    )
-    from labkit.quant.calib import corpus_windows
-    from labkit.quant.evaluate import log_probs, model_bytes
-    from labkit.quant.memory import estimate_memory, kv_cache_bytes
+def _builders(model, calib, s: dict, progress: bool) -> dict[str, tuple]:
+    """format -> (bits, group, calculator format, build): every format built from the same fp32
+    model and calibration windows, so the rows differ only in the format."""
+    from labkit.quant import awq_quantize_model, gptq_quantize_model, quantize_model
 
-    s = QUICK if quick else FULL
-    torch.manual_seed(0)
-    model, tok = load_pretrained(model_name)
-    cfg = model.config
-    eval_tokens = corpus_windows(tok, "heldout", *s["eval"])
-    calib = corpus_windows(tok, "train", *s["calib"], seed=0)
-    ref_lp = log_probs(model, eval_tokens)
-    prompt = eval_tokens[0, :16].tolist()
     gs = {"group_size": GROUP_SIZE, "group_fallback": True}
-
-    builders = {
+    return {
         "fp32": (32, None, "fp32", lambda: model),
         "bf16": (16, None, "bf16", lambda: __import__("copy").deepcopy(model).to(torch.bfloat16)),
         "int8": (8, -1, "int8", lambda: quantize_model(model, "int8")),
@@ -102,6 +84,15 @@ def run(model_name: str = "labkit-tiny", quick: bool = False,
         "nf4": (4, 64, "nf4", lambda: quantize_model(model, "nf4", blocksize=64)),
         "fp8": (8, -1, "fp8", lambda: quantize_model(model, "fp8")),
     }
+
+
+def _accuracy_rows(builders: dict[str, tuple], cfg, eval_tokens,
+                   ref_lp) -> tuple[list[dict], dict, dict]:
+    """(rows, quantizer reports, built models): each format's accuracy against fp32 and its
+    measured bytes beside the memory calculator's prediction."""
+    from labkit.quant.evaluate import model_bytes
+    from labkit.quant.memory import estimate_memory, kv_cache_bytes
+
     rows, reports, built = [], {}, {}
     for name, (bits, group, calc_fmt, build) in builders.items():
         qm, t = timed(build)
@@ -118,6 +109,61 @@ def run(model_name: str = "labkit-tiny", quick: bool = False,
                      "kv_dtype": base, "kv_bytes_per_token": kv_cache_bytes(cfg, 1, 1, base),
                      "quantize_s": qtime})
         print(f"{name}: ppl {metrics['perplexity']:.4f} kl {metrics['kl']:.5f}", flush=True)
+    return rows, reports, built
+
+
+def _targets(rows: list[dict]) -> dict[str, bool]:
+    """The claims the README makes about these formats, checked on this run's rows."""
+    by = {r["format"]: r for r in rows}
+    return {
+        "gptq_beats_int4_rtn": by["gptq"]["perplexity"] < by["int4_rtn"]["perplexity"],
+        "awq_beats_int4_rtn": by["awq"]["perplexity"] < by["int4_rtn"]["perplexity"],
+        "int8_within_1pct_of_fp32":
+            by["int8"]["perplexity"] <= 1.01 * by["fp32"]["perplexity"],
+        "bytes_within_5pct_of_calculator": all(
+            abs(r["weight_bytes"] - r["calculator_bytes"]) <= 0.05 * r["calculator_bytes"]
+            for r in rows),
+        "int8_decode_ge_1.0x_fp32": by["int8"]["speedup_vs_fp32"] >= 1.0,
+        **{f"{f}_decode_ge_0.9x_fp32": by[f]["speedup_vs_fp32"] >= 0.9
+           for f in ("int4_rtn", "gptq", "awq")},
+    }
+
+
+def _settings(model, s: dict) -> dict[str, Any]:
+    """What the numbers were measured with, and the 7B sizes the calculator predicts."""
+    from labkit.quant.memory import estimate_memory
+
+    fallback = sorted({n.split(".", 3)[-1] for n, m in model.named_modules()
+                       if isinstance(m, torch.nn.Linear) and n != "lm_head"
+                       and m.in_features % GROUP_SIZE})
+    return {"eval_windows": s["eval"], "calibration_windows": s["calib"],
+            "gptq": {"act_order": True, "damp": 0.01, "sym": False},
+            "awq": {"n_grid": s["n_grid"], "clip": True, "duo_scaling": False,
+                    "search_batches": s["search_batches"]},
+            "group_size_64_fallback_layers": fallback,
+            "llama2_7b_fp16_gb": estimate_memory("llama-2-7b", "fp16").weight_bytes / 1e9,
+            "llama2_7b_int4_g128_gb": estimate_memory("llama-2-7b", "gptq").weight_bytes / 1e9}
+
+
+def run(model_name: str = "labkit-tiny", quick: bool = False,
+        progress: bool = True) -> dict[str, Any]:
+    from labkit.bench.quant_speed import compare_decode, matmul_share
+    from labkit.model.loader import load_pretrained
+    from labkit.quant import Int8ContiguousKVCache
+    from labkit.quant.calib import corpus_windows
+    from labkit.quant.evaluate import log_probs
+    from labkit.quant.memory import kv_cache_bytes
+
+    s = QUICK if quick else FULL
+    torch.manual_seed(0)
+    model, tok = load_pretrained(model_name)
+    cfg = model.config
+    eval_tokens = corpus_windows(tok, "heldout", *s["eval"])
+    calib = corpus_windows(tok, "train", *s["calib"], seed=0)
+    ref_lp = log_probs(model, eval_tokens)
+    prompt = eval_tokens[0, :16].tolist()
+    rows, reports, built = _accuracy_rows(_builders(model, calib, s, progress), cfg, eval_tokens,
+                                          ref_lp)
     speeds = compare_decode(built, prompt, s["decode_tokens"], s["rounds"])
     for r in rows:
         r.update(speeds[r["format"]])
@@ -135,32 +181,8 @@ def run(model_name: str = "labkit-tiny", quick: bool = False,
     engine_kv = run_engine_int8_kv(model, [eval_tokens[i, :e["prompt_len"]].tolist() for i in
                                            range(min(e["prompts"], len(eval_tokens)))],
                                    e["max_tokens"], e["auto_blocks"])
-    by = {r["format"]: r for r in rows}
-    targets = {
-        "gptq_beats_int4_rtn": by["gptq"]["perplexity"] < by["int4_rtn"]["perplexity"],
-        "awq_beats_int4_rtn": by["awq"]["perplexity"] < by["int4_rtn"]["perplexity"],
-        "int8_within_1pct_of_fp32":
-            by["int8"]["perplexity"] <= 1.01 * by["fp32"]["perplexity"],
-        "bytes_within_5pct_of_calculator": all(
-            abs(r["weight_bytes"] - r["calculator_bytes"]) <= 0.05 * r["calculator_bytes"]
-            for r in rows),
-        "int8_decode_ge_1.0x_fp32": by["int8"]["speedup_vs_fp32"] >= 1.0,
-        **{f"{f}_decode_ge_0.9x_fp32": by[f]["speedup_vs_fp32"] >= 0.9
-           for f in ("int4_rtn", "gptq", "awq")},
-    }
-    fallback = sorted({n.split(".", 3)[-1] for n, m in model.named_modules()
-                       if isinstance(m, torch.nn.Linear) and n != "lm_head"
-                       and m.in_features % GROUP_SIZE})
-    return {"model": model_name, "quick": quick, "results": rows, "targets": targets,
-            "settings": {"eval_windows": s["eval"], "calibration_windows": s["calib"],
-                         "gptq": {"act_order": True, "damp": 0.01, "sym": False},
-                         "awq": {"n_grid": s["n_grid"], "clip": True, "duo_scaling": False,
-                                 "search_batches": s["search_batches"]},
-                         "group_size_64_fallback_layers": fallback,
-                         "llama2_7b_fp16_gb": estimate_memory("llama-2-7b", "fp16")
-                         .weight_bytes / 1e9,
-                         "llama2_7b_int4_g128_gb": estimate_memory("llama-2-7b", "gptq")
-                         .weight_bytes / 1e9},
+    return {"model": model_name, "quick": quick, "results": rows, "targets": _targets(rows),
+            "settings": _settings(model, s),
             "cpu_decode_matmul_share": share,
             "engine_int8_kv": engine_kv, "gptq_report": reports.get("gptq", []),
             "awq_report": reports.get("awq", []),

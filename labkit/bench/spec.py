@@ -241,6 +241,54 @@ def _best(results: list[dict[str, Any]]) -> dict[str, Any]:
     return best
 
 
+def _configs(gammas: list[int], draft: torch.nn.Module,
+             eagle: torch.nn.Module | None) -> list[tuple[str, int, dict | None]]:
+    """(proposer, γ, speculative config) to run: plain decoding, then n-gram, the draft model
+    and (if given) EAGLE at every γ."""
+    configs: list[tuple[str, int, dict | None]] = [("baseline", 0, None)]
+    for g in gammas:
+        configs.append(("ngram", g, {"method": "ngram", "num_speculative_tokens": g,
+                                     "prompt_lookup_max": 4}))
+        configs.append(("draft_model", g, {"method": "draft_model", "model": draft,
+                                           "num_speculative_tokens": g}))
+        if eagle is not None:
+            configs.append(("eagle", g, {"method": "eagle", "model": eagle,
+                                         "num_speculative_tokens": g}))
+    return configs
+
+
+def _spec_row(name: str, g: int, r: dict[str, Any], base: dict[str, Any], costs: dict[str, Any],
+              draft_ms: float, overhead_ms: float) -> dict[str, Any]:
+    """One measured row: the speed-up over plain decoding (CPU and wall time) beside what the
+    cost model predicts from this machine's raw forward costs and the measured acceptance."""
+    n_tok, t_dec = base["num_tokens"], costs["target_decode_ms"]
+    base_wall, base_cpu = n_tok / base["wall_s"], n_tok / base["cpu_s"]
+    alpha, parts = r["acc"].alpha, r["cpu_parts_s"]
+    c = draft_ms / t_dec
+    # cost side with this machine's raw forward costs, token side as measured
+    d = r["drafts_per_step"]
+    cpu_model = r["tokens_per_step"] * (t_dec + overhead_ms) / (
+        d * c * t_dec + costs["target_verify_ms"][g] + overhead_ms)
+    tps, tps_wall = r["num_tokens"] / r["cpu_s"], r["num_tokens"] / r["wall_s"]
+    vs = max(r["verify_steps"], 1)
+    return {"proposer": name, "gamma": g, "tokens_per_s": tps,
+            "baseline_tokens_per_s": base_cpu, "speedup": tps / base_cpu,
+            "acceptance_rate": r["acc"].acceptance_rate,
+            "predicted_speedup": expected_speedup(alpha, g, c),
+            "outputs_match": r["tokens"] == base["tokens"], "measured": True,
+            "wall_tokens_per_s": tps_wall, "wall_baseline_tokens_per_s": base_wall,
+            "wall_speedup": tps_wall / base_wall,
+            "predicted_speedup_cpu": cpu_model, "alpha": alpha,
+            "mean_accepted": r["acc"].mean_accepted,
+            "tokens_per_step": r["tokens_per_step"], "drafts_per_step": d,
+            "alpha_per_position": r["acc"].alpha_per_position, "draft_cost_c": c,
+            "engine_ms": {
+                "per_step": 1e3 * r["cpu_s"] / vs,
+                "target_per_step": 1e3 * parts.get("target", 0.0) / vs,
+                "draft_per_token": 1e3 * parts.get("propose", 0.0) / max(r["num_drafted"], 1),
+                "propose_per_step": 1e3 * parts.get("propose", 0.0) / vs}}
+
+
 def run(quick: bool = True, target_name: str = "labkit-tiny",
         draft_name: str = DEFAULT_DRAFT, prompt_set: str = "code_prompts",
         sizes: dict[str, Any] | None = None, concurrency: int = 1,
@@ -255,59 +303,21 @@ def run(quick: bool = True, target_name: str = "labkit-tiny",
     eagle = load_eagle(eagle_name, target) if eagle_name else None
     prompts = [tok.encode(t) for t in prompt_texts(prompt_set)[: cfg["num_prompts"]]]
     gammas = cfg["gammas"]
-    configs: list[tuple[str, int, dict | None]] = [("baseline", 0, None)]
-    for g in gammas:
-        configs.append(("ngram", g, {"method": "ngram", "num_speculative_tokens": g,
-                                     "prompt_lookup_max": 4}))
-        configs.append(("draft_model", g, {"method": "draft_model", "model": draft,
-                                           "num_speculative_tokens": g}))
-        if eagle is not None:
-            configs.append(("eagle", g, {"method": "eagle", "model": eagle,
-                                         "num_speculative_tokens": g}))
+    configs = _configs(gammas, draft, eagle)
     # every round runs every config once, so slow phases of a shared machine hit all of them
     raw: dict[tuple[str, int], list[dict]] = {(n, g): [] for n, g, _ in configs}
     todo = [(n, g, spec) for _ in range(cfg["rounds"]) for n, g, spec in configs]
     for name, g, spec in tqdm(todo, desc="bench spec", leave=False):
         raw[(name, g)].append(run_engine(target, prompts, cfg["max_tokens"], spec, concurrency))
     base = _best(raw[("baseline", 0)])
-    n_tok = base["num_tokens"]
-    base_wall, base_cpu = n_tok / base["wall_s"], n_tok / base["cpu_s"]
     costs = measure_costs(target, draft, gammas, eagle=eagle)
     t_dec = costs["target_decode_ms"]
     draft_ms = {"ngram": 0.0, "draft_model": costs["draft_decode_ms"],
                 "eagle": costs.get("eagle_decode_ms", 0.0)}
     # engine CPU overhead per step beyond the model forward, from the plain run
     overhead_ms = max(0.0, 1e3 * base["cpu_s"] / base["num_steps"] - t_dec)
-    rows = []
-    for name, g, _ in configs:
-        if name == "baseline":
-            continue
-        r = _best(raw[(name, g)])
-        alpha, parts = r["acc"].alpha, r["cpu_parts_s"]
-        c = draft_ms[name] / t_dec
-        # cost side with this machine's raw forward costs, token side as measured
-        d = r["drafts_per_step"]
-        cpu_model = r["tokens_per_step"] * (t_dec + overhead_ms) / (
-            d * c * t_dec + costs["target_verify_ms"][g] + overhead_ms)
-        tps, tps_wall = r["num_tokens"] / r["cpu_s"], r["num_tokens"] / r["wall_s"]
-        vs = max(r["verify_steps"], 1)
-        rows.append({"proposer": name, "gamma": g, "tokens_per_s": tps,
-                     "baseline_tokens_per_s": base_cpu, "speedup": tps / base_cpu,
-                     "acceptance_rate": r["acc"].acceptance_rate,
-                     "predicted_speedup": expected_speedup(alpha, g, c),
-                     "outputs_match": r["tokens"] == base["tokens"], "measured": True,
-                     "wall_tokens_per_s": tps_wall, "wall_baseline_tokens_per_s": base_wall,
-                     "wall_speedup": tps_wall / base_wall,
-                     "predicted_speedup_cpu": cpu_model, "alpha": alpha,
-                     "mean_accepted": r["acc"].mean_accepted,
-                     "tokens_per_step": r["tokens_per_step"], "drafts_per_step": d,
-                     "alpha_per_position": r["acc"].alpha_per_position, "draft_cost_c": c,
-                     "engine_ms": {
-                         "per_step": 1e3 * r["cpu_s"] / vs,
-                         "target_per_step": 1e3 * parts.get("target", 0.0) / vs,
-                         "draft_per_token": 1e3 * parts.get("propose", 0.0)
-                         / max(r["num_drafted"], 1),
-                         "propose_per_step": 1e3 * parts.get("propose", 0.0) / vs}})
+    rows = [_spec_row(name, g, _best(raw[(name, g)]), base, costs, draft_ms[name], overhead_ms)
+            for name, g, _ in configs if name != "baseline"]
     alpha_by_gamma = {r["gamma"]: r["alpha"] for r in rows if r["proposer"] == "draft_model"}
     sim = sim_rows(alpha_by_gamma)
     return {"benchmark": "spec", "quick": quick, "target": target_name, "draft": draft_name,

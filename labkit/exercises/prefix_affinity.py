@@ -204,13 +204,11 @@ def _remap(p: _Probe, prompts: list[list[int]], before: list[str]) -> str:
             f"{frac:.0%} (to it)")
 
 
-def _bounded(p: _Probe, rng: random.Random) -> str:
-    """One hot prefix (half the traffic) among 40 others; requests last 4..24 steps."""
-    policy, reps = p.new(), replicas(8)
-    hot = _tokens(rng, WINDOW)
-    cold = [_tokens(rng, WINDOW) for _ in range(40)]
-    idle = p.new()
-    home = {tuple(c): p.choose(idle, c, replicas(8)).name for c in cold}  # where each is idle
+def _bounded_traffic(p: _Probe, policy: Any, reps: list[Rep], rng: random.Random,
+                     hot: list[int], cold: list[list[int]], home: dict[tuple[int, ...], str]
+                     ) -> tuple[Any, int, float, set[str], int, int]:
+    """160 steps of 3 arrivals: (first cap breach or None, peak in flight, worst multiple of the
+    cap, replicas the hot prefix used, cold requests sent home, cold requests)."""
     ends: list[tuple[int, Rep]] = []
     home_hits = cold_total = 0
     hot_used: set[str] = set()
@@ -243,6 +241,18 @@ def _bounded(p: _Probe, rng: random.Random) -> str:
             else:
                 cold_total += 1
                 home_hits += got.name == home[tuple(prefix)]
+    return first, peak, worst, hot_used, home_hits, cold_total
+
+
+def _bounded(p: _Probe, rng: random.Random) -> str:
+    """One hot prefix (half the traffic) among 40 others; requests last 4..24 steps."""
+    policy, reps = p.new(), replicas(8)
+    hot = _tokens(rng, WINDOW)
+    cold = [_tokens(rng, WINDOW) for _ in range(40)]
+    idle = p.new()
+    home = {tuple(c): p.choose(idle, c, replicas(8)).name for c in cold}  # where each is idle
+    first, peak, worst, hot_used, home_hits, cold_total = _bounded_traffic(
+        p, policy, reps, rng, hot, cold, home)
     if first is not None:
         what, inputs, expected, actual = first
         raise CheckFailure(

@@ -111,59 +111,84 @@ def check_int8(quantize_int8_per_channel: Callable, dequantize_int8: Callable) -
     return run_check("int8_per_channel", body)
 
 
+def _int4_outputs(quantize_int4_groupwise: Callable, w: torch.Tensor, gs: int,
+                  inputs: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The learner's (codes, scales, zeros), refused early if the tuple, a shape or the codes'
+    dtype is wrong, so the value checks after it can index them."""
+    n, k = w.shape
+    out = call(quantize_int4_groupwise, w.clone(), gs,
+               _label=f"quantize_int4_groupwise({inputs})")
+    if not (isinstance(out, tuple) and len(out) == 3):
+        raise CheckFailure("return (codes, scales, zeros)", inputs=inputs,
+                           expected="a 3-tuple", actual=short(out))
+    hint = "one (scale, zero) per row and group: shape [N, K // group_size]."
+    codes = _tensor(out[0], "codes", (n, k), inputs)
+    scales = _tensor(out[1], "scales", (n, k // gs), inputs, hint)
+    zeros = _tensor(out[2], "zeros", (n, k // gs), inputs, hint)
+    if codes.dtype != torch.uint8:
+        raise CheckFailure("codes must be uint8", inputs=inputs, expected=torch.uint8,
+                           actual=codes.dtype, hint="codes.to(torch.uint8) after "
+                           "clamping to [0, 15]: two of them pack into one byte.")
+    return codes, scales, zeros
+
+
+def _check_int4_scales_zeros(w: torch.Tensor, gs: int, scales: torch.Tensor,
+                             zeros: torch.Tensor, ref_s: torch.Tensor, ref_z: torch.Tensor,
+                             inputs: str) -> None:
+    """Scales to a relative 2e-3 and zero points exactly, except where rounding sits on a tie
+    or a group is all zeros (no range: any positive finite scale will do)."""
+    n, k = w.shape
+    flat = (w.float().reshape(n, k // gs, gs) == 0).all(dim=2)  # no range at all
+    sbad = ((scales.float() - ref_s).abs() > 2e-3 * ref_s.abs()) & ~flat
+    sbad |= flat & ~(torch.isfinite(scales.float()) & (scales.float() > 0))
+    if sbad.any():
+        i, g = (int(x) for x in sbad.nonzero()[0])
+        grp = w[i, g * gs:(g + 1) * gs]
+        raise CheckFailure(
+            f"wrong scale for row {i}, group {g}", inputs=f"{inputs}; that group: "
+            f"min={float(grp.min()):.4g}, max={float(grp.max()):.4g}",
+            expected=float(ref_s[i, g]), actual=float(scales[i, g]),
+            hint="the range must include 0: lo = min(min, 0), hi = max(max, 0); "
+                 "scale = (hi - lo) / 15 per group of columns of one row.")
+    ratio_z = _lo(w, gs) / scales.float().clamp(min=1e-12)
+    near_tie = (ratio_z.frac() - 0.5).abs() < 1e-2
+    zbad = (zeros.float() != ref_z) & ~(near_tie & ((zeros.float() - ref_z).abs() <= 1))
+    zbad &= ~flat
+    if zbad.any():
+        i, g = (int(x) for x in zbad.nonzero()[0])
+        raise CheckFailure(f"wrong zero point for row {i}, group {g}", inputs=inputs,
+                           expected=float(ref_z[i, g]), actual=float(zeros[i, g]),
+                           hint="zero = round(-lo / scale), clamped to [0, 15].")
+
+
+def _check_int4_codes(w: torch.Tensor, gs: int, codes: torch.Tensor, scales: torch.Tensor,
+                      zeros: torch.Tensor) -> None:
+    """Codes judged against YOUR validated (scale, zero), as for INT8: a scale within tolerance
+    of labkit's may still move a near-tie code by one."""
+    n, k = w.shape
+    ratio = w.float().reshape(n, k // gs, gs) / scales.float()[..., None]
+    want = (ratio.round() + zeros.float()[..., None]).clamp(0, 15).reshape(n, k)
+    bad = _codes_match(codes, want, ratio.reshape(n, k))
+    if bad.any():
+        i, j = (int(x) for x in bad.nonzero()[0])
+        raise CheckFailure(
+            f"wrong code at [{i}, {j}]", inputs=f"w[{i}, {j}]={w[i, j]:.6g}, "
+            f"scale={float(scales[i, j // gs]):.6g}, zero={float(zeros[i, j // gs])}",
+            expected=int(want[i, j]), actual=int(codes[i, j]),
+            hint="codes = clamp(round(w / scale) + zero, 0, 15).")
+
+
 def check_int4(quantize_int4_groupwise: Callable, dequantize_int4_groupwise: Callable) -> object:
     def body() -> str:
         for w in _weights():
             for gs in (16, 32):
                 n, k = w.shape
                 inputs = f"w={short(w)}, group_size={gs}"
-                out = call(quantize_int4_groupwise, w.clone(), gs,
-                           _label=f"quantize_int4_groupwise({inputs})")
-                if not (isinstance(out, tuple) and len(out) == 3):
-                    raise CheckFailure("return (codes, scales, zeros)", inputs=inputs,
-                                       expected="a 3-tuple", actual=short(out))
-                hint = "one (scale, zero) per row and group: shape [N, K // group_size]."
-                codes = _tensor(out[0], "codes", (n, k), inputs)
-                scales = _tensor(out[1], "scales", (n, k // gs), inputs, hint)
-                zeros = _tensor(out[2], "zeros", (n, k // gs), inputs, hint)
-                if codes.dtype != torch.uint8:
-                    raise CheckFailure("codes must be uint8", inputs=inputs, expected=torch.uint8,
-                                       actual=codes.dtype, hint="codes.to(torch.uint8) after "
-                                       "clamping to [0, 15]: two of them pack into one byte.")
+                codes, scales, zeros = _int4_outputs(quantize_int4_groupwise, w, gs, inputs)
                 ref = quantize_rtn(w, bits=4, group_size=gs)
                 ref_s, ref_z = ref.scales.T, ref.zeros.T.float()  # labkit stores [G, N]
-                flat = (w.float().reshape(n, k // gs, gs) == 0).all(dim=2)  # no range at all
-                sbad = ((scales.float() - ref_s).abs() > 2e-3 * ref_s.abs()) & ~flat
-                sbad |= flat & ~(torch.isfinite(scales.float()) & (scales.float() > 0))
-                if sbad.any():
-                    i, g = (int(x) for x in sbad.nonzero()[0])
-                    grp = w[i, g * gs:(g + 1) * gs]
-                    raise CheckFailure(
-                        f"wrong scale for row {i}, group {g}", inputs=f"{inputs}; that group: "
-                        f"min={float(grp.min()):.4g}, max={float(grp.max()):.4g}",
-                        expected=float(ref_s[i, g]), actual=float(scales[i, g]),
-                        hint="the range must include 0: lo = min(min, 0), hi = max(max, 0); "
-                             "scale = (hi - lo) / 15 per group of columns of one row.")
-                ratio_z = _lo(w, gs) / scales.float().clamp(min=1e-12)
-                near_tie = (ratio_z.frac() - 0.5).abs() < 1e-2
-                zbad = (zeros.float() != ref_z) & ~(near_tie & ((zeros.float() - ref_z).abs() <= 1))
-                zbad &= ~flat
-                if zbad.any():
-                    i, g = (int(x) for x in zbad.nonzero()[0])
-                    raise CheckFailure(f"wrong zero point for row {i}, group {g}", inputs=inputs,
-                                       expected=float(ref_z[i, g]), actual=float(zeros[i, g]),
-                                       hint="zero = round(-lo / scale), clamped to [0, 15].")
-                # judged against YOUR validated (scale, zero), as for INT8
-                ratio = w.float().reshape(n, k // gs, gs) / scales.float()[..., None]
-                want = (ratio.round() + zeros.float()[..., None]).clamp(0, 15).reshape(n, k)
-                bad = _codes_match(codes, want, ratio.reshape(n, k))
-                if bad.any():
-                    i, j = (int(x) for x in bad.nonzero()[0])
-                    raise CheckFailure(
-                        f"wrong code at [{i}, {j}]", inputs=f"w[{i}, {j}]={w[i, j]:.6g}, "
-                        f"scale={float(scales[i, j // gs]):.6g}, zero={float(zeros[i, j // gs])}",
-                        expected=int(want[i, j]), actual=int(codes[i, j]),
-                        hint="codes = clamp(round(w / scale) + zero, 0, 15).")
+                _check_int4_scales_zeros(w, gs, scales, zeros, ref_s, ref_z, inputs)
+                _check_int4_codes(w, gs, codes, scales, zeros)
                 w_hat = call(dequantize_int4_groupwise, ref.codes.clone(), ref_s.clone(),
                              ref_z.clone(), gs, _label="dequantize_int4_groupwise(<labkit's "
                              "codes, scales, zeros>, group_size)")

@@ -58,12 +58,10 @@ def _pairs() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
             ("draft more confident than the target on the same token", p_mid, q_sharp)]
 
 
-def _judge(name: str, p: torch.Tensor, q: torch.Tensor, fn: Callable, trials: int,
-           seed: int) -> str:
-    """Draw drafts from q, run the rule, test emitted tokens against p; one report line."""
-    g_draft = torch.Generator().manual_seed(seed)
-    g_fn = torch.Generator().manual_seed(seed + 1)
-    drafts = torch.multinomial(q, trials, replacement=True, generator=g_draft).tolist()
+def _run_rule(p: torch.Tensor, q: torch.Tensor, fn: Callable, drafts: list[int],
+              g_fn: torch.Generator) -> tuple[list[int], int, list[int], list[int]]:
+    """(emitted counts per token, accepted, proposals and acceptances per draft token) of the
+    rule on every draft, refusing a malformed answer as soon as it appears."""
     counts = [0] * len(p)
     accepted = 0
     drawn, kept = [0] * len(p), [0] * len(p)  # per draft token: proposals, acceptances
@@ -86,6 +84,16 @@ def _judge(name: str, p: torch.Tensor, q: torch.Tensor, fn: Callable, trials: in
         counts[tok] += 1
         drawn[x] += 1
         kept[x] += acc
+    return counts, accepted, drawn, kept
+
+
+def _judge(name: str, p: torch.Tensor, q: torch.Tensor, fn: Callable, trials: int,
+           seed: int) -> str:
+    """Draw drafts from q, run the rule, test emitted tokens against p; one report line."""
+    g_draft = torch.Generator().manual_seed(seed)
+    g_fn = torch.Generator().manual_seed(seed + 1)
+    drafts = torch.multinomial(q, trials, replacement=True, generator=g_draft).tolist()
+    counts, accepted, drawn, kept = _run_rule(p, q, fn, drafts, g_fn)
     inputs = f"{name}: p={[round(v, 3) for v in p.tolist()]}, " \
              f"q={[round(v, 3) for v in q.tolist()]}, {trials} seeded trials"
     support = [i for i in range(len(p)) if p[i] > 0]

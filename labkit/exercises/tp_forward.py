@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -197,6 +197,14 @@ def diagnose(block: Block, shards: Shards, results: list[RankResult], where: str
                                hint="every all-reduce makes all GPUs wait for each other; one, "
                                     "on o_proj's output, completes the block")
         return len(calls)
+    _name_the_mistake(block, shards, outs, calls, inputs)
+
+
+def _name_the_mistake(block: Block, shards: Shards, outs: list[torch.Tensor],
+                      calls: list[tuple[str, str, int]], inputs: str) -> NoReturn:
+    """Recompute the per-rank partial sums and match the wrong output against each classic
+    mistake, so the learner reads which one it was rather than a bare mismatch."""
+    c = block.case
     att = Attend(c.head_dim)
     parts = [partial_output(block.x, s, att) for s in shards]
     total = sum(parts)

@@ -51,37 +51,12 @@ class SimulatorControls(widgets.VBox):
                  max_num_batched_tokens: int = 2048, policy: str = "fcfs",
                  enable_prefix_caching: bool = True, batching: str = "continuous",
                  seed: int = 0, auto: bool = True, run: bool = True, **simulate_kw: Any) -> None:
-        from labkit.sched.scheduler import POLICIES
-        from labkit.sim.presets import GPUS, MODELS
-        from labkit.sim.workloads import WORKLOADS
-
         self.simulate_kw, self.seed = simulate_kw, seed
         style = {"description_width": "170px"}
         wide = widgets.Layout(width="420px")
-        self.model = widgets.Dropdown(options=list(MODELS), value=model, description="model",
-                                      style=style, layout=wide)
-        self.gpu = widgets.Dropdown(options=list(GPUS), value=gpu, description="GPU",
-                                    style=style, layout=wide)
-        self.workload = widgets.Dropdown(options=list(WORKLOADS), value=workload,
-                                         description="workload", style=style, layout=wide)
-        self.num_requests = widgets.IntSlider(value=num_requests, min=1, max=1000,
-                                              description="requests", style=style, layout=wide)
-        self.arrival_rate = widgets.FloatSlider(value=arrival_rate, min=0.0, max=50.0, step=0.5,
-                                                description="arrivals/s (0 = burst)",
-                                                style=style, layout=wide)
-        self.block_size = widgets.Dropdown(options=[8, 16, 32, 64, 128], value=block_size,
-                                           description="block size", style=style, layout=wide)
-        self.chunk = widgets.Dropdown(options=sorted({256, 512, 1024, 2048, 4096, 8192,
-                                                      max_num_batched_tokens}),
-                                      value=max_num_batched_tokens,
-                                      description="token budget / step", style=style,
-                                      layout=wide)
-        self.policy = widgets.Dropdown(options=list(POLICIES), value=policy,
-                                       description="policy", style=style, layout=wide)
-        self.prefix = widgets.Checkbox(value=enable_prefix_caching,
-                                       description="prefix caching")
-        self.batching = widgets.ToggleButtons(options=["continuous", "static"], value=batching,
-                                              description="batching", style=style)
+        self._add_workload_knobs(style, wide, model, gpu, workload, num_requests, arrival_rate)
+        self._add_engine_knobs(style, wide, block_size, max_num_batched_tokens, policy,
+                               enable_prefix_caching, batching)
         self.auto = widgets.Checkbox(value=auto, description="re-run on change")
         self.run_button = widgets.Button(description="Run", button_style="primary")
         self.status = widgets.HTML()
@@ -103,6 +78,44 @@ class SimulatorControls(widgets.VBox):
         self.add_class("labkit-simcontrols")
         if run:
             self.run()
+
+    def _add_workload_knobs(self, style: dict, wide: widgets.Layout, model: str, gpu: str,
+                            workload: str, num_requests: int, arrival_rate: float) -> None:
+        """The left column: what is served, on what, and how fast requests come."""
+        from labkit.sim.presets import GPUS, MODELS
+        from labkit.sim.workloads import WORKLOADS
+
+        self.model = widgets.Dropdown(options=list(MODELS), value=model, description="model",
+                                      style=style, layout=wide)
+        self.gpu = widgets.Dropdown(options=list(GPUS), value=gpu, description="GPU",
+                                    style=style, layout=wide)
+        self.workload = widgets.Dropdown(options=list(WORKLOADS), value=workload,
+                                         description="workload", style=style, layout=wide)
+        self.num_requests = widgets.IntSlider(value=num_requests, min=1, max=1000,
+                                              description="requests", style=style, layout=wide)
+        self.arrival_rate = widgets.FloatSlider(value=arrival_rate, min=0.0, max=50.0, step=0.5,
+                                                description="arrivals/s (0 = burst)",
+                                                style=style, layout=wide)
+
+    def _add_engine_knobs(self, style: dict, wide: widgets.Layout, block_size: int,
+                          max_num_batched_tokens: int, policy: str, enable_prefix_caching: bool,
+                          batching: str) -> None:
+        """The right column: the engine's own settings, the ones a lab turns to see what moves."""
+        from labkit.sched.scheduler import POLICIES
+
+        self.block_size = widgets.Dropdown(options=[8, 16, 32, 64, 128], value=block_size,
+                                           description="block size", style=style, layout=wide)
+        self.chunk = widgets.Dropdown(options=sorted({256, 512, 1024, 2048, 4096, 8192,
+                                                      max_num_batched_tokens}),
+                                      value=max_num_batched_tokens,
+                                      description="token budget / step", style=style,
+                                      layout=wide)
+        self.policy = widgets.Dropdown(options=list(POLICIES), value=policy,
+                                       description="policy", style=style, layout=wide)
+        self.prefix = widgets.Checkbox(value=enable_prefix_caching,
+                                       description="prefix caching")
+        self.batching = widgets.ToggleButtons(options=["continuous", "static"], value=batching,
+                                              description="batching", style=style)
 
     def settings(self) -> dict[str, Any]:
         """The simulate() keyword arguments the controls currently describe."""

@@ -49,9 +49,6 @@ class ScheduleWidget(widgets.VBox):
         hover = [[self._hover(rid, i, st) for i, st in enumerate(row)]
                  for rid, row in zip(rids, states)]
         n = len(td.STATES)
-        scale = []
-        for i, name in enumerate(td.STATES):
-            scale += [[i / n, td.STATE_COLORS[name]], [(i + 1) / n, td.STATE_COLORS[name]]]
         xs = [rec["step"] for rec in steps]
         gantt_h = 22 * max(len(rids), 4)
         fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.06,
@@ -61,18 +58,10 @@ class ScheduleWidget(widgets.VBox):
                       row=1, col=1)
         top = _budget_line(fig, xs, steps)
         fig.add_trace(go.Heatmap(z=z, x=xs, y=rids, zmin=-0.5, zmax=n - 0.5,
-                                 colorscale=scale,
+                                 colorscale=_state_colorscale(),
                                  showscale=False, text=hover, hoverinfo="text",
                                  xgap=1 if len(xs) <= 120 else 0, ygap=1), row=2, col=1)
-        fin_x, fin_y = [], []
-        for i, rec in enumerate(steps):
-            for f in rec.get("finished", ()):
-                if f["request_id"] in self.states:
-                    fin_x.append(i)
-                    fin_y.append(f["request_id"])
-        fig.add_trace(go.Scatter(x=fin_x, y=fin_y, mode="markers", name="finished",
-                                 marker=dict(symbol="x-thin", size=9,
-                                             line=dict(width=2, color="black"))), row=2, col=1)
+        _finished_marks(fig, steps, self.states)
         for name in td.STATES[:-1]:  # legend chips for the heatmap's categories
             fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name,
                                      marker=dict(symbol="square", size=12,
@@ -150,3 +139,27 @@ def _budget_line(fig: go.Figure, xs: list[int], steps: list[dict]) -> float:
                        showarrow=False, font=dict(color="#e45756", size=11), xanchor="right",
                        row=1, col=1)
     return used
+
+
+def _state_colorscale() -> list[list]:
+    """A stepped colorscale: the heatmap's z is a state's index, and each index gets its band
+    of one flat colour (a plain colorscale would blend neighbouring states)."""
+    n = len(td.STATES)
+    scale = []
+    for i, name in enumerate(td.STATES):
+        scale += [[i / n, td.STATE_COLORS[name]], [(i + 1) / n, td.STATE_COLORS[name]]]
+    return scale
+
+
+def _finished_marks(fig: go.Figure, steps: list[dict], shown: dict[str, Any]) -> None:
+    """An x where each shown request finished: the heatmap alone cannot tell a finish from a
+    request that is merely not scheduled that step."""
+    fin_x, fin_y = [], []
+    for i, rec in enumerate(steps):
+        for f in rec.get("finished", ()):
+            if f["request_id"] in shown:
+                fin_x.append(i)
+                fin_y.append(f["request_id"])
+    fig.add_trace(go.Scatter(x=fin_x, y=fin_y, mode="markers", name="finished",
+                             marker=dict(symbol="x-thin", size=9,
+                                         line=dict(width=2, color="black"))), row=2, col=1)
