@@ -21,7 +21,7 @@ from labkit.serve.protocol import APIError, bad
 from labkit.serve.structured import add_error
 
 if TYPE_CHECKING:
-    from labkit.serve.api_server import ServerState
+    from labkit.serve.state import ServerState
 
 
 def _reject(state: ServerState, reason: str) -> None:
