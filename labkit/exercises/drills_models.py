@@ -319,7 +319,7 @@ MODELS = [
       "both. The price is capture time at start-up and memory for each size's buffers; a batch "
       "larger than the largest size runs eager. labkit's compile=True does the same on a CPU "
       "with inductor (notebook 15 §4.2b times both; labkit bench step measured fused + "
-      "compiled at 1.7x fused + piecewise at batch 1).",
+      "compiled at 1.8x fused + piecewise at batch 1).",
       """
       import bisect
       from labkit.engine.full_graph import block_bucket

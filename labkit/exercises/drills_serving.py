@@ -321,12 +321,12 @@ SERVING = [
       "ms each from an idle vCPU), more than the 0.03 ms of scheduling there is to hide at "
       "batch 1, so the forward stays on the calling thread. What is left is sharing the "
       "machine: the graph runs about 5% slower while the host thread works on the other core. "
-      "Every cure with overlap is 0.92x fused + compiled at batch 1 and 0.97x at batch 32 "
+      "Every cure with overlap is 0.93x fused + compiled at batch 1 and 1.00x at batch 32 "
       "(labkit bench step).",
       """
       from labkit.bench.step_gemv import thread_round_trip_us
       # per decode step at batch 1, from labkit bench step's committed run (ms)
-      hidden = 0.021 + 0.008  # schedule + detokenise: what the main thread can run meanwhile
+      hidden = 0.020 + 0.007  # schedule + detokenise: what the main thread can run meanwhile
       trip = thread_round_trip_us() / 1e3  # submit + wake + result, measured here, now
       print(f"one hand-off to a worker and back: {trip * 1e3:.0f} us; overlap hides at most "
             f"{hidden * 1e3:.0f} us of a batch-1 step")

@@ -153,7 +153,7 @@ ZH_MODELS: dict[str, tuple[str, str]] = {
         "一张图，注意力在图之间 eager 执行。vLLM 默认的 cudagraph_mode FULL_AND_PIECEWISE 两者都"
         "用。代价是启动时的捕获时间和每个大小的缓冲区显存；超过最大捕获大小的批走 eager。labkit "
         "的 compile=True 在 CPU 上用 inductor 做同样的事（notebook 15 §4.2b 两者都测；labkit "
-        "bench step 测得 batch 1 时 fused + compiled 是 fused + piecewise 的 1.7 倍）。",
+        "bench step 测得 batch 1 时 fused + compiled 是 fused + piecewise 的 1.8 倍）。",
     ),
     "attention-op": (
         "编译后的 decode 步里，为什么推理引擎把手写的注意力 kernel 当作一个不透明的算子调用，"
