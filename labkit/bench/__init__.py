@@ -29,5 +29,6 @@ BENCHMARKS = {
     "disagg-sim": "labkit.bench.disagg_sim",
     "ops": "labkit.bench.ops",
     "step": "labkit.bench.step",
+    "step-gpu": "labkit.bench.step_gpu",
     "kv-formats": "labkit.bench.kv_formats",
 }

@@ -35,6 +35,9 @@ class CompileReport:
     # when "cpp" was asked and inductor could not build it
     wrapper: str = "cpp"
     wrapper_reason: str | None = None
+    # CUDA graphs captured from the full graphs (labkit.engine.cuda_graph), or why none are
+    cuda_graphs: int = 0
+    cuda_graph_reason: str | None = None
 
     @property
     def total_s(self) -> float:
@@ -53,7 +56,9 @@ class CompileReport:
         full = (f"; decode steps as full graphs{attn}{wrapper}"
                 if self.full_graphs and not self.full_reason
                 else f"; decode steps piecewise ({why})")
+        cuda = f"; {self.cuda_graphs} CUDA graphs" if self.cuda_graphs else ""
         packed = (f"; linear weights packed for oneDNN (+{self.packed_bytes / 2**20:.1f} MiB)"
                   if self.packed_bytes else "")
         return (f"{self.backend}: {len(self.compile_s)} of {len(self.capture_sizes)} "
-                f"sizes compiled in {self.total_s:.1f} s ({done or 'none yet'}){full}{packed}")
+                f"sizes compiled in {self.total_s:.1f} s ({done or 'none yet'})"
+                f"{full}{cuda}{packed}")

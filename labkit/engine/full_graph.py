@@ -173,6 +173,15 @@ def has_rope_table(model: nn.Module) -> bool:
     return isinstance(getattr(model, "rope_cos", None), torch.Tensor)
 
 
+def step_inputs(model: nn.Module) -> tuple[int, ...]:
+    """Which of :func:`full_graph_args`' inputs change from step to step (ids, positions,
+    slots, block tables, context lengths, and cos/sin without a rotary table); the rest (the
+    rotary table, the KV caches) are the same tensors every step. A CUDA graph copies the
+    first kind into its buffers and must hold the second as themselves
+    (:mod:`labkit.engine.cuda_graph`)."""
+    return (0, 1, 4, 5, 6) if has_rope_table(model) else (0, 1, 2, 3, 4, 5, 6)
+
+
 def pad_rows(t: torch.Tensor, size: int, dim: int = 0) -> torch.Tensor:
     """``t`` with copies of its first row along ``dim`` up to ``size`` rows."""
     n = size - t.shape[dim]

@@ -37,7 +37,9 @@ class LLM:
     step where every sequence decodes one token as one full graph, attention included
     (``labkit.engine.full_graph``; ``compile_mode="piecewise"`` turns that off), whose kernels
     are called from generated C++ (``compile_wrapper="python"``: from inductor's Python
-    wrapper, ``labkit.engine.graph_capture`` says what that costs). Both change
+    wrapper, ``labkit.engine.graph_capture`` says what that costs); on a CUDA device each
+    full graph is also captured as a CUDA graph (``cuda_graphs=False``: not;
+    ``labkit.engine.cuda_graph``). Both change
     the model object in place, with the same greedy tokens. ``async_scheduling=True`` (vLLM's
     name) schedules each step while the one before it computes (``labkit.engine.overlap``),
     with the same greedy tokens.
@@ -49,7 +51,7 @@ class LLM:
                  profile: bool = False, fused: bool = False, compile: bool = False,
                  compile_sizes: tuple[int, ...] | None = None,
                  compile_mode: str = "full_and_piecewise", compile_wrapper: str = "cpp",
-                 **engine_settings: Any) -> None:
+                 cuda_graphs: bool = True, **engine_settings: Any) -> None:
         name = ""
         dtype = _torch_dtype(dtype)
         if isinstance(model, (tuple, list)):
@@ -75,7 +77,7 @@ class LLM:
         self.model = model
         self.tokenizer = tokenizer
         self.compile_report = step_cures(model, engine_settings, fused, compile, compile_sizes,
-                                         compile_mode, compile_wrapper)
+                                         compile_mode, compile_wrapper, cuda_graphs)
         self.llm_engine = LLMEngine.from_model(model, tokenizer, name=name, **engine_settings)
         self._counter = 0
         self.profiler = None  # profile=True: a StepProfiler timing every step's phases

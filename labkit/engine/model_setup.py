@@ -48,14 +48,16 @@ COMPILE_MODES = ("full_and_piecewise", "piecewise")  # as vLLM's cudagraph_mode 
 
 def step_cures(model: torch.nn.Module, settings: dict[str, Any], fused: bool, compile: bool,
                capture_sizes: tuple[int, ...] | None = None,
-               compile_mode: str = "full_and_piecewise", compile_wrapper: str = "cpp") -> Any:
+               compile_mode: str = "full_and_piecewise", compile_wrapper: str = "cpp",
+               cuda_graphs: bool = True) -> Any:
     """Apply ``fused`` (:func:`labkit.model.fuse.fuse_model`: q|k|v and gate|up, the residual
     add in the norms, the rotary table) and ``compile`` (:func:`labkit.engine.piecewise.
     compile_model`) to the engine's model, in place; returns the compile report (None without
     ``compile``). ``compile_mode`` "full_and_piecewise" runs uniform decode steps as full
     graphs (:mod:`labkit.engine.full_graph`) and the others piecewise; "piecewise" runs every
     step piecewise. ``compile_wrapper`` "cpp" calls a full graph's kernels from generated C++,
-    "python" from inductor's Python wrapper. Both change the model in this process, so
+    "python" from inductor's Python wrapper; ``cuda_graphs`` captures the full graphs as CUDA
+    graphs on a CUDA device. Both change the model in this process, so
     workers that load their own slices (tensor parallelism) and LoRA's per-step adapter
     state are refused by name."""
     if compile_mode not in COMPILE_MODES:
@@ -79,7 +81,7 @@ def step_cures(model: torch.nn.Module, settings: dict[str, Any], fused: bool, co
 
     return compile_model(model, tuple(capture_sizes or CAPTURE_SIZES),
                          full_graphs=compile_mode == "full_and_piecewise",
-                         wrapper=compile_wrapper)
+                         wrapper=compile_wrapper, cuda_graphs=cuda_graphs)
 
 
 def check_step_cures(settings: dict[str, Any], fused: bool, compile: bool) -> None:

@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.engine.compile_report import CompileReport
+from labkit.engine.cuda_graph import CUDA_API, CUDAGraphs, cuda_graph_refusal
 from labkit.engine.dot_linear import use_dot_products
 from labkit.engine.full_graph import (
     KERNEL,
@@ -67,6 +68,7 @@ from labkit.engine.full_graph import (
     is_uniform_decode,
     kernel_refusal,
     static_refusal,
+    step_inputs,
     step_refusal,
 )
 from labkit.engine.graph_capture import (
@@ -150,6 +152,7 @@ class PiecewiseForward:
             report.packed_bytes = sum(p.nbytes for p in self.packs.values())
         self.step_size = 0  # the capture size of the forward running now
         self.static_for: tuple[Any, str | None] = (None, None)  # (cache, static_refusal)
+        self.cuda_graphs: CUDAGraphs | None = None  # set by compile_model on a CUDA device
         # inductor's settings, fixed here (on the caller's thread: graphs may be compiled on
         # a server's engine thread, which does not see this thread's settings)
         self.options = inductor_options(cpp_wrapper=False)
@@ -280,7 +283,13 @@ class PiecewiseForward:
                 warnings.warn(f"compile=True: {self.report.full_reason}; decode steps run "
                               "piecewise", RuntimeWarning, stacklevel=4)
                 return None
-        logits = self.graphs[kind, size](self.site_weights(kind, size), *args)[0]
+        graph, weights = self.graphs[kind, size], self.site_weights(kind, size)
+        if self.cuda_graphs is None:
+            logits = graph(weights, *args)[0]
+        else:  # one CUDA graph per graph and KV pool (its caches are captured as themselves)
+            key = (kind, size, args[-1].data_ptr())
+            logits = self.cuda_graphs.run(graph, weights, args, step_inputs(self.model), key)[0]
+            self.report.cuda_graphs = len(self.cuda_graphs.runners)
         self.report.full_steps += 1
         T = input_ids.shape[1]
         return logits[:T] if logits_indices is None else logits[:T][logits_indices]
@@ -347,7 +356,8 @@ class PiecewiseForward:
 def compile_model(model: nn.Module, capture_sizes: tuple[int, ...] = CAPTURE_SIZES,
                   backend: Any = "inductor", dot_max_tokens: int = DOT_MAX_TOKENS,
                   pack_weights: bool = True, full_graphs: bool = True,
-                  wrapper: str = "cpp") -> CompileReport:
+                  wrapper: str = "cpp", cuda_graphs: bool = True,
+                  cuda_graph_api: Any = None) -> CompileReport:
     """Install :class:`PiecewiseForward` as ``model.forward`` (in place) and return its report;
     a model that cannot be compiled here keeps its forward, and the report (and a warning)
     say why. A model already compiled returns its existing report. Pieces of up to
@@ -357,7 +367,9 @@ def compile_model(model: nn.Module, capture_sizes: tuple[int, ...] = CAPTURE_SIZ
     decodes one token runs as one graph, attention included (:mod:`labkit.engine.full_graph`);
     without, every step runs piecewise. ``wrapper`` "cpp" calls each full graph's kernels from
     generated C++ (one call, the GIL released: :mod:`labkit.engine.graph_capture`), "python"
-    from inductor's Python wrapper."""
+    from inductor's Python wrapper. On a CUDA device with ``cuda_graphs`` each full graph is
+    also captured as a CUDA graph (:mod:`labkit.engine.cuda_graph`); ``cuda_graph_api``
+    replaces torch's CUDA-graph calls, on any device (a test's replay on the CPU)."""
     current = vars(model).get("forward")
     if isinstance(current, PiecewiseForward):
         return current.report
@@ -376,6 +388,11 @@ def compile_model(model: nn.Module, capture_sizes: tuple[int, ...] = CAPTURE_SIZ
         return report
     if backend == "inductor":
         match_aten_vector_width()
-    model.forward = PiecewiseForward(model, tuple(capture_sizes), backend, report,
-                                     dot_max_tokens, pack_weights)
+    forward = PiecewiseForward(model, tuple(capture_sizes), backend, report, dot_max_tokens,
+                               pack_weights)
+    report.cuda_graph_reason = (None if cuda_graph_api is not None and cuda_graphs
+                                else cuda_graph_refusal(model.device, cuda_graphs))
+    if full_graphs and report.cuda_graph_reason is None:
+        forward.cuda_graphs = CUDAGraphs(cuda_graph_api or CUDA_API)
+    model.forward = forward
     return report
