@@ -16,8 +16,9 @@ until the next replay (the engine samples from them before it runs another step)
 
 :class:`CUDAGraphRunner` does this for one :class:`~labkit.engine.graph_capture.CapturedGraph`
 at one (capture size, block bucket). The CUDA calls go through ``api`` (default
-:data:`CUDA_API`), the seam that lets a CPU test replay through the same buffers
-(``tests/engine/test_cuda_graph_runner.py``); what runs on a GPU is ``.ci/gpu``'s ``step``.
+:data:`CUDA_API`), the seam that lets the CPU replay through the same buffers (:class:`CPUReplay`:
+``tests/engine/test_cuda_graph_runner.py``, notebook 15); what runs on a GPU is ``.ci/gpu``'s
+``step``.
 """
 
 from __future__ import annotations
@@ -54,6 +55,34 @@ class TorchCUDA:
 
 
 CUDA_API = TorchCUDA()
+
+
+class _Replay:
+    """What :class:`CPUReplay` records: the captured step and its static outputs."""
+
+    def replay(self) -> None:
+        for held, new in zip(self.outputs, self.fn()):
+            held.copy_(new)
+
+
+class CPUReplay:
+    """A CUDA graph's contract without a GPU: a replay recomputes the captured step from the
+    *captured* input tensors and writes into the *captured* output tensors, nothing else. The
+    runner's buffers behave as on a GPU, so its mistakes (an input not copied, a cache
+    captured as a copy) show on a CPU (the tests and notebook 15 use it)."""
+
+    def new_graph(self) -> _Replay:
+        return _Replay()
+
+    def capture(self, graph: _Replay, pool: Any, fn: Callable[[], Any]) -> Any:
+        graph.fn, graph.outputs = fn, fn()
+        return graph.outputs
+
+    def pool(self) -> None:
+        return None
+
+    def warm_up(self, fn: Callable[[], Any]) -> None:
+        fn()
 
 
 class CUDAGraphRunner:

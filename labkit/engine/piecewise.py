@@ -142,7 +142,9 @@ class PiecewiseForward:
         self.sizes = sorted(capture_sizes)
         self.report = report
         self.backend = backend_compiler(backend)
-        self.dot_max_tokens = dot_max_tokens
+        # dot-product loops are a CPU cure (MKL's sgemm reads weights slower, see dot_linear);
+        # on a GPU the library's gemv stays
+        self.dot_max_tokens = dot_max_tokens if model.device.type == "cpu" else 0
         self.graphs: dict[tuple[str, int], CapturedGraph] = {}
         self.flat: dict[tuple[str, str], list[list[torch.Tensor]]] = {}  # per call site
         # oneDNN-packed copies of each layer's linear weights, for the pieces above dot size

@@ -1,7 +1,7 @@
 """CUDA graphs over the full decode graphs (``labkit.engine.cuda_graph``), checked on the CPU.
 
-No GPU here, so the CUDA calls go through a replay that keeps a CUDA graph's contract: a
-replay recomputes the step from the *captured* input tensors and writes into the *captured*
+No GPU here, so the CUDA calls go through ``CPUReplay``, which keeps a CUDA graph's contract:
+a replay recomputes the step from the *captured* input tensors and writes into the *captured*
 output tensors, and nothing else. That is exactly what makes CUDA graphs easy to get wrong: a
 per-step input not copied into its buffer, or a KV cache captured as a copy, replays stale or
 private data. The engine's greedy tokens through such replays must equal ``generate``'s; the
@@ -18,39 +18,13 @@ import torch
 
 import labkit
 from labkit.engine import cuda_graph, full_graph, piecewise
-from labkit.engine.cuda_graph import CUDAGraphRunner
+from labkit.engine.cuda_graph import CPUReplay, CUDAGraphRunner
 from labkit.errors import EngineStepError
 from labkit.model import testing
 from labkit.model.generate import generate
 
 SP = labkit.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 CHUNKED = dict(block_size=4, max_num_batched_tokens=8)
-
-
-class _Graph:
-    replays = 0
-
-    def replay(self) -> None:
-        for held, new in zip(self.outputs, self.fn()):
-            held.copy_(new)
-        _Graph.replays += 1
-
-
-class ReplayOnCPU:
-    """A CUDA graph's contract without a GPU (see the module docstring)."""
-
-    def new_graph(self) -> _Graph:
-        return _Graph()
-
-    def capture(self, graph: _Graph, pool: Any, fn: Any) -> Any:
-        graph.fn, graph.outputs = fn, fn()
-        return graph.outputs
-
-    def pool(self) -> str:
-        return "pool"
-
-    def warm_up(self, fn: Any) -> None:
-        fn()
 
 
 def _eager_graph(gm: torch.fx.GraphModule, example: list) -> Any:
@@ -68,7 +42,7 @@ def _run(model: torch.nn.Module, fused: bool = False) -> tuple[list, Any]:
 
         fuse_model(model)
     report = piecewise.compile_model(model, (1, 4), backend=_eager_graph, pack_weights=False,
-                                     cuda_graph_api=ReplayOnCPU())
+                                     cuda_graph_api=CPUReplay())
     llm = labkit.LLM.from_model(model, None, **CHUNKED)
     outs = llm.generate(prompt_token_ids=_prompts(), sampling_params=SP)
     one = llm.generate(prompt_token_ids=_prompts()[:1], sampling_params=SP)
@@ -81,11 +55,11 @@ def test_replayed_decode_steps_give_generates_tokens(fused):
     (size, block bucket); the tokens are generate's."""
     model = testing.tiny_model(seed=9)
     want = [generate(model, p, 12, ignore_eos=True) for p in (*_prompts(), _prompts()[0])]
-    before = _Graph.replays
     got, report = _run(model, fused)
     assert got == want
     assert report.cuda_graph_reason is None and report.cuda_graphs >= 3, report
-    assert _Graph.replays - before == report.full_steps > 10
+    runners = model.forward.cuda_graphs.runners.values()
+    assert sum(r.replays for r in runners) == report.full_steps > 10
     assert f"{report.cuda_graphs} CUDA graphs" in str(report)
 
 
@@ -131,7 +105,7 @@ def test_a_runner_refuses_a_pool_it_was_not_captured_with():
         kc[ids] = 1.0
         return (kc * 2,)
 
-    runner = CUDAGraphRunner(step, [], (torch.tensor([1]), cache), (0,), "pool", ReplayOnCPU())
+    runner = CUDAGraphRunner(step, [], (torch.tensor([1]), cache), (0,), "pool", CPUReplay())
     assert runner([], torch.tensor([2]), cache)[0].tolist() == [0, 2, 2, 0]
     with pytest.raises(ValueError, match="not the tensor the graph was captured with"):
         runner([], torch.tensor([2]), torch.zeros(4))
