@@ -114,12 +114,12 @@ class CUDAGraphRunner:
         if len(args) != len(self.inputs):
             raise ValueError(f"the graph was captured with {len(self.inputs)} inputs, "
                              f"got {len(args)}")
-        for i in self.per_step:
-            self.inputs[i].copy_(args[i])
         for i, (held, given) in enumerate(zip(self.inputs, args)):
             if i not in self.per_step and held.data_ptr() != given.data_ptr():
                 raise ValueError(f"input {i} is not the tensor the graph was captured with "
                                  "(a new KV pool or rotary table needs its own graph)")
+        for i in self.per_step:
+            self.inputs[i].copy_(args[i])
         self.graph.replay()
         self.replays += 1
         return self.outputs
