@@ -63,6 +63,8 @@ def step_cures(model: torch.nn.Module, settings: dict[str, Any], fused: bool, co
     if compile_mode not in COMPILE_MODES:
         raise EngineConfigError(f"compile_mode must be one of {COMPILE_MODES}, got "
                                 f"{compile_mode!r}")
+    if not isinstance(cuda_graphs, bool):
+        raise EngineConfigError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
     if not (fused or compile):
         return None
     check_step_cures(settings, fused, compile)

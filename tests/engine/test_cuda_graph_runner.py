@@ -123,6 +123,15 @@ def test_on_the_cpu_no_cuda_graphs_and_the_report_says_why():
     assert cuda_graph.cuda_graph_refusal(torch.device("cuda"), enabled=True) is None
 
 
+def test_cuda_graphs_takes_a_bool_only():
+    """``LLM(cuda_graphs="no")`` would be truthy: refused by name instead of turning them on."""
+    from labkit.errors import EngineConfigError
+
+    with pytest.raises(EngineConfigError, match="cuda_graphs must be True or False"):
+        labkit.LLM.from_model(testing.tiny_model(seed=9), None, compile=True,
+                              cuda_graphs="no")
+
+
 def test_bench_step_gpu_refuses_without_a_gpu_and_computes_its_ratios(capsys):
     """``labkit bench step-gpu`` (``.ci/gpu``'s ``step``): without CUDA it exits 2 and says
     why; its headline is step-time ratios, checked here on hand-made rows."""
