@@ -97,8 +97,6 @@ class CUDAGraphRunner:
                  per_step: Sequence[int], pool: Any, api: Any = CUDA_API) -> None:
         self.per_step = tuple(per_step)
         self.inputs = [a.clone() if i in self.per_step else a for i, a in enumerate(args)]
-        self.weights = weights
-        self.api = api
 
         def step() -> Any:
             return fn(weights, *self.inputs)
